@@ -20,7 +20,7 @@ setup(
         "Provably reproducible and NaN-survivable PyTorch Lightning training, "
         "with DeepEP (Deep Expected Policy gradient) as the reference workload."
     ),
-    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8") if (ROOT / "README.md").exists() else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["deepep_lightning", "deepep_lightning.*"]),

@@ -1,0 +1,19 @@
+"""The DeepEP agent: network, rollout loop and expected-policy-gradient loss."""
+
+from deepep_lightning.agent.loss import LossTerms, deepep_loss, lambda_returns
+from deepep_lightning.agent.network import AgentStep, DeepEPAgent, sample_categorical
+from deepep_lightning.agent.rollout import Rollout, collect_rollout
+from deepep_lightning.agent.value_head import AllActionValueHead, all_action_q_reference
+
+__all__ = [
+    "AgentStep",
+    "AllActionValueHead",
+    "DeepEPAgent",
+    "LossTerms",
+    "Rollout",
+    "all_action_q_reference",
+    "collect_rollout",
+    "deepep_loss",
+    "lambda_returns",
+    "sample_categorical",
+]

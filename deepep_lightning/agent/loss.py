@@ -1,0 +1,72 @@
+"""Expected (all-action) policy gradient, critic regression on λ-returns, entropy bonus."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LossTerms", "deepep_loss", "lambda_returns"]
+
+
+@dataclass
+class LossTerms:
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy: torch.Tensor
+
+
+def lambda_returns(
+    rewards: torch.Tensor, dones: torch.Tensor, values: torch.Tensor, bootstrap_value: torch.Tensor, gamma: float, lam: float
+) -> torch.Tensor:
+    """λ-returns ``G_t = r_t + γ(1 − d_t)[(1 − λ) V(s_{t+1}) + λ G_{t+1}]``, ``[T, B]``.
+
+    ``values[t]`` is V(s_t) (for the expected-value critic, ``Σ_a π(a|s_t) Q(s_t, a)``), and the
+    recursion starts from ``G_T = V(s_T) = bootstrap_value``. ``λ = 1`` gives Monte-Carlo returns
+    bootstrapped at the rollout end, ``λ = 0`` one-step expected-SARSA targets.
+    """
+    not_done = (~dones).to(rewards.dtype)
+    next_values = torch.cat((values[1:], bootstrap_value.unsqueeze(0)), dim=0)  # [T, B]
+    returns = torch.empty_like(rewards)
+    running = bootstrap_value
+    for t in range(rewards.shape[0] - 1, -1, -1):
+        running = rewards[t] + gamma * not_done[t] * ((1.0 - lam) * next_values[t] + lam * running)
+        returns[t] = running
+    return returns
+
+
+def deepep_loss(
+    logits: torch.Tensor,
+    q: torch.Tensor,
+    actions: torch.Tensor,
+    rewards: torch.Tensor,
+    dones: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+    *,
+    gamma: float,
+    gae_lambda: float,
+    value_coef: float,
+    entropy_coef: float,
+) -> LossTerms:
+    """The DeepEP objective over a ``[T, B]`` rollout (means over T·B).
+
+    - policy: ``−Σ_a π(a|s_t)·stopgrad(Q(s_t, a))`` — the expected policy gradient over *all*
+      actions; its gradient w.r.t. the logits is ``−π(Q − V)`` with ``V = Σ_a π Q`` (no sampling
+      variance from the action choice);
+    - critic: ``½(Q(s_t, a_t) − G_t)²`` with ``G_t`` the λ-returns of :func:`lambda_returns`,
+      bootstrapped with the expected value ``V`` (targets carry no gradient);
+    - entropy bonus, subtracted with ``entropy_coef``.
+
+    """
+    log_probs = torch.log_softmax(logits, dim=-1)  # [T, B, A]
+    probs = log_probs.exp()
+    policy_loss = -(probs * q.detach()).sum(dim=-1).mean()
+    entropy = -(probs * log_probs).sum(dim=-1).mean()
+    with torch.no_grad():
+        values = (probs * q).sum(dim=-1)  # [T, B]
+        targets = lambda_returns(rewards, dones, values, bootstrap_value, gamma, gae_lambda)
+    q_taken = q.gather(-1, actions.unsqueeze(-1)).squeeze(-1)  # [T, B]
+    value_loss = 0.5 * (q_taken - targets).square().mean()
+    loss = policy_loss + value_coef * value_loss - entropy_coef * entropy
+    return LossTerms(loss, policy_loss, value_loss, entropy)

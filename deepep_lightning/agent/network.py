@@ -1,0 +1,91 @@
+"""The DeepEP network: policy, all-action value head and the value-feedback recurrent cell."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepep_lightning.agent.value_head import AllActionValueHead
+
+__all__ = ["DeepEPAgent", "AgentStep"]
+
+
+@dataclass
+class AgentStep:
+    """What one timestep produces for B environments."""
+
+    logits: torch.Tensor  # [B, A]
+    q: torch.Tensor  # [B, A] Q(s_t, a) for every action
+    action: torch.Tensor  # [B] long
+    hidden: torch.Tensor  # [B, H] h_{t+1}
+
+
+class DeepEPAgent(nn.Module):
+    """Recurrent expected-policy-gradient agent (the seed's loop, one timestep per call).
+
+    Per timestep, over B environments::
+
+        logits = policy_net([obs_t; h_t])              # [B, A]
+        a_t    ~ Categorical(logits)                   # inverse-CDF on a uniform from an explicit generator
+        q_t    = value_head([obs_t; h_t])              # [B, A], Q for every action
+        v_t    = q_t[a_t]                              # value estimate of the taken action
+        h_t+1  = GRUCell([obs_t; onehot(a_t); v_t], h_t)   # the value fed back into the state
+
+    Args:
+        obs_dim: observation size.
+        num_actions: A.
+        hidden_size: recurrent state size (and MLP width).
+        value_hidden_size: H of the value head (default ``hidden_size``).
+        detach_feedback: feed ``v_t`` back without gradient (the critic is then trained only by
+            its regression loss); ``False`` lets BPTT flow through the feedback path too.
+        fused_value_head: run the value head's second layer with the compiled op.
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        num_actions: int,
+        hidden_size: int,
+        value_hidden_size: int | None = None,
+        detach_feedback: bool = True,
+        fused_value_head: bool = False,
+    ) -> None:
+        super().__init__()
+        self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, hidden_size
+        self.detach_feedback = detach_feedback
+        self.policy_net = nn.Sequential(
+            nn.Linear(obs_dim + hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, num_actions)
+        )
+        self.value_head = AllActionValueHead(
+            obs_dim + hidden_size, value_hidden_size or hidden_size, num_actions, fused=fused_value_head
+        )
+        self.rnn_cell = nn.GRUCell(obs_dim + num_actions + 1, hidden_size)
+
+    def initial_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
+        return torch.zeros(batch_size, self.hidden_size, device=device)
+
+    def evaluate(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Policy logits and all-action Q at ``(obs, hidden)``: ``[B, A]`` each."""
+        x = torch.cat((obs, hidden), dim=-1)  # [B, obs_dim + H]
+        return self.policy_net(x), self.value_head(x)
+
+    def step(self, obs: torch.Tensor, hidden: torch.Tensor, uniform: torch.Tensor) -> AgentStep:
+        """One timestep; ``uniform`` ``[B]`` in [0, 1) drives the action sample (no global RNG)."""
+        logits, q = self.evaluate(obs, hidden)
+        action = sample_categorical(logits, uniform)
+        value = q.gather(-1, action.unsqueeze(-1))  # [B, 1]
+        if self.detach_feedback:
+            value = value.detach()
+        one_hot = nn.functional.one_hot(action, self.num_actions).to(obs.dtype)
+        feedback = torch.cat((obs, one_hot, value), dim=-1)
+        return AgentStep(logits, q, action, self.rnn_cell(feedback, hidden))
+
+
+def sample_categorical(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample of ``Categorical(logits)`` from ``uniform`` ``[B]``: no host sync, graph-capturable."""
+    with torch.no_grad():
+        cdf = torch.softmax(logits, dim=-1).cumsum(dim=-1)  # [B, A]
+        action = (cdf < uniform.unsqueeze(-1)).sum(dim=-1)
+        return action.clamp_(max=logits.shape[-1] - 1)

@@ -1,0 +1,74 @@
+"""The on-policy rollout loop: T timesteps of B environments, kept on the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepep_lightning.agent.network import DeepEPAgent
+from deepep_lightning.envs.base import BatchedEnv
+
+__all__ = ["Rollout", "collect_rollout"]
+
+
+@dataclass
+class Rollout:
+    """A rollout of T steps over B environments; tensors are ``[T, B, ...]``."""
+
+    logits: torch.Tensor  # [T, B, A], with grad
+    q: torch.Tensor  # [T, B, A], with grad
+    actions: torch.Tensor  # [T, B]
+    rewards: torch.Tensor  # [T, B]
+    dones: torch.Tensor  # [T, B] bool
+    episode_returns: torch.Tensor  # [T, B], finished episodes' returns where dones
+    bootstrap_value: torch.Tensor  # [B], V(s_T) = Σ_a π(a|s_T) Q(s_T, a), no grad
+    final_hidden: torch.Tensor  # [B, H], detached
+
+
+def collect_rollout(
+    agent: DeepEPAgent,
+    env: BatchedEnv,
+    hidden: torch.Tensor,
+    length: int,
+    generator: torch.Generator,
+    bptt_truncation: int | None = None,
+) -> Rollout:
+    """Run ``length`` timesteps from the env's current state and recurrent state ``hidden`` ``[B, H]``.
+
+    Gradients flow back through the whole rollout (BPTT), or through windows of
+    ``bptt_truncation`` steps when set. The recurrent state is zeroed where an episode ends.
+    Every step draws the same amount of randomness from ``generator`` (one uniform per env for
+    the action, plus the env's own draws), so the rollout is a pure function of its inputs and
+    of the generator's state, and is capturable in a CUDA graph.
+    """
+    batch = env.num_envs
+    obs = env.observe()  # [B, obs_dim]
+    logits, qs, actions, rewards, dones, returns = [], [], [], [], [], []
+    for t in range(length):
+        if bptt_truncation is not None and t > 0 and t % bptt_truncation == 0:
+            hidden = hidden.detach()
+        uniform = torch.rand(batch, device=obs.device, generator=generator)
+        step = agent.step(obs, hidden, uniform)
+        result = env.step(step.action, generator)
+        hidden = step.hidden * (~result.done).unsqueeze(-1).to(step.hidden.dtype)
+        obs = result.obs
+        logits.append(step.logits)
+        qs.append(step.q)
+        actions.append(step.action)
+        rewards.append(result.reward)
+        dones.append(result.done)
+        returns.append(result.episode_return)
+    with torch.no_grad():
+        last_logits, last_q = agent.evaluate(obs, hidden)
+        bootstrap = (torch.softmax(last_logits, dim=-1) * last_q).sum(dim=-1)
+    return Rollout(
+        torch.stack(logits),
+        torch.stack(qs),
+        torch.stack(actions),
+        torch.stack(rewards),
+        torch.stack(dones),
+        torch.stack(returns),
+        bootstrap,
+        hidden.detach(),
+    )

@@ -1,0 +1,46 @@
+"""All-action value head: Q(s, a) for every action in one call."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["AllActionValueHead", "all_action_q_reference"]
+
+
+def all_action_q_reference(z: torch.Tensor, action_embedding: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch ``q[n, a] = Σ_h w[h]·tanh(z[n, h] + E[a, h]) + b``; materialises ``[N, A, H]``."""
+    hidden = torch.tanh(z.unsqueeze(-2) + action_embedding)  # [N, A, H]
+    return hidden.matmul(w) + b.reshape(())  # [N, A]
+
+
+class AllActionValueHead(nn.Module):
+    """``Q(s, a) = w2ᵀ tanh(W1·x + E[a]) + b2`` for all actions at once, ``x = [obs; h]``.
+
+    The second layer is exactly the extension's fused op ``deepep::all_action_q``, so the
+    ``[N, A, H]`` intermediate never exists when ``fused=True``; ``fused=False`` runs the
+    pure-PyTorch reference (same function, fp32 rounding apart).
+
+    Args:
+        in_features: size of ``x``.
+        hidden_size: H.
+        num_actions: A.
+        fused: use the compiled op (needs the extension; see ``deepep_lightning.ops``).
+    """
+
+    def __init__(self, in_features: int, hidden_size: int, num_actions: int, fused: bool = False) -> None:
+        super().__init__()
+        self.input_layer = nn.Linear(in_features, hidden_size)  # W1, and its bias
+        # Zero E: every action starts with the same Q, so the policy follows only what the critic learns.
+        self.action_embedding = nn.Parameter(torch.zeros(num_actions, hidden_size))  # E [A, H]
+        self.output_weight = nn.Parameter(torch.randn(hidden_size) / hidden_size**0.5)  # w2 [H]
+        self.output_bias = nn.Parameter(torch.zeros(1))  # b2
+        self.fused = fused
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [N, in] -> q [N, A]
+        z = self.input_layer(x)  # [N, H]
+        if self.fused:
+            from deepep_lightning.ops import all_action_q
+
+            return all_action_q(z, self.action_embedding, self.output_weight, self.output_bias)
+        return all_action_q_reference(z, self.action_embedding, self.output_weight, self.output_bias)

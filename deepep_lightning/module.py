@@ -1,0 +1,325 @@
+"""DeepEPModule: the DeepEP agent trained on-policy by Lightning."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader, Dataset
+from torchmetrics.aggregation import MeanMetric
+from typing_extensions import override
+
+from deepep_lightning.agent import DeepEPAgent, collect_rollout, deepep_loss
+from deepep_lightning.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.determinism.streams import derive_seed
+from deepep_lightning.envs import ENVIRONMENTS, make_env
+
+__all__ = ["DeepEPModule"]
+
+log = logging.getLogger(__name__)
+
+
+class _StepIndices(Dataset):
+    """``steps_per_epoch`` integers: a training "batch" is only the index of a rollout."""
+
+    def __init__(self, steps_per_epoch: int) -> None:
+        self.steps_per_epoch = steps_per_epoch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _require_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        allowed = "a positive int or None" if allow_none else "a positive int"
+        raise MisconfigurationException(f"`DeepEPModule({name}=...)` must be {allowed}, got {value!r}")
+
+
+def _require_in_range(name: str, value: Any, low: float, high: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise MisconfigurationException(f"`DeepEPModule({name}=...)` must be a number in [{low}, {high}], got {value!r}")
+
+
+class DeepEPModule(pl.LightningModule):
+    """Deep Expected Policy gradient on batched environments, one rollout per training step.
+
+    Rollouts run **inside** ``training_step`` rather than in a DataLoader: they need the current
+    policy and the environments live on the module's device, so a loader could only ship them
+    across processes and devices. The loader yields rollout indices (:class:`_StepIndices`), which
+    keeps Lightning's epoch/step bookkeeping, and all rollout randomness comes from a generator
+    reseeded every step from ``derive_seed(seed, "rollout", rank, rollout_step)``: the data of any
+    step is a pure function of (seed, rank, step) plus the checkpointed environment and recurrent
+    state, so resuming seeks instead of replaying and no global RNG is touched.
+
+    Args:
+        env: ``"cartpole"`` (CartPole-v1) or ``"memory"`` (cue recall, see ``env_kwargs``).
+        num_envs: environments stepped together (B).
+        rollout_length: timesteps per training step (T); BPTT runs over them.
+        hidden_size: recurrent state and MLP width.
+        value_hidden_size: value-head width H (default: ``hidden_size``).
+        steps_per_epoch: training steps (rollouts) per epoch.
+        seed: seeds the environments and the rollout streams (rank-aware).
+        learning_rate: Adam's learning rate (critic, recurrent cell).
+        policy_learning_rate: the policy network's learning rate (default: ``learning_rate``). A
+            slower actor than critic (two time-scale actor-critic) keeps the all-action gradient from
+            chasing the critic's errors on actions it has stopped taking.
+        gamma: discount.
+        reward_scale: rewards are multiplied by this for learning (episode returns are logged
+            unscaled); keeps the critic's targets O(1) so Adam can fit them in a few hundred steps.
+        gae_lambda: λ of the critic's λ-return targets.
+        value_coef: weight of the critic loss.
+        entropy_coef: weight of the entropy bonus.
+        detach_feedback: feed the value estimate back into the recurrent state without gradient.
+        bptt_truncation: cut BPTT every this many steps (None: through the whole rollout).
+        fused_value_head: use the compiled ``deepep::all_action_q`` op for the value head; ``None``
+            uses it when the extension loads.
+        cuda_graph: capture the whole training step as one CUDA graph (GPU only; manual optimisation).
+        compile_step: ``torch.compile`` the per-timestep network call.
+        env_kwargs: extra environment arguments, e.g. ``{"horizon": 512}`` for ``"memory"``.
+
+    Example::
+
+        model = DeepEPModule(env="cartpole", num_envs=32, rollout_length=32)
+        pl.Trainer(max_steps=200).fit(model)
+    """
+
+    def __init__(
+        self,
+        env: str = "cartpole",
+        num_envs: int = 32,
+        rollout_length: int = 32,
+        hidden_size: int = 64,
+        value_hidden_size: int | None = None,
+        steps_per_epoch: int = 50,
+        seed: int = 0,
+        learning_rate: float = 3e-3,
+        policy_learning_rate: float | None = 3e-4,
+        gamma: float = 0.99,
+        reward_scale: float = 0.05,
+        gae_lambda: float = 0.95,
+        value_coef: float = 0.5,
+        entropy_coef: float = 0.001,
+        detach_feedback: bool = True,
+        bptt_truncation: int | None = None,
+        fused_value_head: bool | None = None,
+        cuda_graph: bool = False,
+        compile_step: bool = False,
+        env_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if env not in ENVIRONMENTS:
+            raise MisconfigurationException(f"`DeepEPModule(env=...)` must be one of {sorted(ENVIRONMENTS)}, got {env!r}")
+        for name, value in (("num_envs", num_envs), ("rollout_length", rollout_length), ("hidden_size", hidden_size),
+                            ("steps_per_epoch", steps_per_epoch)):
+            _require_positive_int(name, value)
+        _require_positive_int("value_hidden_size", value_hidden_size, allow_none=True)
+        _require_positive_int("bptt_truncation", bptt_truncation, allow_none=True)
+        if not isinstance(learning_rate, (int, float)) or isinstance(learning_rate, bool) or not learning_rate > 0:
+            raise MisconfigurationException(f"`DeepEPModule(learning_rate=...)` must be > 0, got {learning_rate!r}")
+        if policy_learning_rate is not None and (
+            isinstance(policy_learning_rate, bool) or not isinstance(policy_learning_rate, (int, float))
+            or not policy_learning_rate > 0
+        ):
+            raise MisconfigurationException(
+                f"`DeepEPModule(policy_learning_rate=...)` must be > 0 or None, got {policy_learning_rate!r}"
+            )
+        _require_in_range("gamma", gamma, 0.0, 1.0)
+        _require_in_range("gae_lambda", gae_lambda, 0.0, 1.0)
+        _require_in_range("reward_scale", reward_scale, 1e-12, float("inf"))
+        _require_in_range("value_coef", value_coef, 0.0, float("inf"))
+        _require_in_range("entropy_coef", entropy_coef, 0.0, float("inf"))
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {seed!r}")
+        try:
+            probe = make_env(env, 1, "cpu", **(env_kwargs or {}))
+        except ValueError as error:
+            raise MisconfigurationException(f"`DeepEPModule(env_kwargs=...)`: {error}") from error
+        self.save_hyperparameters()
+        if fused_value_head is None:
+            fused_value_head = _extension_loads()
+        self.automatic_optimization = not cuda_graph
+        self.agent = DeepEPAgent(
+            probe.obs_dim, probe.num_actions, hidden_size, value_hidden_size, detach_feedback, bool(fused_value_head)
+        )
+        self.episode_return = MeanMetric(nan_strategy="disable")
+        self._agent_step = torch.compile(self.agent.step) if compile_step else self.agent.step
+        self._env = None
+        self._hidden: torch.Tensor | None = None
+        self._generator: torch.Generator | None = None
+        self._rollout_step = 0
+        self._pending_rollout_state: dict[str, Any] | None = None
+        self._graphed: GraphedTrainStep | None = None
+
+    # ---------------------------------------------------------------- rollout state
+    def _rank(self) -> int:
+        return self.trainer.global_rank if self._trainer is not None else 0
+
+    def _ensure_rollout_state(self) -> None:
+        if self._env is not None:
+            return
+        hp = self.hparams
+        self._env = make_env(hp.env, hp.num_envs, self.device, **(hp.env_kwargs or {}))
+        self._hidden = self.agent.initial_state(hp.num_envs, self.device)
+        self._generator = torch.Generator(device=self.device)
+        if self._pending_rollout_state is not None:
+            state, self._pending_rollout_state = self._pending_rollout_state, None
+            self.load_rollout_state_dict(state)
+        else:
+            self._generator.manual_seed(derive_seed(hp.seed, "env_init", self._rank()))
+            self._env.reset(self._generator)
+
+    def rollout_state_dict(self) -> dict[str, Any]:
+        """Environment states, recurrent state and the step counter (CPU tensors and ints)."""
+        if self._env is None:
+            return dict(self._pending_rollout_state) if self._pending_rollout_state else {}
+        assert self._hidden is not None
+        return {
+            "env": {k: v.cpu() for k, v in self._env.state_dict().items()},
+            "hidden": self._hidden.detach().cpu().clone(),
+            "rollout_step": self._rollout_step,
+        }
+
+    def load_rollout_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`rollout_state_dict` returned, in place (graph-safe)."""
+        if not state:
+            return
+        if self._env is None:
+            self._pending_rollout_state = state
+            return
+        assert self._hidden is not None
+        self._env.load_state_dict({k: v.to(self.device) for k, v in state["env"].items()})
+        self._hidden.copy_(state["hidden"])
+        self._rollout_step = int(state["rollout_step"])
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["deepep_rollout"] = self.rollout_state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.load_rollout_state_dict(checkpoint.get("deepep_rollout", {}))
+
+    # ---------------------------------------------------------------- training
+    @override
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_StepIndices(self.hparams.steps_per_epoch), batch_size=None, shuffle=False)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        hp = self.hparams
+        policy_params = list(self.agent.policy_net.parameters())
+        policy_ids = {id(p) for p in policy_params}
+        other_params = [p for p in self.parameters() if id(p) not in policy_ids]
+        groups = [
+            {"params": other_params, "lr": hp.learning_rate},
+            {"params": policy_params, "lr": hp.policy_learning_rate or hp.learning_rate},
+        ]
+        return torch.optim.Adam(groups, lr=hp.learning_rate, capturable=hp.cuda_graph)
+
+    def _seed_rollout(self) -> None:
+        assert self._generator is not None
+        self._generator.manual_seed(derive_seed(self.hparams.seed, "rollout", self._rank(), self._rollout_step))
+
+    def _rollout_and_loss(self) -> tuple[Any, Any]:
+        hp = self.hparams
+        assert self._env is not None and self._hidden is not None and self._generator is not None
+        step_fn = self._agent_step
+        agent = self.agent if step_fn is self.agent.step else _CompiledStepAgent(self.agent, step_fn)
+        rollout = collect_rollout(agent, self._env, self._hidden.clone(), hp.rollout_length, self._generator, hp.bptt_truncation)
+        self._hidden.copy_(rollout.final_hidden)
+        terms = deepep_loss(
+            rollout.logits, rollout.q, rollout.actions, rollout.rewards * hp.reward_scale, rollout.dones, rollout.bootstrap_value,
+            gamma=hp.gamma, gae_lambda=hp.gae_lambda, value_coef=hp.value_coef, entropy_coef=hp.entropy_coef,
+        )
+        return rollout, terms
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+        self._ensure_rollout_state()
+        self._seed_rollout()
+        if self.hparams.cuda_graph:
+            outputs = self._graphed_training_step()
+        else:
+            rollout, terms = self._rollout_and_loss()
+            outputs = {
+                "loss": terms.loss, "policy_loss": terms.policy_loss, "value_loss": terms.value_loss,
+                "entropy": terms.entropy, "episode_return_sum": (rollout.episode_returns).sum(),
+                "episodes": rollout.dones.sum(),
+            }
+            self.last_rollout = rollout
+        self._rollout_step += 1
+        for name in ("loss", "policy_loss", "value_loss", "entropy"):
+            self.log(f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False,
+                     prog_bar=name == "loss")
+        self.episode_return.update(outputs["episode_return_sum"] / outputs["episodes"].clamp(min=1),
+                                   weight=outputs["episodes"].float())
+        self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
+        if self.hparams.cuda_graph:
+            self.log("train/grad_norm", outputs["grad_norm"].clone(), on_step=True, on_epoch=False)
+            return None
+        return outputs["loss"]
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if grads:
+            self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True, on_epoch=False)
+
+    # ---------------------------------------------------------------- CUDA graph path
+    def _graphed_training_step(self) -> dict[str, torch.Tensor]:
+        if self.device.type != "cuda":
+            raise MisconfigurationException(
+                f"`DeepEPModule(cuda_graph=True)` needs a CUDA device, the module is on {self.device}"
+                " (HINT: set cuda_graph: false for CPU runs)"
+            )
+        lightning_optimizer = self.optimizers()
+        if self._graphed is None:
+            assert self._generator is not None
+            self._graphed = GraphedTrainStep(lambda: self._whole_step(lightning_optimizer.optimizer), self._generator)
+        # Lightning counts optimizer steps through these hooks; the step itself runs inside the graph.
+        lightning_optimizer._on_before_step()
+        outputs = self._graphed()
+        lightning_optimizer._on_after_step()
+        return outputs
+
+    def _whole_step(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        optimizer.zero_grad(set_to_none=True)
+        rollout, terms = self._rollout_and_loss()
+        terms.loss.backward()
+        params = [p for p in self.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        clip = self.trainer.gradient_clip_val if self._trainer is not None else None
+        if clip:
+            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        optimizer.step()
+        return {
+            "loss": terms.loss.detach(), "policy_loss": terms.policy_loss.detach(),
+            "value_loss": terms.value_loss.detach(), "entropy": terms.entropy.detach(), "grad_norm": grad_norm,
+            "episode_return_sum": rollout.episode_returns.sum(), "episodes": rollout.dones.sum(),
+        }
+
+
+class _CompiledStepAgent:
+    """The agent with its per-timestep call replaced by a compiled one (``compile_step=True``)."""
+
+    def __init__(self, agent: DeepEPAgent, step_fn: Any) -> None:
+        self._agent, self.step = agent, step_fn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+
+def _extension_loads() -> bool:
+    try:
+        from deepep_lightning.ops import extension_available
+    except ImportError:
+        return False
+    return bool(extension_available())
