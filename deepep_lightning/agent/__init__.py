@@ -3,7 +3,7 @@
 from deepep_lightning.agent.loss import LossTerms, deepep_loss, lambda_returns
 from deepep_lightning.agent.network import AgentStep, DeepEPAgent, sample_categorical
 from deepep_lightning.agent.rollout import Rollout, collect_rollout
-from deepep_lightning.agent.value_head import AllActionValueHead, all_action_q_reference
+from deepep_lightning.agent.value_head import AllActionValueHead
 
 __all__ = [
     "AgentStep",
@@ -11,7 +11,6 @@ __all__ = [
     "DeepEPAgent",
     "LossTerms",
     "Rollout",
-    "all_action_q_reference",
     "collect_rollout",
     "deepep_loss",
     "lambda_returns",

@@ -5,13 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["AllActionValueHead", "all_action_q_reference"]
+from deepep_lightning.ops import all_action_q, all_action_q_reference
 
-
-def all_action_q_reference(z: torch.Tensor, action_embedding: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Pure-PyTorch ``q[n, a] = Σ_h w[h]·tanh(z[n, h] + E[a, h]) + b``; materialises ``[N, A, H]``."""
-    hidden = torch.tanh(z.unsqueeze(-2) + action_embedding)  # [N, A, H]
-    return hidden.matmul(w) + b.reshape(())  # [N, A]
+__all__ = ["AllActionValueHead"]
 
 
 class AllActionValueHead(nn.Module):
@@ -40,7 +36,5 @@ class AllActionValueHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [N, in] -> q [N, A]
         z = self.input_layer(x)  # [N, H]
         if self.fused:
-            from deepep_lightning.ops import all_action_q
-
             return all_action_q(z, self.action_embedding, self.output_weight, self.output_bias)
         return all_action_q_reference(z, self.action_embedding, self.output_weight, self.output_bias)

@@ -1,0 +1,173 @@
+"""JIT build and load of the ``deepep`` C++/CUDA extension, once per process.
+
+Every ``extensions/csrc/*.cpp`` and, when CUDA is usable (a CUDA build of torch, a GPU and
+``nvcc``), every ``extensions/csrc/cuda/*.cu`` is compiled into one library with
+:func:`torch.utils.cpp_extension.load` and loaded with ``torch.ops.load_library`` semantics, so
+adding an op is adding files: its C++ sources here, a Python module that calls
+:func:`on_extension_loaded` to register its ``register_fake`` / ``register_autograd``.
+
+The build is cached by torch under ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``); later processes only re-link when a source changed. CUDA code is
+built for sm_90 (``-gencode=arch=compute_90,code=sm_90``) unless ``TORCH_CUDA_ARCH_LIST`` is set,
+which torch then honours. When the build fails (no compiler, no ninja) the ops fall back to the
+pure-PyTorch references and ONE warning says so; ``DEEPEP_LIGHTNING_DISABLE_EXTENSION=1`` selects
+the references without trying (and without a warning).
+"""
+
+import logging
+import os
+import shutil
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import torch
+
+__all__ = ["extension_available", "cuda_kernels_available", "extension_error", "on_extension_loaded", "csrc_dir"]
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "DEEPEP_LIGHTNING_DISABLE_EXTENSION"
+VERBOSE_ENV = "DEEPEP_LIGHTNING_VERBOSE_BUILD"
+_EXTENSION_NAME = "deepep_lightning_ext"
+_SM90_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
+
+_lock = threading.RLock()  # re-entrant: a hook may query the loader
+_attempted = False
+_loaded = False
+_error: Optional[str] = None
+_with_cuda = False
+_hooks: List[Callable[[], None]] = []
+
+
+def csrc_dir() -> Path:
+    """The extension sources of this checkout: ``<repo>/extensions/csrc``."""
+    return Path(__file__).resolve().parents[2] / "extensions" / "csrc"
+
+
+def _cuda_buildable() -> bool:
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if torch.version.cuda is None or not torch.cuda.is_available():
+        return False
+    nvcc = shutil.which("nvcc") or (CUDA_HOME and os.path.join(CUDA_HOME, "bin", "nvcc"))
+    return bool(nvcc) and os.path.exists(nvcc)
+
+
+def _sources(with_cuda: bool) -> List[str]:
+    root = csrc_dir()
+    sources = sorted(root.glob("*.cpp"))
+    if with_cuda:
+        sources += sorted((root / "cuda").glob("*.cu"))
+    if not sources:
+        raise FileNotFoundError(
+            f"no C++ sources under {str(root)!r}. HINT: run from a source checkout "
+            "(editable install or PYTHONPATH), the extension is not shipped as a wheel."
+        )
+    return [str(path) for path in sources]
+
+
+def _build_and_load() -> bool:
+    """Builds (or re-uses) and loads the library; returns whether the CUDA kernels are in it."""
+    from torch.utils.cpp_extension import load
+
+    with_cuda = _cuda_buildable()
+    if torch.cuda.is_available() and not with_cuda:
+        warnings.warn(
+            "deepep_lightning.ops: a GPU is visible but nvcc was not found, so only the CPU kernels "
+            "are built; CUDA tensors use the pure-PyTorch references. HINT: install the CUDA "
+            "toolkit (nvcc) or set CUDA_HOME.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    cuda_flags = ["-O3"]
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        cuda_flags += _SM90_FLAGS
+    # Distinct names keep a CPU-only and a CUDA build of one checkout apart in the cache.
+    load(
+        name=_EXTENSION_NAME + ("_cuda" if with_cuda else "_cpu"),
+        sources=_sources(with_cuda),
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=cuda_flags,
+        extra_include_paths=[str(csrc_dir())],
+        with_cuda=with_cuda,
+        is_python_module=False,
+        verbose=os.environ.get(VERBOSE_ENV, "0") == "1",
+    )
+    return with_cuda
+
+
+def _load_once() -> bool:
+    global _attempted, _loaded, _error, _with_cuda
+    if _attempted:  # fast path, no lock: both flags are final once _attempted is set
+        return _loaded
+    with _lock:
+        if _attempted:
+            return _loaded
+        if os.environ.get(DISABLE_ENV, "0") == "1":
+            _error = f"disabled by {DISABLE_ENV}=1"
+            log.info("deepep_lightning.ops: C++ extension %s; using the PyTorch references", _error)
+        else:
+            try:
+                _with_cuda = bool(_build_and_load())
+                for hook in _hooks:
+                    hook()
+                _loaded = True
+            except Exception as err:  # noqa: BLE001 - any build failure means: fall back
+                _error = f"{type(err).__name__}: {err}"
+                first_line = _error.strip().splitlines()[0][:300]
+                warnings.warn(
+                    "deepep_lightning.ops: could not build/load the C++ extension "
+                    f"({first_line}); falling back to the pure-PyTorch reference ops (same "
+                    "results up to fp32 rounding, slower, more memory). HINT: install a C++ "
+                    "compiler and ninja; deepep_lightning.ops.extension_error() holds the whole "
+                    f"build log ({VERBOSE_ENV}=1 prints it live); {DISABLE_ENV}=1 uses the "
+                    "references without this warning.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        _attempted = True
+        return _loaded
+
+
+# torch.compile runs this once while tracing and bakes in the answer, instead of tracing the
+# build (locks, files) and breaking the graph.
+@torch.compiler.assume_constant_result
+def extension_available() -> bool:
+    """Whether the compiled ``torch.ops.deepep`` ops are usable; builds them on the first call.
+
+    Returns:
+        ``True`` when the extension is built and loaded, ``False`` when the ops fall back to the
+        pure-PyTorch references (one ``RuntimeWarning`` per process says why).
+
+    Example::
+
+        >>> from deepep_lightning.ops import extension_available
+        >>> extension_available()  # doctest: +SKIP
+        True
+    """
+    return _load_once()
+
+
+@torch.compiler.assume_constant_result
+def cuda_kernels_available() -> bool:
+    """Whether the loaded extension also holds the CUDA kernels (builds it on the first call)."""
+    return _load_once() and _with_cuda
+
+
+def extension_error() -> Optional[str]:
+    """Why the extension is not available (``None`` when it is, or was not tried yet)."""
+    return _error
+
+
+def on_extension_loaded(hook: Callable[[], None]) -> None:
+    """Run ``hook`` once the library is loaded (now, if it already is).
+
+    Op modules register their ``register_fake`` / ``register_autograd`` this way: those need the
+    C++ schema, which exists only after the library is loaded.
+    """
+    with _lock:
+        _hooks.append(hook)
+        if _loaded:
+            hook()

@@ -1,0 +1,93 @@
+"""Tests of deepep_lightning/ops/_loader.py: build once, thread-safe, one warning on fallback."""
+
+import shutil
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+from deepep_lightning.ops import _loader, all_action_q, all_action_q_reference, extension_available
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """A loader that has not tried yet, with the real build replaced by a counting stub."""
+    monkeypatch.setattr(_loader, "_attempted", False)
+    monkeypatch.setattr(_loader, "_loaded", False)
+    monkeypatch.setattr(_loader, "_error", None)
+    monkeypatch.setattr(_loader, "_hooks", [])
+    monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
+    calls = []
+
+    def fake_build():
+        calls.append(threading.get_ident())
+        time.sleep(0.05)  # widen the race window for the concurrency test
+        return False
+
+    monkeypatch.setattr(_loader, "_build_and_load", fake_build)
+    return calls
+
+
+def test_sources_cover_every_cpp_and_cu_file():
+    cpu_sources = _loader._sources(with_cuda=False)
+    all_sources = _loader._sources(with_cuda=True)
+    assert any(s.endswith("all_action_q.cpp") for s in cpu_sources)
+    assert all(s.endswith(".cpp") for s in cpu_sources)
+    assert any(s.endswith("cuda/all_action_q_cuda.cu") for s in all_sources)
+    assert set(cpu_sources) < set(all_sources)
+    csrc = _loader.csrc_dir()
+    on_disk = {str(p) for p in csrc.glob("*.cpp")} | {str(p) for p in csrc.glob("cuda/*.cu")}
+    assert set(all_sources) == on_disk
+
+
+def test_build_failure_falls_back_with_exactly_one_warning(fresh_loader, monkeypatch):
+    def broken_build():
+        raise OSError("c++: command not found")
+
+    monkeypatch.setattr(_loader, "_build_and_load", broken_build)
+    z, e, w, b = torch.randn(6, 4, requires_grad=True), torch.randn(3, 4), torch.randn(4), torch.randn(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert extension_available() is False
+        assert extension_available() is False
+        q = all_action_q(z, e, w, b)
+    fallbacks = [w for w in caught if issubclass(w.category, RuntimeWarning) and "falling back" in str(w.message)]
+    assert len(fallbacks) == 1, [str(w.message) for w in caught]
+    assert "c++: command not found" in str(fallbacks[0].message)
+    assert "command not found" in _loader.extension_error()
+    assert torch.equal(q, all_action_q_reference(z, e, w, b))
+    assert "deepep" not in q.grad_fn.name()  # the reference's autograd, not the compiled op
+
+
+def test_disable_env_uses_reference_without_warning(fresh_loader, monkeypatch):
+    monkeypatch.setenv(_loader.DISABLE_ENV, "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert extension_available() is False
+    assert fresh_loader == []  # never tried to build
+    assert _loader.DISABLE_ENV in _loader.extension_error()
+
+
+def test_concurrent_first_use_builds_once_and_runs_hooks_once(fresh_loader):
+    hook_calls = []
+    _loader.on_extension_loaded(lambda: hook_calls.append(1))
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(_loader._load_once())) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [True] * 4
+    assert len(fresh_loader) == 1, "the extension was built more than once"
+    assert hook_calls == [1]
+    # A hook registered after the load runs at once.
+    _loader.on_extension_loaded(lambda: hook_calls.append(2))
+    assert hook_calls == [1, 2]
+
+
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
+def test_real_extension_is_loaded_once_per_process():
+    assert extension_available()
+    assert _loader._attempted and _loader._loaded and _loader.extension_error() is None
