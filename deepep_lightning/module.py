@@ -77,6 +77,9 @@ class DeepEPModule(pl.LightningModule):
         gae_lambda: λ of the critic's λ-return targets.
         value_coef: weight of the critic loss.
         entropy_coef: weight of the entropy bonus.
+        max_grad_norm: clip the gradients' global norm to this (None: no clipping). Works on both
+            paths, inside the graph for ``cuda_graph=True`` (where Lightning's ``gradient_clip_val``,
+            an automatic-optimisation feature, is unavailable); eager runs may use either.
         detach_feedback: feed the value estimate back into the recurrent state without gradient.
         bptt_truncation: cut BPTT every this many steps (None: through the whole rollout).
         fused_value_head: use the compiled ``deepep::all_action_q`` op for the value head; ``None``
@@ -107,6 +110,7 @@ class DeepEPModule(pl.LightningModule):
         gae_lambda: float = 0.95,
         value_coef: float = 0.5,
         entropy_coef: float = 0.001,
+        max_grad_norm: float | None = None,
         detach_feedback: bool = True,
         bptt_truncation: int | None = None,
         fused_value_head: bool | None = None,
@@ -136,6 +140,8 @@ class DeepEPModule(pl.LightningModule):
         _require_in_range("reward_scale", reward_scale, 1e-12, float("inf"))
         _require_in_range("value_coef", value_coef, 0.0, float("inf"))
         _require_in_range("entropy_coef", entropy_coef, 0.0, float("inf"))
+        if max_grad_norm is not None:
+            _require_in_range("max_grad_norm", max_grad_norm, 1e-12, float("inf"))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {seed!r}")
         try:
@@ -146,9 +152,13 @@ class DeepEPModule(pl.LightningModule):
         if fused_value_head is None:
             fused_value_head = _extension_loads()
         self.automatic_optimization = not cuda_graph
-        self.agent = DeepEPAgent(
-            probe.obs_dim, probe.num_actions, hidden_size, value_hidden_size, detach_feedback, bool(fused_value_head)
-        )
+        # Initial weights are a pure function of `seed`, whatever the global RNG holds (which is left untouched).
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(seed, "init"))
+            self.agent = DeepEPAgent(
+                probe.obs_dim, probe.num_actions, hidden_size, value_hidden_size, detach_feedback,
+                bool(fused_value_head),
+            )
         self.episode_return = MeanMetric(nan_strategy="disable")
         self._agent_step = torch.compile(self.agent.step) if compile_step else self.agent.step
         self._env = None
@@ -272,6 +282,8 @@ class DeepEPModule(pl.LightningModule):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         if grads:
             self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True, on_epoch=False)
+        if self.hparams.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.max_grad_norm, foreach=True)
 
     # ---------------------------------------------------------------- CUDA graph path
     def _graphed_training_step(self) -> dict[str, torch.Tensor]:
@@ -296,9 +308,8 @@ class DeepEPModule(pl.LightningModule):
         terms.loss.backward()
         params = [p for p in self.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        clip = self.trainer.gradient_clip_val if self._trainer is not None else None
-        if clip:
-            torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+        if self.hparams.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.hparams.max_grad_norm, foreach=True)
         optimizer.step()
         return {
             "loss": terms.loss.detach(), "policy_loss": terms.policy_loss.detach(),

@@ -67,9 +67,15 @@ class DeepEPAgent(nn.Module):
         return torch.zeros(batch_size, self.hidden_size, device=device)
 
     def evaluate(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Policy logits and all-action Q at ``(obs, hidden)``: ``[B, A]`` each."""
+        """Policy logits and all-action Q at ``(obs, hidden)``: ``[B, A]`` each.
+
+        The recurrent state is learned by the critic alone (BPTT of the value loss); the policy reads
+        it as a feature. Letting the policy gradient into the shared recurrent cell would move it at
+        the critic's faster learning rate and undo the two time-scale separation.
+        """
         x = torch.cat((obs, hidden), dim=-1)  # [B, obs_dim + H]
-        return self.policy_net(x), self.value_head(x)
+        policy_input = torch.cat((obs, hidden.detach()), dim=-1)
+        return self.policy_net(policy_input), self.value_head(x)
 
     def step(self, obs: torch.Tensor, hidden: torch.Tensor, uniform: torch.Tensor) -> AgentStep:
         """One timestep; ``uniform`` ``[B]`` in [0, 1) drives the action sample (no global RNG)."""

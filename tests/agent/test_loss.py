@@ -1,0 +1,60 @@
+import torch
+
+from deepep_lightning.agent import deepep_loss, lambda_returns
+
+
+def _random_rollout(T=5, B=4, A=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, B, A, generator=g, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(T, B, A, generator=g, dtype=torch.float64, requires_grad=True)
+    actions = torch.randint(0, A, (T, B), generator=g)
+    rewards = torch.randn(T, B, generator=g, dtype=torch.float64)
+    dones = torch.rand(T, B, generator=g) < 0.3
+    bootstrap = torch.randn(B, generator=g, dtype=torch.float64)
+    return logits, q, actions, rewards, dones, bootstrap
+
+
+def test_expected_policy_gradient_wrt_logits_is_pi_times_q_minus_v():
+    logits, q, actions, rewards, dones, bootstrap = _random_rollout()
+    terms = deepep_loss(logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8,
+                        value_coef=0.0, entropy_coef=0.0)
+    (grad,) = torch.autograd.grad(terms.policy_loss, logits)
+    pi = torch.softmax(logits.detach(), -1)
+    qd = q.detach()
+    v = (pi * qd).sum(-1, keepdim=True)
+    expected = -pi * (qd - v) / (logits.shape[0] * logits.shape[1])
+    torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_policy_loss_does_not_train_the_critic():
+    logits, q, actions, rewards, dones, bootstrap = _random_rollout()
+    terms = deepep_loss(logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8,
+                        value_coef=0.0, entropy_coef=0.0)
+    (grad_q,) = torch.autograd.grad(terms.policy_loss, q, allow_unused=True, materialize_grads=True)
+    assert torch.count_nonzero(grad_q) == 0
+
+
+def test_lambda_returns_match_hand_recursion():
+    rewards = torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64)
+    dones = torch.tensor([[False], [True], [False]])
+    values = torch.tensor([[0.5], [0.25], [4.0]], dtype=torch.float64)
+    bootstrap = torch.tensor([10.0], dtype=torch.float64)
+    gamma, lam = 0.9, 0.7
+    g2 = 3.0 + gamma * ((1 - lam) * 10.0 + lam * 10.0)
+    g1 = 2.0  # episode ended: no bootstrap
+    g0 = 1.0 + gamma * ((1 - lam) * 0.25 + lam * g1)
+    out = lambda_returns(rewards, dones, values, bootstrap, gamma, lam)
+    torch.testing.assert_close(out[:, 0], torch.tensor([g0, g1, g2], dtype=torch.float64))
+
+
+def test_critic_regresses_taken_action_only_and_entropy_sign():
+    logits, q, actions, rewards, dones, bootstrap = _random_rollout()
+    terms = deepep_loss(logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8,
+                        value_coef=1.0, entropy_coef=0.0)
+    (grad_q,) = torch.autograd.grad(terms.value_loss, q)
+    taken = torch.nn.functional.one_hot(actions, q.shape[-1]).bool()
+    assert torch.count_nonzero(grad_q[~taken]) == 0 and torch.count_nonzero(grad_q[taken]) > 0
+    uniform = torch.zeros_like(logits)
+    high = deepep_loss(uniform, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8,
+                       value_coef=0.0, entropy_coef=1.0)
+    assert high.entropy.item() > terms.entropy.item()  # uniform policy has maximal entropy

@@ -1,0 +1,103 @@
+import pytest
+import torch
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from deepep_lightning import DeepEPModule
+from deepep_lightning.envs import BatchedCartPole
+
+TINY = dict(num_envs=8, rollout_length=8, hidden_size=16, steps_per_epoch=4)
+
+
+def _fit(max_steps, **kwargs):
+    model = DeepEPModule(**{**TINY, **kwargs})
+    clip = None if kwargs.get("cuda_graph") else 1.0  # Lightning refuses gradient_clip_val in manual optimisation
+    trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip)
+    trainer.fit(model)
+    return model, trainer
+
+
+def test_two_seeded_fits_are_bitwise_identical_and_another_seed_differs():
+    a, _ = _fit(6, seed=3)
+    torch.manual_seed(999)  # the global RNG state must not leak into the run
+    b, _ = _fit(6, seed=3)
+    c, _ = _fit(6, seed=4)
+    state_a, state_b, state_c = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert any(not torch.equal(state_a[k], state_c[k]) for k in state_a)
+
+
+def test_fused_and_reference_value_heads_train_alike():
+    fused, _ = _fit(3, seed=1, fused_value_head=True)
+    reference, _ = _fit(3, seed=1, fused_value_head=False)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(fused.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_logs_the_documented_tags():
+    _, trainer = _fit(4)
+    for tag in ("train/loss", "train/policy_loss", "train/value_loss", "train/entropy", "train/grad_norm",
+                "train/episode_return"):
+        assert tag in trainer.callback_metrics, tag
+        assert torch.isfinite(trainer.callback_metrics[tag])
+
+
+def _random_policy_mean_return(episodes=400):
+    env = BatchedCartPole(episodes)
+    generator = torch.Generator().manual_seed(123)
+    env.reset(generator)
+    returns = torch.full((episodes,), float("nan"))
+    for _ in range(500):
+        result = env.step(torch.randint(0, 2, (episodes,), generator=generator), generator)
+        first = result.done & returns.isnan()
+        returns[first] = result.episode_return[first]
+        if not returns.isnan().any():
+            break
+    return returns.mean().item()
+
+
+class _FinishedEpisodes(pl.Callback):
+    def __init__(self):
+        self.returns = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step > 150:  # the second half of the run
+            rollout = pl_module.last_rollout
+            self.returns += rollout.episode_returns[rollout.dones].tolist()
+
+
+def test_short_seeded_run_beats_the_random_policy():
+    random_mean = _random_policy_mean_return()
+    assert 18 < random_mean < 28  # CartPole-v1 under a uniform policy: ~22
+    episodes = _FinishedEpisodes()
+    model = DeepEPModule(num_envs=32, rollout_length=32, hidden_size=64, seed=0)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=300, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[episodes])
+    trainer.fit(model)
+    # Policy-gradient curves are noisy step to step; average every episode of the second half.
+    assert len(episodes.returns) > 100
+    learned_mean = sum(episodes.returns) / len(episodes.returns)
+    assert learned_mean > 1.5 * random_mean, (learned_mean, random_mean)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"env": "pong"}, r"env=.*must be one of \['cartpole', 'memory'\], got 'pong'"),
+        ({"num_envs": 0}, r"num_envs=.*must be a positive int, got 0"),
+        ({"rollout_length": -3}, r"rollout_length=.*got -3"),
+        ({"hidden_size": 2.5}, r"hidden_size=.*got 2.5"),
+        ({"gamma": 1.5}, r"gamma=.*\[0.0, 1.0\], got 1.5"),
+        ({"learning_rate": 0}, r"learning_rate=.*got 0"),
+        ({"env": "memory", "env_kwargs": {"horizon": 0}}, r"env_kwargs=.*horizon must be an int >= 2, got 0"),
+    ],
+)
+def test_bad_arguments_fail_before_training(kwargs, message):
+    with pytest.raises(MisconfigurationException, match=message):
+        DeepEPModule(**kwargs)
+
+
+def test_cuda_graph_on_cpu_is_refused_with_a_hint():
+    with pytest.raises(MisconfigurationException, match="cuda_graph=True.*needs a CUDA device.*HINT"):
+        _fit(1, cuda_graph=True)
