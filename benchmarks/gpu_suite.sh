@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs, in sections: bash benchmarks/gpu_suite.sh SECTION... (results under $OUT/r,
+# packed into $OUT/results.tar.gz because only a few files come back from the device machine).
+# Sections: setup foundation ops learning determinism health audit refused ddp
+set -u
+OUT=${OUT:-/tmp/out}
+R=$OUT/r
+mkdir -p "$R"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -d .whl ]; then  # jsonargparse (LightningCLI) is not in the GPU image
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
+step() { echo "=== $* ($(date +%T))"; }
+run() { local name=$1 limit=$2; shift 2; step "$name"; timeout "$limit" "$@" > "$R/$name.txt" 2>&1; echo "rc=$? $name" | tee -a "$R/status.txt"; tail -n 5 "$R/$name.txt"; }
+
+for section in "$@"; do
+  case $section in
+    setup)
+      nvidia-smi > "$R/nvidia-smi.txt" 2>&1
+      run build 300 python3 -c "
+import time; t=time.time()
+from deepep_lightning.ops import cuda_kernels_available as c, extension_error as e
+assert c(), e(); print('extension with CUDA kernels built in', round(time.time()-t,1), 's')" ;;
+    foundation)
+      run pytest_foundation_gpu 240 python3 -m pytest -q -rs -m gpu tests/test_module_gpu.py tests/agent tests/envs
+      run bench_train_step 240 python3 benchmarks/bench_train_step.py --out "$R" ;;
+    ops)
+      run pytest_ops_gpu 240 python3 -m pytest -q -rs -m gpu tests/ops
+      run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$R"
+      TORCH_CUDA_SANITIZER=1 run csan 120 python3 benchmarks/sanitize_all_action_q.py --out "$R/csan"
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
+        --log-file "$R/memcheck.log" python3 benchmarks/sanitize_all_action_q.py --quick ;;
+    learning)
+      run bench_learning 420 python3 benchmarks/bench_learning.py --out "$R" --budget-s 100 ;;
+    *) [ -f "benchmarks/gpu_sections/$section.sh" ] && source "benchmarks/gpu_sections/$section.sh" || echo "unknown section $section" ;;
+  esac
+done
+tar -czf "$OUT/results.tar.gz" -C "$OUT" r
+cat "$R/status.txt"
