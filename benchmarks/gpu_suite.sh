@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine runs, in sections: bash benchmarks/gpu_suite.sh SECTION... (results under $OUT/r,
 # packed into $OUT/results.tar.gz because only a few files come back from the device machine).
-# Sections: setup foundation ops learning determinism health audit refused ddp
+# Sections: setup foundation ops sanitize learning determinism health audit refused ddp
 set -u
 OUT=${OUT:-/tmp/out}
 R=$OUT/r
@@ -28,7 +28,8 @@ assert c(), e(); print('extension with CUDA kernels built in', round(time.time()
       run bench_train_step 240 python3 benchmarks/bench_train_step.py --out "$R" ;;
     ops)
       run pytest_ops_gpu 240 python3 -m pytest -q -rs -m gpu tests/ops
-      run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$R"
+      run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$R" ;;
+    sanitize)
       TORCH_CUDA_SANITIZER=1 run csan 120 python3 benchmarks/sanitize_all_action_q.py --out "$R/csan"
       PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
         --log-file "$R/memcheck.log" python3 benchmarks/sanitize_all_action_q.py --quick ;;
