@@ -14,6 +14,14 @@ _EXPORTS = {
     "DeepEPModule": "deepep_lightning.module",
     "compare_runs": "deepep_lightning.compare",
     "CompareResult": "deepep_lightning.compare",
+    "NumericalHealthCallback": "deepep_lightning.health",
+    "NaNRollbackCallback": "deepep_lightning.health",
+    "FaultInjectionCallback": "deepep_lightning.health",
+    "LossSpikeDetector": "deepep_lightning.health",
+    "NonFiniteError": "deepep_lightning.health",
+    "CorruptSnapshotError": "deepep_lightning.health",
+    "locate_nonfinite": "deepep_lightning.audit.nonfinite",
+    "NonFiniteOp": "deepep_lightning.audit.nonfinite",
 }
 
 __all__ = ["__version__", *_EXPORTS]

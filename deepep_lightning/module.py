@@ -71,6 +71,8 @@ class DeepEPModule(pl.LightningModule):
         policy_learning_rate: the policy network's learning rate (default: ``learning_rate``). A
             slower actor than critic (two time-scale actor-critic) keeps the all-action gradient from
             chasing the critic's errors on actions it has stopped taking.
+        optimizer: ``"adam"`` (default) or ``"sgd"`` (plain SGD; with a large learning rate it really
+            diverges to Inf/NaN, which ``configs/nan_demo.yaml`` uses to show detection and recovery).
         gamma: discount.
         reward_scale: rewards are multiplied by this for learning (episode returns are logged
             unscaled); keeps the critic's targets O(1) so Adam can fit them in a few hundred steps.
@@ -105,6 +107,7 @@ class DeepEPModule(pl.LightningModule):
         seed: int = 0,
         learning_rate: float = 3e-3,
         policy_learning_rate: float | None = 3e-4,
+        optimizer: str = "adam",
         gamma: float = 0.99,
         reward_scale: float = 0.05,
         gae_lambda: float = 0.95,
@@ -134,6 +137,12 @@ class DeepEPModule(pl.LightningModule):
         ):
             raise MisconfigurationException(
                 f"`DeepEPModule(policy_learning_rate=...)` must be > 0 or None, got {policy_learning_rate!r}"
+            )
+        if optimizer not in ("adam", "sgd"):
+            raise MisconfigurationException(f"`DeepEPModule(optimizer=...)` must be 'adam' or 'sgd', got {optimizer!r}")
+        if optimizer == "sgd" and cuda_graph:
+            raise MisconfigurationException(
+                "`DeepEPModule(optimizer='sgd')` cannot be used with cuda_graph=True (HINT: the graph needs Adam(capturable=True))"
             )
         _require_in_range("gamma", gamma, 0.0, 1.0)
         _require_in_range("gae_lambda", gae_lambda, 0.0, 1.0)
@@ -232,6 +241,8 @@ class DeepEPModule(pl.LightningModule):
             {"params": other_params, "lr": hp.learning_rate},
             {"params": policy_params, "lr": hp.policy_learning_rate or hp.learning_rate},
         ]
+        if hp.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=hp.learning_rate)
         return torch.optim.Adam(groups, lr=hp.learning_rate, capturable=hp.cuda_graph)
 
     def _seed_rollout(self) -> None:

@@ -1,0 +1,273 @@
+"""Non-finite locator: replay a step and name the first op whose output holds NaN/Inf.
+
+Like TensorFlow's ``enable_check_numerics``, in PyTorch terms: a
+``TorchDispatchMode`` sees every aten op of the forward **and** the backward
+(autograd runs its backward ops through the dispatcher too), checks each
+floating output with ``torch.isfinite`` and records the first offender with its
+module path (``ModTracker``; it marks backward as well), the statistics of its
+inputs, and the user's stack frame (for backward ops: the frame of the forward
+call that created the autograd node, recorded by anomaly mode with
+``check_nan=False``). Every op is synchronised on, so use it to diagnose, not to train.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import sysconfig
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+
+def _mod_tracker() -> Any:
+    """A ``ModTracker`` (module paths in forward and backward), or None where this torch lacks it."""
+    try:  # imported lazily: torch.distributed is slow to import and the module path is optional
+        from torch.distributed._tools.mod_tracker import ModTracker
+    except Exception:  # pragma: no cover - depends on the torch build
+        return None
+    return ModTracker()
+
+__all__ = ["DEFAULT_ALLOW_INF_OPS", "NonFiniteOp", "locate_nonfinite"]
+
+#: ops that produce ±inf on purpose (attention/logit masking). NaN is always reported.
+DEFAULT_ALLOW_INF_OPS: frozenset[str] = frozenset(
+    {
+        "aten.masked_fill.Scalar",
+        "aten.masked_fill_.Scalar",
+        "aten.masked_fill.Tensor",
+        "aten.masked_fill_.Tensor",
+        "aten.full.default",
+        "aten.fill_.Scalar",
+        "aten.scalar_tensor.default",
+        "aten.where.self",
+        "aten.where.ScalarOther",
+        "aten.lift_fresh.default",
+        "aten._local_scalar_dense.default",
+    }
+)
+
+# ops whose output is uninitialised memory (garbage may look like NaN until written)
+_UNINITIALISED_PREFIXES = ("aten.empty", "aten.new_empty", "aten.resize_", "aten.set_")
+
+_SKIP_DIRS = tuple(
+    os.path.normpath(p) + os.sep
+    for p in {
+        os.path.dirname(torch.__file__),
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+    }
+)
+_SKIP_FILES = ("_step_hooks.py", "rollback.py", "_replay.py", os.path.basename(__file__))
+
+
+@dataclass
+class NonFiniteOp:
+    """The first op whose output was non-finite."""
+
+    op: str  # aten overload, e.g. "aten.log.default"; "parameter" when a parameter was already non-finite
+    phase: str  # "forward" | "backward" | "before"
+    module_path: Optional[str]
+    output_dtype: str
+    output_shape: tuple[int, ...]
+    output_nan: bool
+    output_inf: bool
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    user_frame: Optional[str] = None
+    autograd_node: Optional[str] = None
+
+    @property
+    def inputs_finite(self) -> bool:
+        return not any(i.get("nan") or i.get("inf") for i in self.inputs)
+
+    def describe(self) -> str:
+        kind = "NaN" if self.output_nan else "Inf"
+        lines = [f"first non-finite ({kind}) output: {self.op} in {self.phase}"]
+        lines.append(f"  module: {self.module_path or '<no module forward active>'}")
+        if self.autograd_node:
+            lines.append(f"  autograd node: {self.autograd_node}")
+        lines.append(f"  output: {self.output_dtype} {list(self.output_shape)}")
+        for info in self.inputs:
+            lines.append(f"  input {info['index']}: {info}")
+        if self.inputs and not self.inputs_finite:
+            lines.append("  (an input was already non-finite: the fault entered before this op)")
+        lines.append(f"  at: {self.user_frame or '<no user frame>'}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "output_shape": list(self.output_shape), "inputs_finite": self.inputs_finite}
+
+
+def _is_user_path(filename: str) -> bool:
+    path = os.path.normpath(os.path.abspath(filename))
+    if filename.startswith("<") or path.startswith(_SKIP_DIRS) or os.path.basename(path) in _SKIP_FILES:
+        return False
+    return f"{os.sep}lightning{os.sep}" not in path and f"{os.sep}lightning_utilities{os.sep}" not in path
+
+
+def _frame_from_stack() -> Optional[str]:
+    for frame in reversed(traceback.extract_stack()):
+        if _is_user_path(frame.filename):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+    return None
+
+
+_NODE_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\s*(?P<code>.*)', re.S)
+
+
+def _frame_from_node(node: Any) -> Optional[str]:
+    """The user frame of the forward call that created autograd ``node`` (anomaly-mode traceback)."""
+    lines = getattr(node, "metadata", {}).get("traceback_") if node is not None else None
+    for entry in reversed(lines or []):
+        match = _NODE_FRAME.search(entry)
+        if match and _is_user_path(match["file"]):
+            return f"{match['file']}:{match['line']} in {match['func']}: {match['code'].strip()}"
+    return None
+
+
+def _stats(index: int, value: Tensor) -> dict[str, Any]:
+    info: dict[str, Any] = {"index": index, "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
+    if value.is_floating_point() or value.is_complex():
+        data = value.detach()
+        finite = data[torch.isfinite(data)] if data.numel() else data
+        info["nan"] = bool(torch.isnan(data).any())
+        info["inf"] = bool(torch.isinf(data).any())
+        info["min"] = float(finite.min()) if finite.numel() else None
+        info["max"] = float(finite.max()) if finite.numel() else None
+        info["zeros"] = int((data == 0).sum())
+    elif value.numel():
+        info["min"], info["max"] = float(value.min()), float(value.max())
+    return info
+
+
+class _CheckNumerics(TorchDispatchMode):
+    def __init__(self, tracker: Any, allow_inf_ops: Iterable[str]) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.allow = frozenset(allow_inf_ops)
+        self.found: Optional[NonFiniteOp] = None
+
+    def _module_path(self) -> Optional[str]:
+        if self.tracker is None:
+            return None
+        names = [n for n in self.tracker.parents if n != "Global"]
+        return max(names, key=lambda n: (n.count("."), len(n))) if names else None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is not None:
+            return out
+        name = str(func)
+        # a view creates no values (a NaN in it was already in its base, or is unwritten memory of
+        # an ``empty`` buffer about to be filled), so it cannot be the op that produced a NaN
+        if name.startswith(_UNINITIALISED_PREFIXES) or getattr(func, "is_view", False):
+            return out
+        outputs, _ = tree_flatten(out)
+        for value in outputs:
+            if not isinstance(value, Tensor) or not (value.is_floating_point() or value.is_complex()):
+                continue
+            if value.numel() == 0 or bool(torch.isfinite(value).all()):
+                continue
+            has_nan = bool(torch.isnan(value).any())
+            if not has_nan and name in self.allow:
+                continue
+            node = torch._C._current_autograd_node()
+            backward = bool(getattr(self.tracker, "is_bw", False)) or node is not None
+            inputs, _ = tree_flatten((args, kwargs or {}))
+            self.found = NonFiniteOp(
+                op=name,
+                phase="backward" if backward else "forward",
+                module_path=self._module_path(),
+                output_dtype=str(value.dtype).replace("torch.", ""),
+                output_shape=tuple(value.shape),
+                output_nan=has_nan,
+                output_inf=bool(torch.isinf(value).any()),
+                inputs=[_stats(i, t) for i, t in enumerate(x for x in inputs if isinstance(x, Tensor))],
+                user_frame=(_frame_from_node(node) or _frame_from_stack()) if backward else _frame_from_stack(),
+                autograd_node=type(node).__name__ if node is not None else None,
+            )
+            break
+        return out
+
+
+def _nonfinite_parameter(module: torch.nn.Module) -> Optional[NonFiniteOp]:
+    for name, param in module.named_parameters():
+        if param.numel() and not bool(torch.isfinite(param.detach()).all()):
+            return NonFiniteOp(
+                op="parameter",
+                phase="before",
+                module_path=name,
+                output_dtype=str(param.dtype).replace("torch.", ""),
+                output_shape=tuple(param.shape),
+                output_nan=bool(torch.isnan(param.detach()).any()),
+                output_inf=bool(torch.isinf(param.detach()).any()),
+            )
+    return None
+
+
+def _loss_of(output: Any) -> Optional[Tensor]:
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+def locate_nonfinite(
+    fn: Callable[..., Any],
+    *args: Any,
+    module: Optional[torch.nn.Module] = None,
+    backward: bool = True,
+    allow_inf_ops: Iterable[str] = DEFAULT_ALLOW_INF_OPS,
+    **kwargs: Any,
+) -> Optional[NonFiniteOp]:
+    """Run ``fn(*args, **kwargs)`` (and the backward of its loss) and return the first non-finite op.
+
+    Args:
+        fn: one step's computation, e.g. ``model`` or ``lambda: module.training_step(batch, 0)``.
+            It may return a loss tensor, a dict with ``"loss"``, or anything else.
+        module: the model; gives module paths (via ``ModTracker``) and is checked for
+            non-finite parameters first (reported as ``op="parameter"``, ``phase="before"``).
+        backward: call ``.backward()`` on the returned loss inside the check (when it requires grad).
+        allow_inf_ops: aten overload names (``str(func)``, e.g. ``"aten.masked_fill.Scalar"``)
+            allowed to output ±inf; NaN is never allowed.
+
+    Returns:
+        A :class:`NonFiniteOp`, or None when every op stayed finite.
+
+    Example::
+
+        found = locate_nonfinite(lambda: model(x).sum(), module=model)
+        if found:
+            print(found.describe())
+    """
+    if module is not None:
+        bad_param = _nonfinite_parameter(module)
+        if bad_param is not None:
+            return bad_param
+    tracker = _mod_tracker() if module is not None else None
+    mode = _CheckNumerics(tracker, allow_inf_ops)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # anomaly mode announces itself on every entry
+        with torch.autograd.detect_anomaly(check_nan=False):
+            if tracker is not None:
+                tracker.__enter__()
+            try:
+                with mode:
+                    output = fn(*args, **kwargs)
+                    loss = _loss_of(output)
+                    if backward and loss is not None and loss.requires_grad and mode.found is None:
+                        loss.sum().backward() if loss.numel() != 1 else loss.backward()
+            finally:
+                if tracker is not None:
+                    tracker.__exit__(*sys.exc_info())
+    return mode.found

@@ -1,0 +1,81 @@
+"""Re-running recorded training steps through Lightning's own optimization loop.
+
+A replay calls the very objects the fit loop calls (``automatic_optimization.run``
+or ``manual_optimization.run``), so closure, backward, precision plugin,
+gradient clipping, ``optimizer_step`` and every callback hook run exactly as in
+the original step: with the same state, batch and RNG, the same bits come out.
+Logging is silenced during a replay (the step was already logged), and
+LR schedulers with ``interval="step"`` are stepped as the epoch loop does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import lightning.pytorch as pl
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+__all__: list[str] = []
+
+
+def clone_batch(batch: Any) -> Any:
+    """A private copy of ``batch`` (a training step may modify its batch in place)."""
+    return apply_to_collection(batch, Tensor, lambda t: t.detach().clone())
+
+
+@dataclass
+class ReplayEntry:
+    """A step as the loop ran it: its index, its batch (a private copy) and its ``batch_idx``."""
+
+    step: int
+    batch: Any
+    batch_idx: int
+    epoch: int
+    is_last_batch: bool = False  # the epoch loop also stepped interval="epoch" schedulers after it
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def silenced_logging(pl_module: "pl.LightningModule") -> Iterator[None]:
+    had = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
+    saved = {name: pl_module.__dict__.get(name) for name in had}
+    pl_module.__dict__["log"] = _noop
+    pl_module.__dict__["log_dict"] = _noop
+    try:
+        yield
+    finally:
+        for name, present in had.items():
+            if present:
+                pl_module.__dict__[name] = saved[name]
+            else:
+                pl_module.__dict__.pop(name, None)
+
+
+def run_step(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: ReplayEntry) -> Any:
+    """Run one recorded step (forward, backward, optimizer step, step-interval LR schedulers)."""
+    if trainer.global_step != entry.step:
+        raise RuntimeError(f"replay out of order: trainer is at step {trainer.global_step}, entry is step {entry.step}")
+    epoch_loop = trainer.fit_loop.epoch_loop
+    kwargs = epoch_loop._build_kwargs(OrderedDict(), clone_batch(entry.batch), entry.batch_idx)
+    if pl_module.automatic_optimization:
+        outputs = epoch_loop.automatic_optimization.run(trainer.optimizers[0], entry.batch_idx, kwargs)
+        for config in trainer.lr_scheduler_configs:
+            if not config.reduce_on_plateau and config.interval == "step" and (entry.batch_idx + 1) % config.frequency == 0:
+                pl_module.lr_scheduler_step(config.scheduler, None)
+            elif (
+                not config.reduce_on_plateau
+                and config.interval == "epoch"
+                and entry.is_last_batch
+                and (entry.epoch + 1) % config.frequency == 0
+            ):
+                pl_module.lr_scheduler_step(config.scheduler, None)
+    else:
+        outputs = epoch_loop.manual_optimization.run(kwargs)
+    return outputs

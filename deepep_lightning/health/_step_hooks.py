@@ -1,0 +1,68 @@
+"""One composable wrapper around ``LightningModule.training_step`` for the health callbacks.
+
+Fault injection must reach into a step (poison the batch, a parameter or the
+loss) and rollback must skip steps (return ``None``: Lightning then runs no
+backward and the optimizer sees no gradients). Both must also fire when a step
+is *replayed*, which no Lightning hook surrounding the batch does. So the
+callbacks register hooks here; the wrapper is an instance attribute installed
+once per module and removed when the last hook is gone.
+
+A pre-hook is ``fn(step, batch) -> batch``; a post-hook is ``fn(step, output) -> output``.
+``step`` is ``trainer.global_step`` when the step starts (the 0-based index of the
+optimizer step being computed).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+
+__all__: list[str] = []
+
+_ATTR = "_deepep_health_step_hooks"
+
+
+class _Hooks:
+    def __init__(self) -> None:
+        self.pre: dict[str, Callable[[int, Any], Any]] = {}
+        self.post: dict[str, Callable[[int, Any], Any]] = {}
+
+
+def _wrapper(module: "pl.LightningModule", original: Callable[..., Any]) -> Callable[..., Any]:
+    def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
+        hooks: _Hooks = module.__dict__[_ATTR]
+        trainer = module._trainer
+        step = trainer.global_step if trainer is not None else 0
+        for fn in list(hooks.pre.values()):
+            batch = fn(step, batch)
+        output = original(batch, *args, **kwargs)
+        for fn in list(hooks.post.values()):
+            output = fn(step, output)
+        return output
+
+    training_step.__wrapped__ = original  # type: ignore[attr-defined]
+    return training_step
+
+
+def add_step_hook(module: "pl.LightningModule", name: str, pre: Callable | None = None, post: Callable | None = None) -> None:
+    hooks = module.__dict__.get(_ATTR)
+    if hooks is None:
+        hooks = _Hooks()
+        module.__dict__[_ATTR] = hooks
+        module.__dict__["training_step"] = _wrapper(module, module.training_step)
+    if pre is not None:
+        hooks.pre[name] = pre
+    if post is not None:
+        hooks.post[name] = post
+
+
+def remove_step_hook(module: "pl.LightningModule", name: str) -> None:
+    hooks = module.__dict__.get(_ATTR)
+    if hooks is None:
+        return
+    hooks.pre.pop(name, None)
+    hooks.post.pop(name, None)
+    if not hooks.pre and not hooks.post:
+        del module.__dict__[_ATTR]
+        module.__dict__.pop("training_step", None)

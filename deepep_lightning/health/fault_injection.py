@@ -1,0 +1,157 @@
+"""FaultInjectionCallback: plant NaN/Inf in the loss, a gradient, a parameter or the batch, on chosen steps."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Optional, Sequence
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import Callback
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from typing_extensions import override
+
+from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
+
+__all__ = ["FaultInjectionCallback"]
+
+log = logging.getLogger(__name__)
+
+_TARGETS = ("loss", "gradient", "parameter", "batch")
+_MODES = ("once", "always")
+_VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def _poison(tensor: Tensor, value: float) -> None:
+    with torch.no_grad():
+        tensor[(0,) * tensor.dim()] = value
+
+
+class FaultInjectionCallback(Callback):
+    r"""Injects a non-finite value at given optimizer steps, for testing detection and recovery.
+
+    Steps are 0-based optimizer-step indices (``trainer.global_step`` when the step starts).
+    Injection also fires inside rollback replays, so ``mode="once"`` models a transient fault
+    (a replay is clean) and ``mode="always"`` a persistent one (a replay fails the same way).
+
+    Args:
+        target: ``"loss"`` (the training step's loss is multiplied by the value, so the
+            gradients turn non-finite too), ``"gradient"`` (after backward, one element of a
+            parameter's gradient), ``"parameter"`` (before the forward, one element of a parameter)
+            or ``"batch"`` (one element of the first floating-point tensor of the batch).
+        steps: the steps to inject at (non-negative ints).
+        mode: ``"once"`` per listed step, or ``"always"`` (every time the step runs).
+        value: ``"nan"``, ``"inf"`` or ``"-inf"``.
+        parameter: name of the parameter for ``"gradient"``/``"parameter"`` (default: the first
+            trainable one).
+
+    Raises:
+        MisconfigurationException: an invalid argument or an unknown parameter name.
+
+    Example::
+
+        Trainer(callbacks=[FaultInjectionCallback("gradient", steps=[12], mode="once"), ...])
+    """
+
+    def __init__(
+        self,
+        target: str = "loss",
+        steps: Sequence[int] = (5,),
+        mode: str = "once",
+        value: str = "nan",
+        parameter: Optional[str] = None,
+    ) -> None:
+        if target not in _TARGETS:
+            raise MisconfigurationException(f"`target` must be one of {_TARGETS}, got {target!r}.")
+        if mode not in _MODES:
+            raise MisconfigurationException(f"`mode` must be one of {_MODES}, got {mode!r}.")
+        if value not in _VALUES:
+            raise MisconfigurationException(f"`value` must be one of {tuple(_VALUES)}, got {value!r}.")
+        if isinstance(steps, (int, str)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+            raise MisconfigurationException(f"`steps` must be a list of ints >= 0, got {steps!r}.")
+        self.target = target
+        self.steps = sorted(set(steps))
+        self.mode = mode
+        self.value = value
+        self.parameter = parameter
+        self.injections: list[tuple[int, str]] = []  # (step, target) each time a fault was planted
+        self._fired: set[int] = set()
+        self._param: Optional[torch.nn.Parameter] = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(target=self.target, steps=tuple(self.steps), mode=self.mode)
+
+    def _fire(self, step: int) -> bool:
+        if step not in self.steps or (self.mode == "once" and step in self._fired):
+            return False
+        self._fired.add(step)
+        self.injections.append((step, self.target))
+        log.info("FaultInjectionCallback: %s %s at step %d", self.value, self.target, step)
+        return True
+
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self.target in ("gradient", "parameter"):
+            params = dict(pl_module.named_parameters())
+            name = self.parameter or next((n for n, p in params.items() if p.requires_grad), None)
+            if name not in params:
+                raise MisconfigurationException(
+                    f"`parameter` must name a parameter of the module, got {self.parameter!r}. "
+                    f"HINT: one of {sorted(params)[:8]}."
+                )
+            self._param = params[name]
+            self.parameter = name
+        if self.target == "loss":
+            add_step_hook(pl_module, f"fault:{id(self)}", post=self._poison_loss)
+        elif self.target in ("parameter", "batch"):
+            add_step_hook(pl_module, f"fault:{id(self)}", pre=self._poison_input)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        remove_step_hook(pl_module, f"fault:{id(self)}")
+
+    def _poison_loss(self, step: int, output: Any) -> Any:
+        if output is None or not self._fire(step):
+            return output
+        factor = _VALUES[self.value]
+        if isinstance(output, Tensor):
+            return output * factor
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+            return {**output, "loss": output["loss"] * factor}
+        return output
+
+    def _poison_input(self, step: int, batch: Any) -> Any:
+        if not self._fire(step):
+            return batch
+        if self.target == "parameter":
+            assert self._param is not None
+            _poison(self._param.data, _VALUES[self.value])
+            return batch
+        batch = apply_to_collection(batch, Tensor, lambda t: t.clone())
+        floats = []
+        apply_to_collection(batch, Tensor, lambda t: floats.append(t) if t.is_floating_point() else None)
+        if not floats:
+            raise ValueError(
+                f"FaultInjectionCallback(target='batch') needs a floating-point tensor in the batch, got {type(batch).__name__}. "
+                "HINT: use target='loss' or 'parameter' for index-only batches (DeepEP)."
+            )
+        _poison(floats[0], _VALUES[self.value])
+        return batch
+
+    @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.target == "gradient" and self._param is not None and self._param.grad is not None:
+            if self._fire(trainer.global_step):
+                _poison(self._param.grad, _VALUES[self.value])
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"fired": sorted(self._fired)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._fired = set(state_dict.get("fired", []))

@@ -1,0 +1,338 @@
+"""NumericalHealthCallback: finite checks of loss, gradients and parameters without per-step host syncs."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from deepep_lightning.health.events import HealthEventLog
+from deepep_lightning.health.flags import StepFlags, StepRecord
+from deepep_lightning.health.spike import LossSpikeDetector
+
+__all__ = ["HealthVerdict", "NonFiniteError", "NumericalHealthCallback"]
+
+log = logging.getLogger(__name__)
+
+_ACTIONS = ("raise", "warn", "stop")
+
+
+class NonFiniteError(RuntimeError):
+    """Raised when a health check fails and the configured action is ``"raise"``."""
+
+
+@dataclass
+class HealthVerdict:
+    """Result of one check over steps ``[first_step, end_step)`` (0-based optimizer-step indices)."""
+
+    first_step: int
+    end_step: int
+    healthy: bool
+    bad_step: Optional[int] = None
+    reason: Optional[str] = None  # nonfinite_loss | nonfinite_grad | nonfinite_param | loss_spike
+    records: list[StepRecord] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.healthy:
+            return f"steps {self.first_step}..{self.end_step - 1} healthy"
+        return f"{self.reason} at step {self.bad_step} ({self.details})"
+
+
+def _loss_of(outputs: Any) -> Optional[Tensor]:
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), Tensor):
+        return outputs["loss"]
+    return None
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MisconfigurationException(f"`{name}` must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise MisconfigurationException(f"`{name}` must be one of {choices}, got {value!r}.")
+    return value
+
+
+class NumericalHealthCallback(Callback):
+    r"""Checks that training stays finite, cheaply, and tells you when it does not.
+
+    Every step writes on-device flags (loss finite, gradients finite before the optimizer
+    step) and the loss value into a slot; the host reads all slots once every
+    ``check_every_n_steps`` steps (and at the end of each epoch and at ``max_steps``), so a
+    step costs a few small kernels and **no** host synchronisation. At a check it also tests
+    the parameters, logs ``health/grad_norm`` and ``health/param_norm``, and feeds the loss
+    spike detector. At each epoch end it checks every parameter for NaN/Inf and
+    ``max |w| > param_max_abs``.
+
+    With a :class:`~deepep_lightning.NaNRollbackCallback` in the trainer, failed checks are
+    handed to it (roll back and replay); alone, ``on_nonfinite`` / ``on_spike`` decide.
+
+    Args:
+        check_every_n_steps: steps between host reads; 1 detects on the very step.
+        check_loss / check_gradients: which per-step checks to run. Gradient checks are
+            skipped under a ``GradScaler`` (it skips overflowing steps itself).
+        on_nonfinite: ``"raise"`` (:class:`NonFiniteError`), ``"warn"`` or ``"stop"`` (clean stop).
+        param_max_abs: warn/raise when any ``|w|`` exceeds it at an epoch end (None: off).
+        on_large_param: ``"warn"``, ``"raise"`` or ``"stop"``.
+        log_norms: log gradient and parameter norms at each check.
+        spike_detection: run the loss spike detector (see :class:`LossSpikeDetector`).
+        spike_window / spike_z_threshold / spike_warmup / spike_persistence: its settings.
+        on_spike: action without rollback: ``"warn"``, ``"raise"`` or ``"stop"``.
+        events_filename: JSON-lines event log in the run's log directory.
+
+    Raises:
+        MisconfigurationException: an argument is invalid.
+
+    Example::
+
+        trainer = Trainer(callbacks=[NumericalHealthCallback(check_every_n_steps=10)])
+    """
+
+    def __init__(
+        self,
+        check_every_n_steps: int = 10,
+        check_loss: bool = True,
+        check_gradients: bool = True,
+        on_nonfinite: str = "raise",
+        param_max_abs: Optional[float] = None,
+        on_large_param: str = "warn",
+        log_norms: bool = True,
+        spike_detection: bool = True,
+        spike_window: int = 100,
+        spike_z_threshold: float = 6.0,
+        spike_warmup: Optional[int] = None,
+        spike_persistence: int = 2,
+        on_spike: str = "warn",
+        events_filename: str = "health_events.jsonl",
+    ) -> None:
+        self.check_every_n_steps = _check_int("check_every_n_steps", check_every_n_steps, 1)
+        self.on_nonfinite = _check_choice("on_nonfinite", on_nonfinite, _ACTIONS)
+        self.on_large_param = _check_choice("on_large_param", on_large_param, _ACTIONS)
+        self.on_spike = _check_choice("on_spike", on_spike, _ACTIONS)
+        if param_max_abs is not None and (
+            isinstance(param_max_abs, bool) or not isinstance(param_max_abs, (int, float)) or not param_max_abs > 0
+        ):
+            raise MisconfigurationException(f"`param_max_abs` must be a number > 0 or None, got {param_max_abs!r}.")
+        self.param_max_abs = param_max_abs
+        self.check_loss = bool(check_loss)
+        self.check_gradients = bool(check_gradients)
+        self.log_norms = bool(log_norms)
+        self.spike_detector = (
+            LossSpikeDetector(spike_window, spike_z_threshold, spike_warmup, spike_persistence)
+            if spike_detection
+            else None
+        )
+        self.events = HealthEventLog(events_filename)
+        self.flags: Optional[StepFlags] = None
+        self.last_verdict: Optional[HealthVerdict] = None
+        self._next_unchecked = 0  # first step not yet read by a check
+        self._cache: Optional[tuple[int, HealthVerdict]] = None
+        self._delegate: Any = None  # a NaNRollbackCallback handling failed checks
+        self._grad_checks_enabled = True
+        self._loss_recorded: Optional[int] = None
+        self._grads_recorded: Optional[int] = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(check_every_n_steps=self.check_every_n_steps)
+
+    # ---------------------------------------------------------------- per-step recording
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.flags = StepFlags(self.check_every_n_steps, pl_module.device)
+        self.events.attach(trainer)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self._grad_checks_enabled = self.check_gradients and scaler is None
+
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.flags is None or self.flags.device != pl_module.device:
+            self.flags = StepFlags(self.check_every_n_steps, pl_module.device)
+        self._next_unchecked = trainer.global_step
+        self._cache = None
+
+    def begin_step(self, step: int) -> None:
+        """Open the slot of optimizer step ``step`` (called at batch start and by replays)."""
+        assert self.flags is not None
+        self.flags.begin(step)
+        self._loss_recorded = None
+        self._grads_recorded = None
+
+    def end_step(self, step: int, outputs: Any) -> None:
+        """Record the loss of ``step`` from the training-step outputs (once per step; later calls are no-ops)."""
+        if self._loss_recorded == step:
+            return
+        self._loss_recorded = step
+        loss = _loss_of(outputs)
+        if self.check_loss and loss is not None and self.flags is not None:
+            self.flags.record_loss(step, loss)
+        # manual optimisation (e.g. a CUDA-graphed step) never calls on_before_optimizer_step:
+        # a "grad_norm" tensor in the outputs stands in for the gradients
+        grad_norm = outputs.get("grad_norm") if isinstance(outputs, Mapping) else None
+        if self._grad_checks_enabled and self._grads_recorded != step and isinstance(grad_norm, Tensor):
+            assert self.flags is not None
+            self.flags.record_grads(step, [grad_norm.detach().reshape(1)])
+
+    @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        self.begin_step(trainer.global_step)
+
+    @override
+    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+        if self._grad_checks_enabled and self.flags is not None:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            self.flags.record_grads(trainer.global_step, grads)
+            self._grads_recorded = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # global_step already counts this step, so the step just computed is global_step - 1
+        self.end_step(trainer.global_step - 1, outputs)
+        if self._delegate is not None:
+            return  # the rollback callback polls and decides
+        verdict = self.poll(trainer, pl_module)
+        if verdict is not None and not verdict.healthy:
+            self._act(trainer, verdict)
+
+    # ---------------------------------------------------------------- checks
+    def _check_due(self, trainer: "pl.Trainer") -> bool:
+        end = trainer.global_step
+        if end - self._next_unchecked >= self.check_every_n_steps:
+            return True
+        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            return True
+        return trainer.max_steps >= 0 and end >= trainer.max_steps
+
+    def poll(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", force: bool = False) -> Optional[HealthVerdict]:
+        """The verdict for the steps since the last check, when a check is due (or ``force``); else None.
+
+        Idempotent within a step: the first caller reads, later callers get the cached verdict.
+        """
+        end = trainer.global_step
+        if self._cache is not None and self._cache[0] == end:
+            return self._cache[1]
+        if end <= self._next_unchecked or not (force or self._check_due(trainer)):
+            return None
+        verdict = self.check_steps(trainer, pl_module, self._next_unchecked, end)
+        self._cache = (end, verdict)
+        return verdict
+
+    def check_steps(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", first: int, end: int) -> HealthVerdict:
+        """Read steps ``[first, end)`` (one host transfer), test the parameters, run the spike detector."""
+        assert self.flags is not None
+        steps = list(range(first, end))
+        param_norm = self.flags.record_params(end - 1, (p for p in pl_module.parameters() if p.requires_grad))
+        records, extra = self.flags.read(steps, extra=param_norm)
+        verdict = HealthVerdict(first, end, healthy=True, records=records)
+        for record in records:
+            reason = record.reason
+            if reason is None and self.spike_detector is not None and record.loss is not None:
+                if self.spike_detector.update(record.step, record.loss):
+                    reason = "loss_spike"
+                    verdict.details = {"loss": record.loss, "z": self.spike_detector.last_z}
+            if reason is not None:
+                verdict.healthy = False
+                verdict.reason = reason
+                start = self.spike_detector.spike_start if reason == "loss_spike" else None
+                verdict.bad_step = start if start is not None else record.step
+                if reason != "loss_spike":
+                    verdict.details = {"loss": record.loss, "grad_norm": record.grad_norm}
+                break
+        verdict = self._agree(trainer, verdict)
+        self._next_unchecked = end
+        self.last_verdict = verdict
+        if self.log_norms and records:
+            metrics = {"health/grad_norm": records[-1].grad_norm}
+            if extra is not None:
+                metrics["health/param_norm"] = float(extra[0])
+            if self.spike_detector is not None and self.spike_detector.last_z is not None:
+                metrics["health/loss_z"] = float(self.spike_detector.last_z)
+            self.events.log_scalars(trainer, {k: v for k, v in metrics.items() if math.isfinite(v)}, end)
+        return verdict
+
+    def _agree(self, trainer: "pl.Trainer", verdict: HealthVerdict) -> HealthVerdict:
+        """Make the verdict rank-consistent: all ranks adopt the earliest bad step seen by any rank."""
+        if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+            return verdict
+        sentinel = verdict.end_step
+        mine = verdict.bad_step if not verdict.healthy else sentinel
+        earliest = torch.tensor([mine], dtype=torch.long, device=trainer.strategy.root_device)
+        torch.distributed.all_reduce(earliest, op=torch.distributed.ReduceOp.MIN)
+        earliest_step = int(earliest.item())
+        all_healthy = trainer.strategy.reduce_boolean_decision(verdict.healthy, all=True)
+        if all_healthy:
+            return verdict
+        if verdict.healthy or verdict.bad_step != earliest_step:
+            verdict.healthy, verdict.bad_step = False, earliest_step
+            verdict.reason = verdict.reason if verdict.bad_step == mine else "other_rank"
+        return verdict
+
+    def _act(self, trainer: "pl.Trainer", verdict: HealthVerdict) -> None:
+        action = self.on_spike if verdict.reason == "loss_spike" else self.on_nonfinite
+        self.events.emit(trainer, "detected", verdict.bad_step, reason=verdict.reason, details=verdict.details)
+        message = f"NumericalHealthCallback: {verdict.describe()}"
+        if action == "raise":
+            raise NonFiniteError(message + ". HINT: add NaNRollbackCallback to roll back and recover.")
+        if action == "stop":
+            trainer.should_stop = True
+        rank_zero_warn(message)
+
+    @override
+    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if getattr(self._delegate, "stopped", False):
+            return
+        params = {n: p.detach() for n, p in pl_module.named_parameters()}
+        if not params:
+            return
+        names = list(params)
+        maxes = torch.stack([t.abs().max().float() if t.numel() else t.new_zeros((), dtype=torch.float32) for t in params.values()])
+        host = maxes.cpu().tolist()  # once per epoch: a sync is fine here
+        bad = [n for n, v in zip(names, host) if not math.isfinite(v)]
+        worst = max(range(len(host)), key=lambda i: host[i] if math.isfinite(host[i]) else -1.0)
+        self.events.log_scalars(trainer, {"health/param_max_abs": host[worst]} if math.isfinite(host[worst]) else {}, trainer.global_step)
+        if bad:
+            verdict = HealthVerdict(trainer.global_step, trainer.global_step, False, trainer.global_step, "nonfinite_param",
+                                    details={"parameters": bad[:10]})
+            if self._delegate is None:
+                self._act(trainer, verdict)
+        elif self.param_max_abs is not None and host[worst] > self.param_max_abs:
+            self.events.emit(trainer, "large_param", trainer.global_step, parameter=names[worst], max_abs=host[worst])
+            message = f"parameter {names[worst]!r} has max |w| = {host[worst]:.4g} > param_max_abs={self.param_max_abs!r}"
+            if self.on_large_param == "raise":
+                raise NonFiniteError(message)
+            if self.on_large_param == "stop":
+                trainer.should_stop = True
+            rank_zero_warn(message)
+
+    # ---------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "next_unchecked": self._next_unchecked,
+            "spike": self.spike_detector.state_dict() if self.spike_detector is not None else None,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._next_unchecked = int(state_dict.get("next_unchecked", 0))
+        if self.spike_detector is not None and state_dict.get("spike") is not None:
+            self.spike_detector.load_state_dict(state_dict["spike"])
+        self._cache = None

@@ -1,0 +1,283 @@
+"""Healthy-state snapshots: capture to host memory (async pinned copies), restore exactly, atomic disk files.
+
+A snapshot holds everything a replay needs to recompute the same steps bit for
+bit: model and optimizer tensors, LR schedulers, the AMP scaler, every RNG, the
+loop's optimizer-step counters, the module's rollout state
+(``rollout_state_dict()``/``load_rollout_state_dict(d)``, a duck-typed protocol
+any LightningModule may implement for state that lives outside parameters),
+the health callback's state (spike window) and the LR scale applied by rollback.
+
+On disk a snapshot is ``MAGIC | payload length | sha256 | torch.save payload``,
+written to a temporary file, fsynced and renamed, so a file is either complete
+or absent; a truncated or corrupted file fails verification with
+:class:`CorruptSnapshotError` and the ring falls back to the previous one.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from torch import Tensor
+
+__all__ = ["CorruptSnapshotError", "Snapshot", "SnapshotRing", "load_snapshot_file", "save_snapshot_file"]
+
+_MAGIC = b"DEEPEPSNAP1\n"
+_HEADER = struct.Struct("<Q32s")
+_LEAF = "__snapshot_tensor__"
+
+
+class CorruptSnapshotError(RuntimeError):
+    """An on-disk snapshot is truncated, corrupted or not a snapshot."""
+
+
+def _to_host(tree: Any, events: list) -> Any:
+    """Copy every tensor of ``tree`` to host memory; CUDA tensors go to pinned memory asynchronously."""
+    if isinstance(tree, Tensor):
+        source = tree.detach()
+        if source.device.type == "cuda":
+            host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            host.copy_(source, non_blocking=True)
+            events.append(source.device)
+        else:
+            host = source.clone()
+        return {_LEAF: host, "device": str(source.device)}
+    if isinstance(tree, dict):
+        return {k: _to_host(v, events) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [_to_host(v, events) for v in tree]
+        return items if isinstance(tree, list) else tuple(items)
+    return copy.deepcopy(tree)
+
+
+def _to_device(tree: Any) -> Any:
+    """Fresh tensors on their original devices (the host copy stays untouched for the next restore)."""
+    if isinstance(tree, dict):
+        if _LEAF in tree:
+            return tree[_LEAF].to(tree["device"], copy=True)
+        return {k: _to_device(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        items = [_to_device(v) for v in tree]
+        return items if isinstance(tree, list) else tuple(items)
+    return copy.deepcopy(tree)
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load ``saved`` into ``optimizer``, copying into the live state tensors where shapes allow.
+
+    In-place copies keep tensor identities (what a captured CUDA graph relies on); a state
+    entry absent from the snapshot (no step taken yet) is removed, as in a fresh optimizer.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        optimizer.load_state_dict(_to_device(saved))
+        return
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        for key, value in saved_group.items():
+            if key != "params":
+                group[key] = copy.deepcopy(value)
+    for index, param in enumerate(params):
+        saved_state = saved["state"].get(index)
+        if saved_state is None:
+            optimizer.state.pop(param, None)
+            continue
+        live = optimizer.state.setdefault(param, {})
+        for key in list(live):
+            if key not in saved_state:
+                del live[key]
+        for key, value in saved_state.items():
+            restored = _to_device(value)
+            current = live.get(key)
+            if (
+                isinstance(restored, Tensor)
+                and isinstance(current, Tensor)
+                and current.shape == restored.shape
+                and current.dtype == restored.dtype
+                and current.device == restored.device
+            ):
+                current.copy_(restored)
+            else:
+                live[key] = restored
+
+
+def _loops(trainer: "pl.Trainer") -> tuple[Any, Any]:
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return epoch_loop.automatic_optimization.optim_progress, epoch_loop.manual_optimization.optim_step_progress
+
+
+@dataclass
+class Snapshot:
+    """A healthy training state taken after optimizer step ``step - 1`` (``step`` steps done)."""
+
+    step: int
+    epoch: int
+    model: Any
+    optimizers: list[Any]
+    schedulers: list[Any]
+    scaler: Optional[dict[str, Any]]
+    rng: dict[str, Any]
+    progress: dict[str, Any]
+    rollout: Any
+    callback_state: dict[str, Any]
+    lr_scale: float
+    _cuda_devices: list = field(default_factory=list, repr=False)
+    _events: list = field(default_factory=list, repr=False)
+
+    @classmethod
+    def capture(
+        cls, trainer: "pl.Trainer", pl_module: "pl.LightningModule", callback_state: dict[str, Any], lr_scale: float
+    ) -> "Snapshot":
+        devices: list = []
+        automatic, manual = _loops(trainer)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        rollout = pl_module.rollout_state_dict() if hasattr(pl_module, "rollout_state_dict") else None
+        snapshot = cls(
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            model=_to_host(pl_module.state_dict(), devices),
+            optimizers=[_to_host(opt.state_dict(), devices) for opt in trainer.optimizers],
+            schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
+            scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
+            rng=_collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized()),
+            progress={"automatic": copy.deepcopy(automatic.state_dict()), "manual": copy.deepcopy(manual.state_dict())},
+            rollout=_to_host(rollout, devices) if rollout is not None else None,
+            callback_state=copy.deepcopy(callback_state),
+            lr_scale=float(lr_scale),
+        )
+        for device in sorted({str(d) for d in devices}):
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(torch.device(device)))
+            snapshot._events.append(event)
+        return snapshot
+
+    def wait(self) -> None:
+        """Block until the asynchronous device→host copies have landed."""
+        for event in self._events:
+            event.synchronize()
+        self._events.clear()
+
+    def restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", restore_progress: bool = True) -> None:
+        """Put the trainer and module back to this state (counters too when ``restore_progress``)."""
+        self.wait()
+        with torch.no_grad():
+            pl_module.load_state_dict(_to_device(self.model))
+        for optimizer, saved in zip(trainer.optimizers, self.optimizers):
+            _restore_optimizer(optimizer, saved)
+            optimizer.zero_grad(set_to_none=True)
+        for cfg, saved in zip(trainer.lr_scheduler_configs, self.schedulers):
+            cfg.scheduler.load_state_dict(copy.deepcopy(saved))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and self.scaler is not None:
+            scaler.load_state_dict(copy.deepcopy(self.scaler))
+        _set_rng_states(copy.deepcopy(self.rng))
+        if self.rollout is not None and hasattr(pl_module, "load_rollout_state_dict"):
+            pl_module.load_rollout_state_dict(_to_device(self.rollout))
+        if restore_progress:
+            automatic, manual = _loops(trainer)
+            automatic.load_state_dict(copy.deepcopy(self.progress["automatic"]))
+            manual.load_state_dict(copy.deepcopy(self.progress["manual"]))
+
+    def payload(self) -> dict[str, Any]:
+        self.wait()
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
+
+
+def save_snapshot_file(snapshot: Snapshot, path: str) -> None:
+    """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename) with a sha256 checksum."""
+    buffer = io.BytesIO()
+    torch.save(snapshot.payload(), buffer)
+    data = buffer.getvalue()
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as handle:
+        handle.write(_MAGIC + _HEADER.pack(len(data), hashlib.sha256(data).digest()) + data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def load_snapshot_file(path: str) -> Snapshot:
+    """Read and verify a snapshot file.
+
+    Raises:
+        CorruptSnapshotError: missing magic, truncated payload or checksum mismatch.
+    """
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    head = len(_MAGIC) + _HEADER.size
+    if not raw.startswith(_MAGIC) or len(raw) < head:
+        raise CorruptSnapshotError(f"{path!r} is not a deepep_lightning snapshot (bad header)")
+    length, digest = _HEADER.unpack(raw[len(_MAGIC) : head])
+    data = raw[head:]
+    if len(data) != length:
+        raise CorruptSnapshotError(f"{path!r} is truncated: {len(data)} of {length} payload bytes")
+    if hashlib.sha256(data).digest() != digest:
+        raise CorruptSnapshotError(f"{path!r} is corrupted: sha256 checksum mismatch")
+    # our own verified file; it holds RNG states (numpy arrays, tuples), so not weights_only
+    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return Snapshot(**payload)
+
+
+class SnapshotRing:
+    """The last ``keep`` healthy snapshots, in host memory or as files in ``directory``.
+
+    Args:
+        keep: how many snapshots to keep (>= 1).
+        directory: when given, snapshots are files there (host memory holds none).
+    """
+
+    def __init__(self, keep: int = 2, directory: Optional[str] = None) -> None:
+        self.keep = keep
+        self.directory = directory
+        self._items: list[Any] = []  # Snapshot objects, or (step, path) on disk
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def push(self, snapshot: Snapshot) -> None:
+        if self.directory is None:
+            self._items.append(snapshot)
+        else:
+            os.makedirs(self.directory, exist_ok=True)
+            path = os.path.join(self.directory, f"snapshot-step{snapshot.step:09d}.pt")
+            save_snapshot_file(snapshot, path)
+            self._items.append((snapshot.step, path))
+        while len(self._items) > self.keep:
+            old = self._items.pop(0)
+            if isinstance(old, tuple) and os.path.exists(old[1]):
+                os.remove(old[1])
+
+    def steps(self) -> list[int]:
+        return [item.step if isinstance(item, Snapshot) else item[0] for item in self._items]
+
+    def latest(
+        self, on_corrupt: Optional[Callable[[str, Exception], None]] = None, before_step: Optional[int] = None
+    ) -> Optional[Snapshot]:
+        """The newest snapshot that loads (and has ``step < before_step`` when given).
+
+        Corrupt files are reported through ``on_corrupt``, dropped, and the previous one is used.
+        """
+        index = len(self._items) - 1
+        while index >= 0:
+            item = self._items[index]
+            step = item.step if isinstance(item, Snapshot) else item[0]
+            if before_step is not None and step >= before_step:
+                index -= 1
+                continue
+            if isinstance(item, Snapshot):
+                return item
+            try:
+                return load_snapshot_file(item[1])
+            except (CorruptSnapshotError, OSError, EOFError, RuntimeError) as error:
+                if on_corrupt is not None:
+                    on_corrupt(item[1], error)
+                self._items.pop(index)
+                index -= 1
+        return None

@@ -1,0 +1,97 @@
+"""Loss-spike detector: z-score of the loss against a window of recent healthy losses.
+
+A spike is confirmed when ``persistence`` consecutive losses each lie more than
+``z_threshold`` standard deviations above the window mean, after ``warmup``
+losses have been seen. Spiking losses never enter the window, so a spike does
+not raise the bar for the next one. All state is plain Python, in ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Optional
+
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+__all__ = ["LossSpikeDetector"]
+
+
+class LossSpikeDetector:
+    """Flags upward loss spikes.
+
+    Args:
+        window: how many recent healthy losses define "normal" (>= 2).
+        z_threshold: how many standard deviations above the mean count as a spike (> 0).
+        warmup: losses to observe before judging (defaults to ``window``; >= 2), so the
+            fast early descent of the loss is never called a spike.
+        persistence: consecutive spiking losses needed to confirm (>= 1); 1 reacts at once,
+            larger values ignore one-step blips.
+
+    Raises:
+        MisconfigurationException: an argument is out of range.
+
+    Example::
+
+        detector = LossSpikeDetector(window=50, z_threshold=6.0, persistence=2)
+        if detector.update(step, loss):
+            print("spike started at", detector.spike_start)
+    """
+
+    def __init__(
+        self, window: int = 100, z_threshold: float = 6.0, warmup: Optional[int] = None, persistence: int = 1
+    ) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
+            raise MisconfigurationException(f"`spike_window` must be an int >= 2, got {window!r}.")
+        if isinstance(z_threshold, bool) or not isinstance(z_threshold, (int, float)) or not z_threshold > 0:
+            raise MisconfigurationException(f"`spike_z_threshold` must be a number > 0, got {z_threshold!r}.")
+        if warmup is None:
+            warmup = window
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
+            raise MisconfigurationException(f"`spike_warmup` must be an int >= 2 or None, got {warmup!r}.")
+        if isinstance(persistence, bool) or not isinstance(persistence, int) or persistence < 1:
+            raise MisconfigurationException(f"`spike_persistence` must be an int >= 1, got {persistence!r}.")
+        self.window = window
+        self.z_threshold = float(z_threshold)
+        self.warmup = warmup
+        self.persistence = persistence
+        self._history: deque[float] = deque(maxlen=window)
+        self._seen = 0
+        self._run: list[int] = []  # steps of the current run of spiking losses
+        self.last_z: Optional[float] = None
+
+    @property
+    def spike_start(self) -> Optional[int]:
+        """First step of the current run of spiking losses (None when not spiking)."""
+        return self._run[0] if self._run else None
+
+    def zscore(self, loss: float) -> Optional[float]:
+        if self._seen < self.warmup or len(self._history) < 2:
+            return None
+        mean = math.fsum(self._history) / len(self._history)
+        var = math.fsum((x - mean) ** 2 for x in self._history) / (len(self._history) - 1)
+        # floor the scale so a perfectly flat loss does not turn rounding noise into spikes
+        std = max(math.sqrt(var), 1e-6 * max(abs(mean), 1.0))
+        return (loss - mean) / std
+
+    def update(self, step: int, loss: float) -> bool:
+        """Feed the loss of ``step``; True when a spike is confirmed at this step."""
+        if not math.isfinite(loss):
+            raise ValueError(f"loss of step {step} is {loss!r}; non-finite losses are the finite checks' job")
+        z = self.zscore(loss)
+        self.last_z = z
+        self._seen += 1
+        if z is not None and z > self.z_threshold:
+            self._run.append(int(step))
+            return len(self._run) >= self.persistence
+        self._run = []
+        self._history.append(float(loss))
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self._history), "seen": self._seen, "run": list(self._run)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._history = deque(state.get("history", []), maxlen=self.window)
+        self._seen = int(state.get("seen", len(self._history)))
+        self._run = list(state.get("run", []))

@@ -1,0 +1,102 @@
+"""A tiny regression module and trainer factory shared by the health tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class ToyModule(pl.LightningModule):
+    """MLP regression with dropout (uses the global RNG), Adam and a per-step StepLR."""
+
+    def __init__(self, lr: float = 0.05, n_samples: int = 64, batch_size: int = 4) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.1), nn.Linear(8, 1))
+        self.lr = lr
+        self.n_samples = n_samples
+        self.batch_size = batch_size
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.inner(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(self.n_samples, 4, generator=g)
+        y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(self.n_samples, 1, generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=True,
+                          generator=torch.Generator().manual_seed(1))
+
+
+class CaptureLogger(Logger):
+    """Keeps every ``log_metrics`` call in memory."""
+
+    def __init__(self, save_dir: str) -> None:
+        super().__init__()
+        self._save_dir = save_dir
+        self.metrics: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @property
+    def log_dir(self) -> str:
+        return self._save_dir
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.metrics.append((step, dict(metrics)))
+
+
+def make_trainer(tmp_path: Any, callbacks: list, max_steps: int = 12, logger: Any = False, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator=kwargs.pop("accelerator", "cpu"),
+        devices=kwargs.pop("devices", 1),
+        max_steps=max_steps,
+        logger=logger,
+        callbacks=callbacks,
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        deterministic=True,
+        **kwargs,
+    )
+
+
+def fit(tmp_path: Any, callbacks: list, max_steps: int = 12, seed: int = 0, module: Any = None, **kwargs: Any):
+    pl.seed_everything(seed, verbose=False)
+    module = module() if callable(module) and not isinstance(module, pl.LightningModule) else module
+    module = module if module is not None else ToyModule()
+    trainer = make_trainer(tmp_path, callbacks, max_steps=max_steps, **kwargs)
+    trainer.fit(module)
+    return trainer, module
+
+
+def state_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture
+def toy_fit():
+    return fit

@@ -1,0 +1,63 @@
+"""Health and rollback on DeepEP (tiny CPU sizes): a transient fault leaves weights and rollout state bitwise equal."""
+
+import pytest
+import torch
+
+from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback
+
+from .conftest import fit, state_equal
+
+from deepep_lightning import DeepEPModule
+
+
+def _make():
+    return DeepEPModule(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False)
+
+
+def _callbacks(health):
+    return [health, NaNRollbackCallback(snapshot_every_n_steps=4)]
+
+
+def test_deepep_transient_gradient_fault_is_invisible(tmp_path):
+    _, clean = fit(tmp_path, _callbacks(NumericalHealthCallback(check_every_n_steps=2)), max_steps=10, module=_make)
+    health = NumericalHealthCallback(check_every_n_steps=2)
+    _, faulty = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[5]), *_callbacks(health)], max_steps=10,
+                    module=_make)
+    assert [(e["kind"], e["step"]) for e in health.events.events] == [("detected", 5), ("rollback", 4), ("transient", 5)]
+    assert state_equal(clean.state_dict(), faulty.state_dict())
+    a, b = clean.rollout_state_dict(), faulty.rollout_state_dict()
+    assert a["rollout_step"] == b["rollout_step"] == 10
+    assert torch.equal(a["hidden"], b["hidden"]) and all(torch.equal(a["env"][k], b["env"][k]) for k in a["env"])
+
+
+def test_deepep_persistent_loss_fault_skipped_and_diagnosed(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip")
+    trainer, module = fit(tmp_path, [FaultInjectionCallback("loss", steps=[6], mode="always"), health, rollback],
+                          max_steps=10, module=_make)
+    kinds = [e["kind"] for e in health.events.events]
+    assert kinds[-1] == "recovered" and "diagnosis" in kinds and trainer.global_step == 10
+    # the skipped step still advanced the rollout (data position), only its update was dropped
+    assert module.rollout_state_dict()["rollout_step"] == 10
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+@pytest.mark.slow
+def test_deepep_real_overflow_detected_diagnosed_and_recovered(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=1, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=5, policy="lower_lr", lr_factor=0.1, max_retries=3)
+
+    def make():
+        return DeepEPModule(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=50, learning_rate=10.0,
+                            optimizer="sgd", fused_value_head=False)
+
+    trainer, module = fit(tmp_path, [health, rollback], max_steps=20, module=make)
+    kinds = [(e["kind"], e["step"]) for e in health.events.events]
+    bad = kinds[0][1]
+    assert kinds[0][0] == "detected" and kinds[2] == ("reproducible", bad) and kinds[1][1] < bad
+    diagnosis = next(e for e in health.events.events if e["kind"] == "diagnosis")
+    # the critic's squared error overflows float32: the locator names the op and the source line
+    assert diagnosis["phase"] == "forward" and "value_loss" in diagnosis["report"] and "loss.py" in diagnosis["report"]
+    assert ("recovered", bad) in kinds and trainer.global_step == 20 and not rollback.stopped
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert trainer.optimizers[0].param_groups[0]["lr"] <= 1.0 + 1e-9  # lowered at least once

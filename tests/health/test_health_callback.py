@@ -1,0 +1,129 @@
+"""NumericalHealthCallback: every fault type found on its step, no host reads between checks, norms logged."""
+
+import warnings
+
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from deepep_lightning.health import FaultInjectionCallback, NonFiniteError, NumericalHealthCallback
+from deepep_lightning.health import flags as flags_module
+
+from .conftest import CaptureLogger, ToyModule, fit
+
+TARGETS = ["loss", "gradient", "parameter", "batch"]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_fault_detected_on_its_step(tmp_path, target, value):
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    with pytest.raises(NonFiniteError, match="at step 5"):
+        fit(tmp_path, [FaultInjectionCallback(target, steps=[5], value=value), health], max_steps=10)
+    assert health.last_verdict.bad_step == 5 and health.last_verdict.end_step == 6
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_fault_detected_within_interval(tmp_path, target):
+    health = NumericalHealthCallback(check_every_n_steps=4)
+    with pytest.raises(NonFiniteError):
+        fit(tmp_path, [FaultInjectionCallback(target, steps=[5]), health], max_steps=12)
+    verdict = health.last_verdict
+    assert verdict.bad_step == 5  # the slot per step names the step, not only the interval
+    assert verdict.first_step <= 5 < verdict.end_step <= 5 + 4
+
+
+def test_clean_run_passes_every_check(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=2)
+    fit(tmp_path, [health], max_steps=10)
+    assert health.last_verdict.healthy and health.last_verdict.end_step == 10
+
+
+def test_no_host_read_between_checks(tmp_path, monkeypatch):
+    reads = []
+    original = flags_module._read_to_host
+
+    def counting(packed):
+        reads.append(trainer_ref[0].global_step)
+        return original(packed)
+
+    trainer_ref = []
+
+    class Spy(NumericalHealthCallback):
+        def setup(self, trainer, pl_module, stage):
+            trainer_ref.append(trainer)
+            super().setup(trainer, pl_module, stage)
+
+    monkeypatch.setattr(flags_module, "_read_to_host", counting)
+    fit(tmp_path, [Spy(check_every_n_steps=5, spike_detection=False)], max_steps=15)
+    assert reads == [5, 10, 15]
+    # negative control: per-step checking does read every step, so the counter can see reads
+    reads.clear()
+    trainer_ref.clear()
+    fit(tmp_path, [Spy(check_every_n_steps=1, spike_detection=False)], max_steps=6)
+    assert reads == [1, 2, 3, 4, 5, 6]
+
+
+def test_norms_logged_at_checks(tmp_path):
+    logger = CaptureLogger(str(tmp_path))
+    fit(tmp_path, [NumericalHealthCallback(check_every_n_steps=3)], max_steps=9, logger=logger)
+    health = {step: m for step, m in logger.metrics if "health/grad_norm" in m}
+    assert sorted(health) == [3, 6, 9]
+    assert all(m["health/grad_norm"] > 0 and m["health/param_norm"] > 0 for m in health.values())
+
+
+def test_warn_mode_continues_and_weights_go_nonfinite(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=1, on_nonfinite="warn")
+    with pytest.warns(UserWarning, match="nonfinite_loss at step 3"):
+        _, module = fit(tmp_path, [FaultInjectionCallback("loss", steps=[3]), health], max_steps=6)
+    assert not all(torch.isfinite(p).all() for p in module.parameters())  # why rollback exists
+    assert [e["kind"] for e in health.events.events][:1] == ["detected"]
+
+
+class SpikyModule(ToyModule):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1e4 if self.trainer.global_step >= 20 else loss
+
+
+def test_loss_spike_detected_at_its_start(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=5, spike_window=10, spike_warmup=10, spike_persistence=2,
+                                     spike_z_threshold=6.0, on_spike="raise")
+    with pytest.raises(NonFiniteError, match="loss_spike at step 20"):
+        fit(tmp_path, [health], max_steps=30, module=SpikyModule)
+    # negative control: the same run without the spike passes
+    health = NumericalHealthCallback(check_every_n_steps=5, spike_window=10, spike_warmup=10, spike_persistence=2,
+                                     spike_z_threshold=6.0, on_spike="raise")
+    fit(tmp_path, [health], max_steps=30)
+    assert health.last_verdict.healthy
+
+
+def test_epoch_end_parameter_threshold(tmp_path):
+    module = ToyModule(n_samples=16)
+    with pytest.raises(NonFiniteError, match="max \\|w\\|"):
+        fit(tmp_path, [NumericalHealthCallback(param_max_abs=1e-3, on_large_param="raise")], max_steps=4, module=module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        fit(tmp_path, [NumericalHealthCallback(param_max_abs=1e3, on_large_param="raise")], max_steps=4,
+            module=ToyModule(n_samples=16))
+
+
+def test_state_dict_round_trip(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_warmup=2, spike_window=4)
+    fit(tmp_path, [health], max_steps=8)
+    other = NumericalHealthCallback(check_every_n_steps=2, spike_warmup=2, spike_window=4)
+    other.load_state_dict(health.state_dict())
+    assert other.state_dict() == health.state_dict() and other.state_dict()["spike"]["history"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"check_every_n_steps": 0}, "check_every_n_steps"), ({"check_every_n_steps": 2.0}, "check_every_n_steps"),
+     ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"on_spike": None}, "on_spike"),
+     ({"param_max_abs": -1.0}, "param_max_abs"), ({"on_large_param": "boom"}, "on_large_param"),
+     ({"spike_window": 1}, "spike_window")],
+)
+def test_bad_arguments_name_argument_and_value(kwargs, name):
+    with pytest.raises(MisconfigurationException, match=name) as info:
+        NumericalHealthCallback(**kwargs)
+    assert repr(next(iter(kwargs.values()))) in str(info.value)

@@ -1,0 +1,142 @@
+"""NaNRollbackCallback: transient faults leave no trace; persistent ones get the policy, a retry cap, a clean stop."""
+
+import json
+import os
+
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback
+
+from .conftest import fit, state_equal
+
+MAX_STEPS = 20  # crosses the epoch boundary at step 16 (64 samples / batch 4)
+
+
+@pytest.fixture(scope="module")
+def clean_state(tmp_path_factory):
+    path = tmp_path_factory.mktemp("clean")
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    trainer, module = fit(path, [health, NaNRollbackCallback(snapshot_every_n_steps=4)], max_steps=MAX_STEPS)
+    assert health.events.events == []  # no incident in the clean run
+    return {k: v.clone() for k, v in module.state_dict().items()}, trainer.optimizers[0].state_dict()
+
+
+def _kinds(health):
+    return [(e["kind"], e["step"]) for e in health.events.events]
+
+
+@pytest.mark.parametrize("check_every", [1, 3])
+@pytest.mark.parametrize("target", ["loss", "gradient", "parameter", "batch"])
+def test_transient_fault_leaves_weights_bitwise_equal(tmp_path, clean_state, target, check_every):
+    health = NumericalHealthCallback(check_every_n_steps=check_every)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4)
+    trainer, module = fit(tmp_path, [FaultInjectionCallback(target, steps=[6]), health, rollback], max_steps=MAX_STEPS)
+    kinds = _kinds(health)
+    assert kinds[0] == ("detected", 6) and ("transient", 6) in kinds
+    assert trainer.global_step == MAX_STEPS
+    assert state_equal(module.state_dict(), clean_state[0])
+    # optimizer state too (Adam moments and step counters)
+    opt = trainer.optimizers[0].state_dict()["state"]
+    assert all(torch.equal(opt[i][k], clean_state[1]["state"][i][k]) for i in opt for k in opt[i])
+
+
+def test_without_rollback_the_fault_changes_the_weights(tmp_path, clean_state):
+    """Negative control for the bitwise test: the injected fault really corrupts training."""
+    health = NumericalHealthCallback(check_every_n_steps=1, on_nonfinite="warn")
+    with pytest.warns(UserWarning):
+        _, module = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[6]), health], max_steps=MAX_STEPS)
+    assert not state_equal(module.state_dict(), clean_state[0])
+
+
+def test_callback_order_does_not_matter(tmp_path, clean_state):
+    health = NumericalHealthCallback(check_every_n_steps=2)
+    callbacks = [NaNRollbackCallback(snapshot_every_n_steps=4), FaultInjectionCallback("loss", steps=[9]), health]
+    _, module = fit(tmp_path, callbacks, max_steps=MAX_STEPS)
+    assert ("transient", 9) in _kinds(health)
+    assert state_equal(module.state_dict(), clean_state[0])
+
+
+def test_persistent_fault_skip_policy_recovers(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=2)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", skip_batches=2)
+    trainer, module = fit(tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback],
+                          max_steps=MAX_STEPS)
+    kinds = [k for k, _ in _kinds(health)]
+    assert kinds == ["detected", "rollback", "reproducible", "diagnosis", "policy", "rollback", "recovered"]
+    assert rollback.state_dict()["skip_steps"] == [7, 8]
+    assert trainer.global_step == MAX_STEPS and not rollback.stopped
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    diagnosis = next(e for e in health.events.events if e["kind"] == "diagnosis")
+    assert diagnosis["op"] == "aten.mul.Tensor" and "fault_injection.py" in diagnosis["report"]
+
+
+def test_lower_lr_policy_respects_retry_cap_and_stops_at_snapshot(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", lr_factor=0.5, max_retries=2)
+    trainer, module = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[9], mode="always"), health, rollback],
+                          max_steps=MAX_STEPS)
+    kinds = [k for k, _ in _kinds(health)]
+    assert kinds.count("policy") == 2 and kinds.count("rollback") == 3 and kinds[-1] == "stopped"
+    # each retry restarts one snapshot further back (strictly before the bad step)
+    assert [s for k, s in _kinds(health) if k == "rollback"] == [8, 8, 4]
+    assert rollback.stopped and trainer.global_step == 10  # stopped cleanly after the failing step
+    report = rollback.stop_report
+    assert report["weights_at_step"] == 8 and report["lr_scale"] == 0.25 and report["attempts"] == 2
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    # the weights are those of the snapshot: equal to a clean run stopped at step 8
+    _, reference = fit(tmp_path / "ref", [], max_steps=8)
+    assert state_equal(module.state_dict(), reference.state_dict())
+
+
+def test_stop_policy_writes_json_report_in_log_dir(tmp_path):
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(str(tmp_path), name="run")
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
+    fit(tmp_path, [FaultInjectionCallback("parameter", steps=[5], mode="always"), health, rollback],
+        max_steps=MAX_STEPS, logger=logger)
+    path = os.path.join(logger.log_dir, "health_events.jsonl")
+    events = [json.loads(line) for line in open(path)]
+    assert [e["kind"] for e in events][-1] == "stopped"
+    diagnosis = next(e for e in events if e["kind"] == "diagnosis")
+    # the parameter is poisoned inside the step, so the locator names the planting write and its frame
+    assert "fault_injection.py" in diagnosis["report"] and diagnosis["phase"] == "forward"
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(logger.log_dir))
+
+
+def test_disk_snapshots_with_corrupt_latest_fall_back(tmp_path, clean_state):
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, keep_snapshots=3, snapshot_dir=str(tmp_path / "snaps"))
+
+    class Corrupter(FaultInjectionCallback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 10:  # the newest snapshot (step 8) gets truncated on disk
+                path = rollback.ring._items[-1][1]
+                data = open(path, "rb").read()
+                open(path, "wb").write(data[: len(data) // 2])
+
+    _, module = fit(tmp_path, [Corrupter("loss", steps=[10]), health, rollback], max_steps=MAX_STEPS)
+    kinds = _kinds(health)
+    assert ("corrupt_snapshot", 11) in kinds or any(k == "corrupt_snapshot" for k, _ in kinds)
+    assert ("rollback", 4) in kinds and ("transient", 10) in kinds  # the previous snapshot was used
+    assert state_equal(module.state_dict(), clean_state[0])
+
+
+def test_needs_health_callback(tmp_path):
+    with pytest.raises(MisconfigurationException, match="NumericalHealthCallback"):
+        fit(tmp_path, [NaNRollbackCallback()], max_steps=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"snapshot_every_n_steps": 0}, "snapshot_every_n_steps"), ({"keep_snapshots": 0}, "keep_snapshots"),
+     ({"policy": "pray"}, "policy"), ({"skip_batches": 0}, "skip_batches"), ({"lr_factor": 1.5}, "lr_factor"),
+     ({"lr_factor": 0}, "lr_factor"), ({"max_retries": -1}, "max_retries"), ({"snapshot_dir": 3}, "snapshot_dir")],
+)
+def test_bad_arguments_name_argument_and_value(kwargs, name):
+    with pytest.raises(MisconfigurationException, match=name) as info:
+        NaNRollbackCallback(**kwargs)
+    assert repr(next(iter(kwargs.values()))) in str(info.value)

@@ -1,0 +1,119 @@
+"""Snapshots: exact restore of model/optimizer/scheduler/RNG; atomic checksummed files; corrupt files rejected."""
+
+import os
+
+import pytest
+import torch
+
+from deepep_lightning.health import NumericalHealthCallback
+from deepep_lightning.health.snapshot import (
+    CorruptSnapshotError,
+    Snapshot,
+    SnapshotRing,
+    load_snapshot_file,
+    save_snapshot_file,
+)
+
+from .conftest import fit
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    trainer, module = fit(tmp_path_factory.mktemp("snap"), [NumericalHealthCallback()], max_steps=5)
+    return trainer, module
+
+
+def _optimizer_tensors(trainer):
+    state = trainer.optimizers[0].state_dict()["state"]
+    return {(i, k): v.clone() for i in state for k, v in state[i].items() if isinstance(v, torch.Tensor)}
+
+
+def _mutate(trainer, module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(1.0)
+    for s in trainer.optimizers[0].state.values():
+        for v in s.values():
+            v.add_(3.0)
+    trainer.lr_scheduler_configs[0].scheduler.step()
+    torch.rand(10)
+
+
+def test_restore_is_exact_and_in_place(trained):
+    trainer, module = trained
+    snapshot = Snapshot.capture(trainer, module, {"x": 1}, lr_scale=1.0)
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    opt = _optimizer_tensors(trainer)
+    live_ids = {id(v) for s in trainer.optimizers[0].state.values() for v in s.values()}
+    sched = trainer.lr_scheduler_configs[0].scheduler.state_dict()
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+    expected_rand = torch.rand(5)
+    torch.set_rng_state(snapshot.rng["torch"])
+
+    _mutate(trainer, module)
+    assert not torch.equal(next(module.parameters()), next(iter(params.values())))  # negative control
+    snapshot.restore(trainer, module)
+
+    assert all(torch.equal(p, params[n]) for n, p in module.named_parameters())
+    restored = _optimizer_tensors(trainer)
+    assert restored.keys() == opt.keys() and all(torch.equal(restored[k], opt[k]) for k in opt)
+    assert {id(v) for s in trainer.optimizers[0].state.values() for v in s.values()} == live_ids  # in place
+    assert trainer.lr_scheduler_configs[0].scheduler.state_dict() == sched
+    assert trainer.optimizers[0].param_groups[0]["lr"] == lr
+    assert torch.equal(torch.rand(5), expected_rand)
+
+
+def test_disk_round_trip(trained, tmp_path):
+    trainer, module = trained
+    snapshot = Snapshot.capture(trainer, module, {"spike": None}, lr_scale=0.5)
+    path = str(tmp_path / "s.pt")
+    save_snapshot_file(snapshot, path)
+    loaded = load_snapshot_file(path)
+    assert loaded.step == snapshot.step and loaded.lr_scale == 0.5
+    _mutate(trainer, module)
+    loaded.restore(trainer, module)
+    assert all(
+        torch.equal(p, snapshot.model[n]["__snapshot_tensor__"]) for n, p in module.state_dict().items()
+    )
+    assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]  # the temporary file was renamed away
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [(lambda b: b[: len(b) // 2], "truncated"), (lambda b: b[:-10] + bytes(10), "checksum"),
+     (lambda b: b"garbage" + b, "bad header"), (lambda b: b[:5], "bad header")],
+)
+def test_corrupt_files_are_rejected_clearly(trained, tmp_path, damage, message):
+    trainer, module = trained
+    path = str(tmp_path / "s.pt")
+    save_snapshot_file(Snapshot.capture(trainer, module, {}, 1.0), path)
+    data = open(path, "rb").read()
+    open(path, "wb").write(damage(data))
+    with pytest.raises(CorruptSnapshotError, match=message):
+        load_snapshot_file(path)
+
+
+def test_ring_keeps_last_n_and_falls_back_past_corrupt(trained, tmp_path):
+    trainer, module = trained
+    ring = SnapshotRing(keep=2, directory=str(tmp_path))
+    for index in range(3):
+        snapshot = Snapshot.capture(trainer, module, {}, 1.0)
+        snapshot.step = 10 * index
+        ring.push(snapshot)
+    assert ring.steps() == [10, 20] and len(os.listdir(tmp_path)) == 2
+    newest = ring._items[-1][1]
+    data = open(newest, "rb").read()
+    open(newest, "wb").write(data[:100])
+    seen = []
+    assert ring.latest(lambda path, error: seen.append((path, str(error)))).step == 10
+    assert seen and seen[0][0] == newest and "truncated" in seen[0][1]
+
+
+def test_host_ring_drops_oldest(trained):
+    trainer, module = trained
+    ring = SnapshotRing(keep=2)
+    for step in (1, 2, 3):
+        snapshot = Snapshot.capture(trainer, module, {}, 1.0)
+        snapshot.step = step
+        ring.push(snapshot)
+    assert ring.steps() == [2, 3] and ring.latest().step == 3
