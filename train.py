@@ -9,14 +9,24 @@ from __future__ import annotations
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from deepep_lightning import DeepEPModule
+from deepep_lightning import DeepEPModule, configure
 
 
 class DeepEPCLI(LightningCLI):
-    """LightningCLI whose ``seed_everything`` also seeds DeepEP's environments and rollouts."""
+    """LightningCLI that configures determinism before anything is built.
+
+    ``seed_everything`` also seeds DeepEP's environments and rollouts, and ``configure(seed)`` runs
+    after parsing but before the model and Trainer exist, so the cuBLAS workspace, deterministic
+    algorithms and seeds are in place before anything can create a CUDA context.
+    """
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("seed_everything", "model.seed")
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        seed = config.get("seed_everything")
+        configure(int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else 0)
 
 
 def main(args: list[str] | None = None) -> DeepEPCLI:

@@ -1,0 +1,356 @@
+"""DeterminismCallback: bitwise run-to-run reproducibility and exact (mid-epoch) resume for any module.
+
+What it does, in hook order:
+
+* ``__init__``: validates its arguments and, when CUDA has not started yet, calls
+  :func:`~deepep_lightning.determinism.configuration.configure` right away (constructing the callback is
+  usually the last thing before ``Trainer(...)`` starts CUDA).
+* ``setup``: checks that ``configure`` ran before CUDA started (``strict``: raise, naming what to
+  move; otherwise warn), re-applies the flags, and wraps the train DataLoader source so plain
+  map-style loaders become :class:`~deepep_lightning.determinism.data.SeekableDataLoader`.
+* ``on_train_batch_start``: reseeds torch/numpy/random from ``(seed, "train", rank, epoch,
+  batch_idx)``, so the training stream at any batch is a pure function of its position: nothing
+  that runs between two batches (validation, sanity check, logging, a loader's ``base_seed``) can
+  shift it, and a resume needs no replay. On the first batch after a resume it first restores the
+  checkpointed RNG states (the only mechanism when ``reseed_every_step=False``).
+* ``state_dict``: every RNG state (torch CPU, each CUDA device, numpy, python, registered
+  generators) as ``weights_only``-loadable values, plus the stack fingerprint.
+* ``load_state_dict``: compares the saved fingerprint with the current one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from deepep_lightning.determinism.configuration import _validate as _validate_configure_arguments
+from deepep_lightning.determinism.configuration import (
+    ConfigureRecord,
+    configure,
+    last_configure_record,
+    prime_cublas_and_release_env,
+)
+from deepep_lightning.determinism.data import make_seekable
+from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints, format_fingerprint
+from deepep_lightning.determinism.results import capture_logged_state, merge_epoch_results, restore_metric_modules
+from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state, seed_everything_from
+
+__all__ = ["DeterminismCallback", "FingerprintMismatchError"]
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+
+
+class FingerprintMismatchError(RuntimeError):
+    """A checkpoint was written on a different stack than the one resuming it (strict mode)."""
+
+
+@dataclasses.dataclass
+class _SeekableSource(_DataLoaderSource):
+    """The fit loop's train-data source, returning seekable loaders (Lightning re-wraps for DDP the same way)."""
+
+    callback: Any = None
+
+    def dataloader(self) -> Any:
+        loaders = super().dataloader()
+        return self.callback._make_seekable(loaders)
+
+
+class DeterminismCallback(Callback):
+    """Reproducible runs and exact resume for any LightningModule.
+
+    Args:
+        seed: run seed; ``None`` takes the seed of an earlier :func:`configure` call, else 0.
+        strict: raise (instead of warning) when CUDA started before :func:`configure`, when the
+            checkpoint's fingerprint differs, or when a train loader cannot be made seekable.
+        deterministic_algorithms, warn_only, fill_uninitialized_memory, cublas_workspace_config:
+            passed to :func:`configure` (see there for the defaults and their cost).
+        release_cublas_env: at train start on CUDA, let PyTorch check ``CUBLAS_WORKSPACE_CONFIG``
+            once and then unset it (:func:`prime_cublas_and_release_env`): avoids the per-GEMM host
+            cost of the variable where PyTorch re-parses it on every call.
+        seekable_data: rebuild plain map-style train DataLoaders as seekable ones (order = pure
+            function of (seed, epoch, rank); per-sample streams from (seed, epoch, index)).
+        reseed_every_step: reseed the global RNGs from the batch position before every batch.
+        isolate_evaluation: validation and sanity checks run on their own stream and never shift
+            the training stream (matters when ``reseed_every_step=False``).
+        log_fingerprint: write the fingerprint to TensorBoard's text plugin.
+
+    Raises:
+        MisconfigurationException: an argument has a wrong type or value.
+
+    Example::
+
+        trainer = Trainer(callbacks=[DeterminismCallback(seed=7)])
+    """
+
+    def __init__(
+        self,
+        seed: int | None = None,
+        *,
+        strict: bool = True,
+        deterministic_algorithms: bool = True,
+        warn_only: bool = False,
+        fill_uninitialized_memory: bool = False,
+        cublas_workspace_config: str | None = ":4096:8",
+        release_cublas_env: bool = False,
+        seekable_data: bool = True,
+        reseed_every_step: bool = True,
+        isolate_evaluation: bool = True,
+        log_fingerprint: bool = True,
+    ) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise MisconfigurationException(f"`seed` must be a non-negative int or None, got {seed!r}")
+        flags = {
+            "strict": strict,
+            "release_cublas_env": release_cublas_env,
+            "seekable_data": seekable_data,
+            "reseed_every_step": reseed_every_step,
+            "isolate_evaluation": isolate_evaluation,
+            "log_fingerprint": log_fingerprint,
+        }
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise MisconfigurationException(f"`{name}` must be a bool, got {value!r}")
+        _validate_configure_arguments(
+            seed or 0, cublas_workspace_config,
+            {"deterministic_algorithms": deterministic_algorithms, "warn_only": warn_only,
+             "fill_uninitialized_memory": fill_uninitialized_memory},
+        )
+        record = last_configure_record()
+        self.seed = seed if seed is not None else (record.seed if record is not None else 0)
+        self.strict = strict
+        self.release_cublas_env = release_cublas_env
+        self.seekable_data = seekable_data
+        self.reseed_every_step = reseed_every_step
+        self.isolate_evaluation = isolate_evaluation
+        self.log_fingerprint = log_fingerprint
+        self._configure_kwargs = {
+            "deterministic_algorithms": deterministic_algorithms,
+            "warn_only": warn_only,
+            "fill_uninitialized_memory": fill_uninitialized_memory,
+            "cublas_workspace_config": cublas_workspace_config,
+        }
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()) and not self._record_matches(record):
+            configure(self.seed, **self._configure_kwargs)  # validates the forwarded arguments too
+        self._generators: dict[str, torch.Generator] = {}
+        self._pending_rng: dict[str, Any] | None = None
+        self._pending_logged: dict[str, Any] | None = None
+        self._pending_results: dict[str, Any] = {}
+        self._saved_train_rng: dict[str, Any] | None = None
+        self._original_source: _DataLoaderSource | None = None
+        self._rank = 0
+        self._world_size = 1
+        # Test hooks for negative controls: a resume restores nothing / no RNG state when False.
+        self._restore_on_resume = True
+        self._restore_rng_on_resume = True
+
+    def register_generator(self, name: str, generator: torch.Generator) -> None:
+        """Include ``generator`` in checkpoints (saved and restored by name)."""
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"`generator` must be a torch.Generator, got {type(generator).__name__}")
+        self._generators[str(name)] = generator
+
+    def _record_matches(self, record: ConfigureRecord | None) -> bool:
+        if record is None or record.seed != self.seed:
+            return False
+        kwargs = self._configure_kwargs
+        return (
+            record.deterministic_algorithms == kwargs["deterministic_algorithms"]
+            and record.warn_only == kwargs["warn_only"]
+            and record.fill_uninitialized_memory == kwargs["fill_uninitialized_memory"]
+        )
+
+    # ---------------------------------------------------------------- setup / teardown
+    @override
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        record = last_configure_record()
+        if record is None or not self._record_matches(record):
+            record = configure(self.seed, **self._configure_kwargs)
+        if record.too_late:
+            message = (
+                f"DeterminismCallback: CUDA started before configure() set {', '.join(record.too_late)}:"
+                " settings read when CUDA/cuBLAS start may not take effect. HINT: call"
+                " `deepep_lightning.configure(seed)` (or construct `DeterminismCallback`) before anything"
+                " touches CUDA: before `model.cuda()`, `torch.randn(...,"
+                " device='cuda')`, `torch.cuda.*` queries and `Trainer(...)`; or export CUBLAS_WORKSPACE_CONFIG"
+                " in the shell."
+            )
+            if self.strict:
+                raise MisconfigurationException(message)
+            rank_zero_warn(message)
+        if torch.are_deterministic_algorithms_enabled() != record.deterministic_algorithms:
+            rank_zero_warn("DeterminismCallback: deterministic-algorithms flag changed after configure(); re-applied")
+            torch.use_deterministic_algorithms(record.deterministic_algorithms, warn_only=record.warn_only)
+        if stage == "fit" and self.seekable_data:
+            source = trainer.fit_loop._data_source
+            if not isinstance(source, _SeekableSource):
+                self._original_source = source
+                trainer.fit_loop._data_source = _SeekableSource(source.instance, source.name, callback=self)
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self._original_source is not None:
+            wrapped = trainer.fit_loop._data_source
+            self._original_source.instance = wrapped.instance
+            trainer.fit_loop._data_source = self._original_source
+            self._original_source = None
+
+    def _make_seekable(self, loaders: Any) -> Any:
+        def convert(loader: Any) -> Any:
+            new, reason = make_seekable(loader, seed=self.seed, rank=self._rank, world_size=self._world_size)
+            if reason is not None and not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
+                message = (
+                    f"DeterminismCallback: the train loader cannot be made seekable because {reason};"
+                    " a mid-epoch resume will not be exact. HINT: use a plain DataLoader over a map-style"
+                    " dataset, or a `SeekableSampler`, or pass seekable_data=False to silence this."
+                )
+                if self.strict:
+                    raise MisconfigurationException(message)
+                rank_zero_warn(message)
+            if new is not loader and not self._restore_on_resume:
+                new.load_state_dict = lambda state: None  # negative control: resume from the epoch start
+            return new
+
+        if isinstance(loaders, CombinedLoader):
+            loaders.flattened = [convert(loader) for loader in loaders.flattened]
+            return loaders
+        if isinstance(loaders, torch.utils.data.DataLoader):
+            return convert(loaders)
+        combined = CombinedLoader(loaders, "max_size_cycle")
+        combined.flattened = [convert(loader) for loader in combined.flattened]
+        return combined
+
+    # ---------------------------------------------------------------- training stream
+    @override
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.release_cublas_env and pl_module.device.type == "cuda":
+            prime_cublas_and_release_env(pl_module.device)
+        if not (self.log_fingerprint and trainer.is_global_zero):
+            return
+        text = format_fingerprint(collect_fingerprint(trainer.world_size))
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("determinism/fingerprint", text, global_step=trainer.global_step)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
+        if self._pending_rng is not None:
+            skipped = restore_rng_state(self._pending_rng, self._generators)
+            if skipped:
+                rank_zero_warn(f"DeterminismCallback: could not restore {', '.join(skipped)}")
+            self._pending_rng = None
+        if self._pending_logged is not None:
+            logged, self._pending_logged = self._pending_logged, None
+            if logged.get("epoch") == trainer.current_epoch:  # mid-epoch resume: continue the epoch's sums
+                missing = restore_metric_modules(pl_module, logged)
+                if missing:
+                    rank_zero_warn(f"DeterminismCallback: no Metric module named {missing} to restore")
+                self._pending_results = dict(logged.get("results", {}))
+        if self.reseed_every_step:
+            seed_everything_from(self.seed, "train", self._rank, trainer.current_epoch, batch_idx)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._pending_results:
+            merge_epoch_results(trainer, self._pending_results)
+        if self.isolate_evaluation and not self.reseed_every_step:
+            # validation may follow; its loader draws a base_seed before on_validation_start runs
+            self._saved_train_rng = capture_rng_state()
+
+    # ---------------------------------------------------------------- evaluation isolation
+    @override
+    def on_sanity_check_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.isolate_evaluation:
+            self._saved_train_rng = capture_rng_state()
+
+    @override
+    def on_sanity_check_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._put_back_train_rng()
+
+    @override
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.isolate_evaluation:
+            seed_everything_from(self.seed, "validation", self._rank, trainer.global_step)
+
+    @override
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if not trainer.sanity_checking:
+            self._put_back_train_rng()
+
+    def _put_back_train_rng(self) -> None:
+        if self.isolate_evaluation and self._saved_train_rng is not None:
+            restore_rng_state(self._saved_train_rng)
+        self._saved_train_rng = None
+
+    # ---------------------------------------------------------------- checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "rng": capture_rng_state(self._generators),
+            "fingerprint": collect_fingerprint(self._world_size),
+            "reseed_every_step": self.reseed_every_step,
+            "logged": {},  # filled by on_save_checkpoint, which sees the trainer
+        }
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        # state_dict() has no access to the trainer: take the logging snapshot here and store it
+        logged = capture_logged_state(trainer, pl_module)
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is not None:
+            state["logged"] = logged
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_seed = state_dict.get("seed", self.seed)
+        if saved_seed != self.seed:
+            message = (
+                f"DeterminismCallback: the checkpoint was written with seed={saved_seed!r},"
+                f" resuming with {self.seed!r}"
+            )
+            if self.strict:
+                raise MisconfigurationException(message + " (HINT: resume with the same seed)")
+            rank_zero_warn(message)
+        saved_fingerprint = state_dict.get("fingerprint")
+        if saved_fingerprint:
+            differences = diff_fingerprints(saved_fingerprint, collect_fingerprint(self._world_size))
+            if differences:
+                detail = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in _rows(differences))
+                message = (
+                    "DeterminismCallback: the checkpoint was written on a different stack, so the resumed run"
+                    f" may not be bitwise equal to an uninterrupted one. Fields that differ: {detail}"
+                )
+                if self.strict:
+                    raise FingerprintMismatchError(message)
+                rank_zero_warn(message)
+        if state_dict.get("logged") and self._restore_on_resume:
+            self._pending_logged = state_dict["logged"]
+        if "rng" in state_dict and self._restore_on_resume and self._restore_rng_on_resume:
+            self._pending_rng = state_dict["rng"]
+        elif "rng" not in state_dict:
+            rank_zero_info("DeterminismCallback: checkpoint has no RNG state (older version); not restoring RNG")
+
+
+def _rows(differences: dict[str, tuple[str, str]]) -> list[tuple[str, str, str]]:
+    return [(key, old, new) for key, (old, new) in differences.items()]

@@ -1,0 +1,150 @@
+"""Capture and restore every global random state as ``torch.load(weights_only=True)``-safe values.
+
+What is captured: the torch CPU generator, the generator of every CUDA device (only when CUDA is
+already initialised: asking for it would otherwise create a CUDA context), numpy's legacy global
+``RandomState``, Python's ``random`` module, and any extra ``torch.Generator`` handed in by name.
+Everything is stored as tensors, ints, floats, strings or ``None``, so a checkpoint holding it loads
+under ``weights_only=True``. Lightning's own ``_collect_rng_states`` keeps numpy's and Python's
+states as tuples holding numpy arrays, which ``weights_only=True`` refuses.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from deepep_lightning.determinism.streams import derive_seed
+
+__all__ = ["capture_rng_state", "restore_rng_state", "seed_everything_from", "fork_global_rng"]
+
+_NUMPY_SEED_MASK = 2**32 - 1
+
+
+def _numpy_state() -> dict[str, Any]:
+    kind, keys, position, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
+    return {
+        "kind": str(kind),
+        "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),  # uint32 values fit into int64
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+
+
+def _set_numpy_state(state: Mapping[str, Any]) -> None:
+    keys = state["keys"].numpy().astype(np.uint32)
+    np.random.set_state(
+        (state["kind"], keys, int(state["position"]), int(state["has_gauss"]), float(state["cached_gaussian"]))
+    )
+
+
+def _python_state() -> dict[str, Any]:
+    version, internal, gauss_next = random.getstate()
+    return {"version": int(version), "internal": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss_next}
+
+
+def _set_python_state(state: Mapping[str, Any]) -> None:
+    internal = tuple(int(v) for v in state["internal"].tolist())
+    random.setstate((int(state["version"]), internal, state["gauss_next"]))
+
+
+def capture_rng_state(generators: Mapping[str, torch.Generator] | None = None) -> dict[str, Any]:
+    """Snapshot the global RNGs (and ``generators``) as plain, ``weights_only``-loadable values.
+
+    Args:
+        generators: extra named generators to include (e.g. the plugin's own streams).
+
+    Example::
+
+        state = capture_rng_state()
+        torch.rand(3)
+        restore_rng_state(state)  # the next torch.rand(3) repeats
+    """
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": _numpy_state(),
+        "python": _python_state(),
+        "cuda": [],
+        "generators": {},
+    }
+    # Never create a CUDA context just to read its RNG: configure() must be able to run first.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    for name, generator in (generators or {}).items():
+        state["generators"][str(name)] = {"device": str(generator.device), "state": generator.get_state()}
+    return state
+
+
+def restore_rng_state(
+    state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None
+) -> list[str]:
+    """Restore a snapshot made by :func:`capture_rng_state`; returns what could not be restored.
+
+    A CUDA snapshot is restored only when the number of visible devices matches; named generators
+    missing on either side are reported, never guessed.
+
+    Raises:
+        KeyError: ``state`` lacks the ``"torch"`` entry (not a snapshot).
+    """
+    skipped: list[str] = []
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        _set_numpy_state(state["numpy"])
+    if "python" in state:
+        _set_python_state(state["python"])
+    cuda_states = list(state.get("cuda", []))
+    if cuda_states:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(cuda_states):
+            torch.cuda.set_rng_state_all(cuda_states)
+        else:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            skipped.append(f"cuda ({len(cuda_states)} saved device states, {count} visible devices)")
+    saved = dict(state.get("generators", {}))
+    for name, generator in (generators or {}).items():
+        if name in saved:
+            generator.set_state(saved.pop(name)["state"])
+        else:
+            skipped.append(f"generator {name!r} (not in the snapshot)")
+    skipped.extend(f"generator {name!r} (not registered now)" for name in saved)
+    return skipped
+
+
+def seed_everything_from(seed: int, *keys: int | str) -> int:
+    """Seed torch (CPU and every CUDA device), numpy and ``random`` from ``derive_seed(seed, *keys)``.
+
+    Returns the derived seed. ``torch.manual_seed`` seeds CUDA lazily, so this is safe before
+    CUDA starts.
+    """
+    derived = derive_seed(seed, *keys)
+    torch.manual_seed(derived)
+    np.random.seed(derived & _NUMPY_SEED_MASK)
+    random.seed(derived)
+    return derived
+
+
+class fork_global_rng:  # noqa: N801 - used like torch.random.fork_rng
+    """Context manager: run a block with its own global RNG state and put the outer one back.
+
+    Unlike ``torch.random.fork_rng`` it also covers numpy and ``random``, and leaves CUDA alone when
+    CUDA has not started (a fork must never be the thing that creates the context).
+    """
+
+    def __init__(self) -> None:
+        self._saved: dict[str, Any] | None = None
+
+    def __enter__(self) -> "fork_global_rng":
+        self._saved = capture_rng_state()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        assert self._saved is not None
+        saved_cuda = self._saved.get("cuda")
+        if not saved_cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
+            # CUDA started inside the block: nothing to put back for it.
+            self._saved = {**self._saved, "cuda": []}
+        restore_rng_state(self._saved)
+        self._saved = None

@@ -1,0 +1,155 @@
+"""Test helper: one ``fit`` in a fresh process, optionally SIGKILLed after a checkpoint, or resumed.
+
+Usage (from the tests)::
+
+    python _run_fit.py --module plain --out DIR --tb DIR [--kill-at STEP] [--resume CKPT] [--no-restore]
+
+Writes ``DIR/final.pt`` (model and optimizer state) when ``fit`` returns. Checkpoints go to
+``DIR/last.ckpt`` every ``--ckpt-every`` steps (atomically: written to a temp name, then renamed).
+With ``--kill-at S`` the process SIGKILLs itself at the start of the batch after global step ``S``
+(loggers flushed first, so the logged scalars up to step ``S`` are on disk), i.e. mid-epoch and
+``S - last checkpoint`` steps after the last checkpoint: the resumed run replays those steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+from deepep_lightning.determinism import DeterminismCallback, configure  # noqa: E402
+
+SEED = 1234
+
+
+class _PlainDataset(torch.utils.data.Dataset):
+    """64 fixed points; ``__getitem__`` augments with torch *and* numpy noise (worker-side randomness)."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(64, 6, generator=generator)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int):
+        import numpy as np
+
+        noise = torch.randn(6) * 0.1 + torch.from_numpy(np.random.uniform(-0.05, 0.05, 6)).float()
+        return self.x[index] + noise, self.y[index]
+
+
+def _plain_module():
+    import lightning.pytorch as pl
+
+    class PlainModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2)
+            )
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.net(x), y)
+            self.log("train/loss", loss, on_step=True, on_epoch=False)
+            # an epoch-level mean accumulates across the restart (Lightning checkpoints its results)
+            self.log("train/epoch_loss", loss, on_step=False, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            # consumes the global RNG: must not shift the training stream
+            loss = torch.nn.functional.cross_entropy(self.net(x + torch.randn_like(x)), y)
+            self.log("val/loss", loss)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_PlainDataset(), batch_size=8, shuffle=True, num_workers=2)
+
+        def val_dataloader(self):
+            return torch.utils.data.DataLoader(_PlainDataset(), batch_size=16, shuffle=False)
+
+    return PlainModule()
+
+
+def _deepep_module(extra_args: str):
+    import json
+
+    from deepep_lightning.module import DeepEPModule
+
+    kwargs = {"env": "cartpole", "num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch": 7,
+              "seed": SEED, "fused_value_head": False, **json.loads(extra_args)}
+    return DeepEPModule(**kwargs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--module", choices=["plain", "deepep"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--tb", required=True)
+    parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--ckpt-every", type=int, default=3)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--no-restore", choices=["all", "rng"], default=None,
+                        help="negative control: restore nothing (all) or no RNG state (rng) on resume")
+    parser.add_argument("--no-reseed", action="store_true", help="rely on checkpointed RNG state only")
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--deepep-args", default="{}", help="JSON of DeepEPModule arguments (GPU settings)")
+    args = parser.parse_args()
+
+    configure(SEED, cublas_workspace_config=":4096:8")  # first thing: before CUDA starts
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    class CheckpointThenKill(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step % args.ckpt_every == 0:
+                path = os.path.join(args.out, "last.ckpt")
+                trainer.save_checkpoint(path + ".tmp")
+                os.replace(path + ".tmp", path)
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if args.kill_at is not None and trainer.global_step == args.kill_at:
+                for logger in trainer.loggers:
+                    logger.experiment.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callback = DeterminismCallback(SEED, reseed_every_step=not args.no_reseed)
+    callback._restore_on_resume = args.no_restore != "all"
+    callback._restore_rng_on_resume = args.no_restore is None
+    model = _plain_module() if args.module == "plain" else _deepep_module(args.deepep_args)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        max_steps=args.max_steps,
+        logger=TensorBoardLogger(args.tb, name="", version=""),
+        log_every_n_steps=1,
+        val_check_interval=4 if args.module == "plain" else 1.0,
+        num_sanity_val_steps=2 if args.module == "plain" else 0,
+        limit_val_batches=2,
+        callbacks=[callback, CheckpointThenKill()],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, ckpt_path=args.resume)
+    optimizer_state = trainer.optimizers[0].state_dict()["state"]
+    flat_optimizer = {f"opt.{i}.{k}": v for i, s in optimizer_state.items() for k, v in s.items()}
+    torch.save({"model": model.state_dict(), "optimizer": flat_optimizer}, os.path.join(args.out, "final.pt"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
