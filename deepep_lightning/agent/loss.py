@@ -66,7 +66,9 @@ def deepep_loss(
     with torch.no_grad():
         values = (probs * q).sum(dim=-1)  # [T, B]
         targets = lambda_returns(rewards, dones, values, bootstrap_value, gamma, gae_lambda)
-    q_taken = q.gather(-1, actions.unsqueeze(-1)).squeeze(-1)  # [T, B]
+    # One-hot product, not gather: gather's backward is a scatter-add (atomics on CUDA).
+    taken = torch.nn.functional.one_hot(actions, q.shape[-1]).to(q.dtype)  # [T, B, A]
+    q_taken = (q * taken).sum(dim=-1)  # [T, B]
     value_loss = 0.5 * (q_taken - targets).square().mean()
     loss = policy_loss + value_coef * value_loss - entropy_coef * entropy
     return LossTerms(loss, policy_loss, value_loss, entropy)

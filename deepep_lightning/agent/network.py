@@ -81,10 +81,10 @@ class DeepEPAgent(nn.Module):
         """One timestep; ``uniform`` ``[B]`` in [0, 1) drives the action sample (no global RNG)."""
         logits, q = self.evaluate(obs, hidden)
         action = sample_categorical(logits, uniform)
-        value = q.gather(-1, action.unsqueeze(-1))  # [B, 1]
+        one_hot = nn.functional.one_hot(action, self.num_actions).to(obs.dtype)  # [B, A]
+        value = (q * one_hot).sum(dim=-1, keepdim=True)  # [B, 1]; a product, so no scatter-add in backward
         if self.detach_feedback:
             value = value.detach()
-        one_hot = nn.functional.one_hot(action, self.num_actions).to(obs.dtype)
         feedback = torch.cat((obs, one_hot, value), dim=-1)
         return AgentStep(logits, q, action, self.rnn_cell(feedback, hidden))
 
