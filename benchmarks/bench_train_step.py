@@ -9,7 +9,13 @@ One process, same model and shapes for every variant; each step is the whole tra
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+
+if "--deterministic" in sys.argv:  # configure() must run before anything touches CUDA
+    from deepep_lightning import configure
+
+    configure(0)
 
 import torch
 
@@ -47,10 +53,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--graph-only", action="store_true", help="only the CUDA-graph step")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run under deepep_lightning.configure(0) (DeterminismCallback's defaults)")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = parser.parse_args()
     results = {}
 
-    for name, overrides in (("eager_fused", {}), ("eager_reference", {"fused_value_head": False})):
+    eager_variants = () if args.graph_only else (("eager_fused", {}), ("eager_reference", {"fused_value_head": False}))
+    for name, overrides in eager_variants:
         model, optimizer = build(args, **overrides)
         results[name] = median_ms(eager_step(model, optimizer), args.repeats)[0]
 
@@ -69,7 +80,7 @@ def main() -> None:
     results["cuda_graph_warmup_and_capture_s"] = time.perf_counter() - t0
     results["cuda_graph"] = median_ms(graph_step, args.repeats * 3)[0]
 
-    if not args.skip_compile:
+    if not args.skip_compile and not args.graph_only:
         model, optimizer = build(args, compile_step=True)
         step = eager_step(model, optimizer)
         t0 = time.perf_counter()
@@ -79,8 +90,9 @@ def main() -> None:
         results["torch_compile_step"] = median_ms(step, args.repeats)[0]
 
     ratios = {f"eager_fused_over_{k}": results["eager_fused"] / results[k]
-              for k in ("cuda_graph", "torch_compile_step") if k in results}
-    write_json(f"{args.out}/train_step.json", {
+              for k in ("cuda_graph", "torch_compile_step") if k in results and "eager_fused" in results}
+    results["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
+    write_json(f"{args.out}/train_step{args.tag}.json", {
         "config": vars(args), "median_ms_per_step": results, "speedup_vs_eager": ratios,
         "target": {"cuda_graph_ms_max": 90, "met": results["cuda_graph"] <= 90},
     })

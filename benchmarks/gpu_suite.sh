@@ -29,10 +29,6 @@ assert c(), e(); print('extension with CUDA kernels built in', round(time.time()
     ops)
       run pytest_ops_gpu 240 python3 -m pytest -q -rs -m gpu tests/ops
       run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$R" ;;
-    sanitize)
-      TORCH_CUDA_SANITIZER=1 run csan 120 python3 benchmarks/sanitize_all_action_q.py --out "$R/csan"
-      PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck 180 compute-sanitizer --tool memcheck --error-exitcode 1 \
-        --log-file "$R/memcheck.log" python3 benchmarks/sanitize_all_action_q.py --quick ;;
     learning)
       run bench_learning 420 python3 benchmarks/bench_learning.py --out "$R" --budget-s 100 ;;
     *) [ -f "benchmarks/gpu_sections/$section.sh" ] && source "benchmarks/gpu_sections/$section.sh" || echo "unknown section $section" ;;

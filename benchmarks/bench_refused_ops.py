@@ -1,0 +1,169 @@
+"""Benchmark the deterministic grid_sample / bilinear interpolate backward against PyTorch's.
+
+Side by side in one process, per shape, the backward pass only (``torch.autograd.grad`` of a
+retained graph w.r.t. input and grid), median of CUDA-event-timed repetitions after warm-up,
+interleaved round-robin so drift hits every method alike:
+
+* ``deepep_deterministic``: ``deepep_lightning.ops.grid_sample`` / ``.interpolate`` (sort +
+  segmented gather / windowed gather kernels, bitwise reproducible);
+* ``pytorch_atomic``: ``F.grid_sample`` / ``F.interpolate`` outside deterministic mode (float
+  ``atomicAdd`` scatter, not reproducible);
+* ``pytorch_deterministic_decomposition`` (interpolate only): ``F.interpolate`` inside
+  deterministic mode, where PyTorch switches CUDA inputs to a pure-PyTorch decomposition.
+
+The issue's target: ``deepep_deterministic`` <= 1.5x ``pytorch_atomic``. Writes
+``DIR/refused_ops.json`` (< 2 min on an H200)::
+
+    PYTHONPATH=$PWD python benchmarks/bench_refused_ops.py --out benchmarks/results/refused_ops
+
+``--device cpu --quick`` is a smoke run of this script without a GPU.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# (N, C, H_in, W_in, H_out, W_out, grid half-width): points uniform in [-w, w]^2.
+GRID_SHAPES = [
+    (8, 3, 256, 256, 256, 256, 1.0),  # image warping, few channels
+    (16, 32, 64, 64, 64, 64, 1.0),  # feature-map spatial transformer
+    (4, 64, 128, 128, 128, 128, 1.0),
+    (32, 16, 32, 32, 64, 64, 1.0),  # upsampling grid: 4 points per pixel
+    (8, 32, 32, 32, 128, 128, 0.2),  # heavy overlap: ~160 points per pixel
+]
+# (N, C, H, W, interpolate kwargs)
+INTERPOLATE_SHAPES = [
+    (8, 64, 64, 64, dict(scale_factor=2.0)),
+    (16, 32, 128, 128, dict(scale_factor=2.0)),
+    (8, 256, 32, 32, dict(scale_factor=4.0)),
+    (8, 64, 128, 128, dict(scale_factor=0.5)),
+    (4, 3, 512, 512, dict(size=(768, 768))),
+]
+QUICK_GRID = [(2, 3, 8, 8, 8, 8, 1.0)]
+QUICK_INTERPOLATE = [(2, 3, 8, 8, dict(scale_factor=2.0))]
+
+
+class Timer:
+    """Milliseconds of one call: CUDA events on a GPU, perf_counter on CPU."""
+
+    def __init__(self, device):
+        self.cuda = device == "cuda"
+
+    def __call__(self, fn):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        begin = time.perf_counter()
+        fn()
+        return (time.perf_counter() - begin) * 1e3
+
+
+def backward_call(forward, leaves, deterministic):
+    """A closure running the backward of one retained forward graph, in the given mode."""
+    torch.use_deterministic_algorithms(deterministic)
+    output = forward()
+    grad_output = torch.randn_like(output)
+
+    def run():
+        torch.use_deterministic_algorithms(deterministic)
+        torch.autograd.grad(output, leaves, grad_output, retain_graph=True)
+
+    return run
+
+
+def measure(methods, timer, warmup, repeats):
+    for run in methods.values():
+        for _ in range(warmup):
+            run()
+    samples = {name: [] for name in methods}
+    for _ in range(repeats):
+        for name, run in methods.items():  # round-robin
+            samples[name].append(timer(run))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def bench_grid_sample(shape, device, timer, warmup, repeats):
+    from deepep_lightning.ops import grid_sample
+
+    n, c, h, w, ho, wo, half_width = shape
+    x = torch.randn(n, c, h, w, device=device, requires_grad=True)
+    grid = ((torch.rand(n, ho, wo, 2, device=device) * 2 - 1) * half_width).requires_grad_()
+    leaves = (x, grid)
+    methods = {
+        "deepep_deterministic": backward_call(lambda: grid_sample(x, grid, align_corners=False), leaves, True),
+        "pytorch_atomic": backward_call(lambda: F.grid_sample(x, grid, align_corners=False), leaves, False),
+    }
+    return measure(methods, timer, warmup, repeats)
+
+
+def bench_interpolate(shape, device, timer, warmup, repeats):
+    from deepep_lightning.ops import interpolate
+
+    n, c, h, w, kwargs = shape
+    x = torch.randn(n, c, h, w, device=device, requires_grad=True)
+    kwargs = dict(kwargs, mode="bilinear", align_corners=False)
+    methods = {
+        "deepep_deterministic": backward_call(lambda: interpolate(x, **kwargs), (x,), True),
+        "pytorch_atomic": backward_call(lambda: F.interpolate(x, **kwargs), (x,), False),
+        "pytorch_deterministic_decomposition": backward_call(lambda: F.interpolate(x, **kwargs), (x,), True),
+    }
+    return measure(methods, timer, warmup, repeats)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="directory for refused_ops.json")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions (smoke run)")
+    parser.add_argument("--repeats", type=int, default=25)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU (use --device cpu --quick for a smoke run)")
+    from deepep_lightning.ops import cuda_kernels_available, extension_available, extension_error
+
+    if not extension_available() or (args.device == "cuda" and not cuda_kernels_available()):
+        parser.error(f"the deepep kernels are not available: {extension_error()}")
+    timer = Timer(args.device)
+    warmup, repeats = (1, 3) if args.quick else (5, args.repeats)
+    started = time.time()
+    rows = []
+    for op, shapes, bench in (
+        ("grid_sample", QUICK_GRID if args.quick else GRID_SHAPES, bench_grid_sample),
+        ("interpolate_bilinear", QUICK_INTERPOLATE if args.quick else INTERPOLATE_SHAPES, bench_interpolate),
+    ):
+        for shape in shapes:
+            times = bench(shape, args.device, timer, warmup, repeats)
+            ratio = times["deepep_deterministic"] / times["pytorch_atomic"]
+            label = [s for s in shape if not isinstance(s, dict)] + [d for d in shape if isinstance(d, dict)]
+            rows.append({"op": op, "shape": label, "median_ms": times, "ratio_vs_atomic": ratio,
+                         "meets_1_5x_target": ratio <= 1.5})
+            print(f"{op:22s} {str(label):60s} " + " ".join(f"{k}={v:.3f}ms" for k, v in times.items())
+                  + f"  ratio={ratio:.2f}", flush=True)
+    torch.use_deterministic_algorithms(False)
+    report = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "command": " ".join([sys.executable] + sys.argv),
+        "what": "backward only, median ms over round-robin repetitions after warm-up, float32, align_corners=False",
+        "warmup": warmup,
+        "repeats": repeats,
+        "wall_s": time.time() - started,
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "refused_ops.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out / 'refused_ops.json'} in {report['wall_s']:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
