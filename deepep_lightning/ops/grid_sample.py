@@ -1,0 +1,164 @@
+"""``grid_sample`` with a deterministic backward: a drop-in for ``torch.nn.functional.grid_sample``.
+
+Under ``torch.use_deterministic_algorithms(True)`` PyTorch refuses the CUDA backward of
+``grid_sample`` (``grid_sampler_2d_backward_cuda does not have a deterministic implementation``)
+because it scatters gradients with float ``atomicAdd``. :func:`grid_sample` runs PyTorch's own
+forward (``torch.grid_sampler``, cuDNN path included, so the output is bit for bit
+``F.grid_sample``'s) and, for the covered case, the backward of ``torch.ops.deepep``:
+
+* covered: 4-D input ``[N, C, H, W]``, ``mode="bilinear"``, every ``padding_mode`` ("zeros",
+  "border", "reflection"), both ``align_corners``, float16/bfloat16/float32/float64, plain
+  tensors (no ``__torch_function__`` subclasses). CUDA: sort + fixed-order segmented gather
+  (``extensions/csrc/cuda/grid_sample_backward.cu``), bitwise reproducible. CPU: PyTorch's CPU
+  backward, which is already deterministic.
+* everything else (``mode="nearest"``/``"bicubic"``, 5-D input, integer dtypes, no compiled
+  extension, a CUDA tensor without the CUDA kernels) is handed to ``F.grid_sample`` unchanged:
+  same result, and PyTorch's own error where PyTorch raises (also its deterministic-mode error).
+"""
+
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+
+__all__ = ["grid_sample", "grid_sample_unsupported_reason"]
+
+_OP = "grid_sample"
+_PADDING_MODES = {"zeros": 0, "border": 1, "reflection": 2}
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# PyTorch's function even when the routing (routing.py) has replaced F.grid_sample.
+_torch_grid_sample = getattr(F.grid_sample, "_deepep_original", F.grid_sample)
+
+
+def grid_sample_unsupported_reason(
+    input: Tensor, grid: Tensor, mode: str = "bilinear", padding_mode: str = "zeros"
+) -> Optional[str]:
+    """Why :func:`grid_sample` would hand these arguments to PyTorch, or ``None`` when it covers them."""
+    if not isinstance(input, Tensor) or not isinstance(grid, Tensor):
+        return "input and grid must be torch.Tensor"
+    if torch.overrides.has_torch_function_variadic(input, grid):
+        return "tensor subclasses with __torch_function__ are left to PyTorch"
+    if mode != "bilinear":
+        return f"mode={mode!r} is not covered, only 'bilinear'"
+    if not isinstance(padding_mode, str) or padding_mode not in _PADDING_MODES:
+        return f"padding_mode={padding_mode!r} is not one of {sorted(_PADDING_MODES)}"
+    if input.dim() != 4 or grid.dim() != 4:
+        return f"only 4-D input/grid are covered, got {input.dim()}-D input and {grid.dim()}-D grid"
+    if input.dtype not in _DTYPES or grid.dtype != input.dtype:
+        return f"dtype {input.dtype} (grid {grid.dtype}) is not covered, only one of {list(_DTYPES)}"
+    if input.device != grid.device:
+        return "input and grid are on different devices"
+    if input.device.type not in ("cpu", "cuda"):
+        return f"device type {input.device.type!r} is not covered"
+    if not extension_available():
+        return "the deepep C++ extension is not available"
+    if input.is_cuda and not cuda_kernels_available():
+        return "the deepep CUDA kernels were not built (no nvcc?)"
+    return None
+
+
+def grid_sample(
+    input: Tensor,
+    grid: Tensor,
+    mode: str = "bilinear",
+    padding_mode: str = "zeros",
+    align_corners: Optional[bool] = None,
+) -> Tensor:
+    """``F.grid_sample`` (same signature, same forward) whose bilinear 2-D backward is deterministic.
+
+    Args:
+        input: ``[N, C, H_in, W_in]`` (other ranks go to ``F.grid_sample``).
+        grid: ``[N, H_out, W_out, 2]`` sampling locations in ``[-1, 1]``, same dtype and device.
+        mode: ``"bilinear"`` is covered; ``"nearest"``/``"bicubic"`` go to ``F.grid_sample``.
+        padding_mode: ``"zeros"`` (default), ``"border"`` or ``"reflection"``.
+        align_corners: as in ``F.grid_sample``; ``None`` means ``False`` with PyTorch's warning.
+
+    Returns:
+        ``[N, C, H_out, W_out]``, bitwise equal to ``F.grid_sample``'s output.
+
+    Raises:
+        ValueError: an unknown ``mode`` or ``padding_mode`` (PyTorch's own error).
+        RuntimeError: shape/dtype errors from PyTorch's kernel; for uncovered arguments under
+            deterministic mode, PyTorch's own "does not have a deterministic implementation".
+
+    Example::
+
+        >>> x = torch.randn(1, 3, 8, 8, requires_grad=True)
+        >>> g = torch.rand(1, 4, 4, 2) * 2 - 1
+        >>> grid_sample(x, g, align_corners=False).sum().backward()
+        >>> x.grad.shape
+        torch.Size([1, 3, 8, 8])
+    """
+    if grid_sample_unsupported_reason(input, grid, mode, padding_mode) is not None:
+        return _torch_grid_sample(input, grid, mode=mode, padding_mode=padding_mode, align_corners=align_corners)
+    if align_corners is None:
+        warnings.warn(  # PyTorch's warning, so that the drop-in behaves alike
+            "Default grid_sample and affine_grid behavior has changed "
+            "to align_corners=False since 1.3.0. Please specify "
+            "align_corners=True if the old behavior is desired. "
+            "See the documentation of grid_sample for details.",
+            stacklevel=2,
+        )
+        align_corners = False
+    return torch.ops.deepep.grid_sample_bilinear2d.default(
+        input, grid, _PADDING_MODES[padding_mode], bool(align_corners)
+    )
+
+
+def _fake_forward(input: Tensor, grid: Tensor, padding_mode: int, align_corners: bool) -> Tensor:
+    torch._check(input.dim() == 4, lambda: f"{_OP}: input must be 4-D, got shape {tuple(input.shape)}")
+    torch._check(
+        grid.dim() == 4 and grid.shape[3] == 2 and grid.shape[0] == input.shape[0],
+        lambda: f"{_OP}: grid must be [N, H_out, W_out, 2] matching input {tuple(input.shape)}, "
+        f"got {tuple(grid.shape)}",
+    )
+    return input.new_empty((input.shape[0], input.shape[1], grid.shape[1], grid.shape[2]))
+
+
+def _fake_backward(
+    grad_output: Tensor, input: Tensor, grid: Tensor, padding_mode: int, align_corners: bool, input_requires_grad: bool
+):
+    torch._check(grad_output.dim() == 4, lambda: f"{_OP}_backward: grad_output must be 4-D")
+    grad_input = input.new_empty(input.shape) if input_requires_grad else input.new_empty((0,))
+    return grad_input, grid.new_empty(grid.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    input, grid, padding_mode, align_corners = inputs
+    ctx.padding_mode = padding_mode
+    ctx.align_corners = align_corners
+    ctx.save_for_backward(input, grid)
+
+
+def _backward(ctx, grad_output: Tensor):
+    input, grid = ctx.saved_tensors
+    input_requires_grad = bool(ctx.needs_input_grad[0])
+    grad_input, grad_grid = torch.ops.deepep.grid_sample_bilinear2d_backward.default(
+        grad_output, input, grid, ctx.padding_mode, ctx.align_corners, input_requires_grad
+    )
+    return (
+        grad_input if input_requires_grad else None,
+        grad_grid if ctx.needs_input_grad[1] else None,
+        None,
+        None,
+    )
+
+
+_registered = False
+
+
+def _register_python_side() -> None:
+    global _registered
+    if _registered:
+        return
+    torch.library.register_fake("deepep::grid_sample_bilinear2d")(_fake_forward)
+    torch.library.register_fake("deepep::grid_sample_bilinear2d_backward")(_fake_backward)
+    torch.library.register_autograd("deepep::grid_sample_bilinear2d", _backward, setup_context=_setup_context)
+    _registered = True
+
+
+on_extension_loaded(_register_python_side)

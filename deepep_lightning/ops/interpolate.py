@@ -1,0 +1,201 @@
+"""``interpolate`` with a deterministic bilinear backward: a drop-in for ``F.interpolate``.
+
+PyTorch's CUDA ``upsample_bilinear2d_backward`` scatters with float ``atomicAdd`` and is refused
+under ``torch.use_deterministic_algorithms(True)``; recent ``F.interpolate`` then silently
+switches CUDA inputs to a slow pure-PyTorch decomposition (backward through ``index_put``).
+:func:`interpolate` keeps PyTorch's native forward kernel (``upsample_bilinear2d``) and, for the
+covered case, uses the gather backward of ``torch.ops.deepep`` (bitwise reproducible):
+
+* covered: ``mode="bilinear"``, 4-D input, ``antialias=False``, ``size`` or ``scale_factor``
+  (with or without ``recompute_scale_factor``), both ``align_corners``,
+  float16/bfloat16/float32/float64, plain tensors. CUDA: ``extensions/csrc/cuda/
+  upsample_bilinear_backward.cu``; CPU: PyTorch's CPU backward (already deterministic).
+* everything else (other modes, 3-D/5-D input, ``antialias=True``, invalid arguments, no compiled
+  extension) is handed to ``F.interpolate`` unchanged: its result and its own errors.
+
+The output equals ``F.interpolate``'s native-kernel output bit for bit (outside deterministic
+mode; inside it, on CUDA, PyTorch itself uses the decomposition, equal up to fp rounding).
+"""
+
+import numbers
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+
+__all__ = ["interpolate", "interpolate_unsupported_reason"]
+
+_OP = "interpolate"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# PyTorch's function even when the routing (routing.py) has replaced F.interpolate.
+_torch_interpolate = getattr(F.interpolate, "_deepep_original", F.interpolate)
+
+_Resolved = Tuple[List[int], Optional[float], Optional[float]]
+
+
+def _pair(value) -> Optional[list]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value, value]
+    return values if len(values) == 2 else None
+
+
+def _resolve_size(input: Tensor, size, scale_factor, recompute_scale_factor) -> Optional[_Resolved]:
+    """``(output_size, scale_h, scale_w)`` exactly as ``F.interpolate`` + ATen's ``.vec`` overload
+    compute them, or ``None`` where ``F.interpolate`` would raise (it is then left to raise)."""
+    if (size is None) == (scale_factor is None):
+        return None
+    if size is not None:
+        sizes = _pair(size)
+        if recompute_scale_factor or sizes is None:
+            return None
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in sizes):
+            return None
+        return sizes, None, None
+    factors = _pair(scale_factor)
+    if factors is None or not all(isinstance(f, numbers.Real) and not isinstance(f, bool) for f in factors):
+        return None
+    factors = [float(f) for f in factors]
+    # ATen: static_cast<int64_t>(input_size * scale) in double; Python: int(float product).
+    output_size = [int(input.shape[2 + i] * factors[i]) for i in range(2)]
+    if recompute_scale_factor:
+        return output_size, None, None
+    return output_size, factors[0], factors[1]
+
+
+def interpolate_unsupported_reason(
+    input: Tensor,
+    size=None,
+    scale_factor=None,
+    mode: str = "nearest",
+    align_corners: Optional[bool] = None,
+    recompute_scale_factor: Optional[bool] = None,
+    antialias: bool = False,
+) -> Optional[str]:
+    """Why :func:`interpolate` would hand these arguments to PyTorch, or ``None`` when it covers them."""
+    if not isinstance(input, Tensor):
+        return "input must be a torch.Tensor"
+    if torch.overrides.has_torch_function_unary(input):
+        return "tensor subclasses with __torch_function__ are left to PyTorch"
+    if mode != "bilinear":
+        return f"mode={mode!r} is not covered, only 'bilinear'"
+    if antialias:
+        return "antialias=True is not covered"
+    if input.dim() != 4:
+        return f"only 4-D input is covered, got {input.dim()}-D"
+    if input.dtype not in _DTYPES:
+        return f"dtype {input.dtype} is not covered, only one of {list(_DTYPES)}"
+    if align_corners is not None and not isinstance(align_corners, bool):
+        return f"align_corners={align_corners!r} is not a bool"
+    if _resolve_size(input, size, scale_factor, recompute_scale_factor) is None:
+        return "size/scale_factor/recompute_scale_factor are left to PyTorch to validate"
+    if input.device.type not in ("cpu", "cuda"):
+        return f"device type {input.device.type!r} is not covered"
+    if not extension_available():
+        return "the deepep C++ extension is not available"
+    if input.is_cuda and not cuda_kernels_available():
+        return "the deepep CUDA kernels were not built (no nvcc?)"
+    return None
+
+
+def interpolate(
+    input: Tensor,
+    size=None,
+    scale_factor=None,
+    mode: str = "nearest",
+    align_corners: Optional[bool] = None,
+    recompute_scale_factor: Optional[bool] = None,
+    antialias: bool = False,
+) -> Tensor:
+    """``F.interpolate`` (same signature, same forward) whose bilinear 2-D backward is deterministic.
+
+    Args:
+        input: ``[N, C, H, W]`` for the covered bilinear case; anything else goes to ``F.interpolate``.
+        size: output ``(H_out, W_out)`` or one int for both; exclusive with ``scale_factor``.
+        scale_factor: float or pair; ``H_out = int(H * scale)``. The scale itself is passed on to
+            the kernels (as PyTorch does) unless ``recompute_scale_factor=True``.
+        mode: ``"bilinear"`` is covered; the default ``"nearest"`` and the others go to PyTorch.
+        align_corners: ``None`` means ``False`` (PyTorch's default for bilinear).
+        recompute_scale_factor: as in ``F.interpolate``.
+        antialias: ``True`` goes to ``F.interpolate`` (not covered).
+
+    Returns:
+        The resized tensor, bitwise equal to ``F.interpolate``'s native kernel output.
+
+    Raises:
+        ValueError, TypeError, RuntimeError: PyTorch's own errors for invalid arguments, and under
+            deterministic mode PyTorch's own error for an uncovered case whose backward it refuses.
+
+    Example::
+
+        >>> x = torch.randn(1, 2, 4, 4, requires_grad=True)
+        >>> interpolate(x, scale_factor=2, mode="bilinear").sum().backward()
+        >>> x.grad.shape
+        torch.Size([1, 2, 4, 4])
+    """
+    reason = interpolate_unsupported_reason(
+        input, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias
+    )
+    if reason is not None:
+        return _torch_interpolate(
+            input,
+            size=size,
+            scale_factor=scale_factor,
+            mode=mode,
+            align_corners=align_corners,
+            recompute_scale_factor=recompute_scale_factor,
+            antialias=antialias,
+        )
+    output_size, scale_h, scale_w = _resolve_size(input, size, scale_factor, recompute_scale_factor)
+    return torch.ops.deepep.upsample_bilinear2d.default(
+        input, output_size, bool(align_corners) if align_corners is not None else False, scale_h, scale_w
+    )
+
+
+def _fake_forward(
+    input: Tensor, output_size: Sequence[int], align_corners: bool, scale_h: Optional[float], scale_w: Optional[float]
+) -> Tensor:
+    torch._check(input.dim() == 4, lambda: f"{_OP}: input must be 4-D, got shape {tuple(input.shape)}")
+    torch._check(
+        len(output_size) == 2 and output_size[0] > 0 and output_size[1] > 0,
+        lambda: f"{_OP}: output_size must be 2 positive ints, got {list(output_size)}",
+    )
+    return input.new_empty((input.shape[0], input.shape[1], output_size[0], output_size[1]))
+
+
+def _fake_backward(
+    grad_output: Tensor, input_size: Sequence[int], align_corners: bool, scale_h: Optional[float], scale_w: Optional[float]
+) -> Tensor:
+    torch._check(len(input_size) == 4, lambda: f"{_OP}_backward: input_size must have 4 entries")
+    return grad_output.new_empty(tuple(input_size))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    input, _, align_corners, scale_h, scale_w = inputs
+    ctx.input_size = list(input.shape)
+    ctx.align_corners = align_corners
+    ctx.scales = (scale_h, scale_w)
+
+
+def _backward(ctx, grad_output: Tensor):
+    grad_input = torch.ops.deepep.upsample_bilinear2d_backward.default(
+        grad_output, ctx.input_size, ctx.align_corners, ctx.scales[0], ctx.scales[1]
+    )
+    return grad_input, None, None, None, None
+
+
+_registered = False
+
+
+def _register_python_side() -> None:
+    global _registered
+    if _registered:
+        return
+    torch.library.register_fake("deepep::upsample_bilinear2d")(_fake_forward)
+    torch.library.register_fake("deepep::upsample_bilinear2d_backward")(_fake_backward)
+    torch.library.register_autograd("deepep::upsample_bilinear2d", _backward, setup_context=_setup_context)
+    _registered = True
+
+
+on_extension_loaded(_register_python_side)

@@ -1,0 +1,99 @@
+"""CPU tests of deepep_lightning.ops.interpolate: drop-in forward, PyTorch's backward, delegation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepep_lightning.ops import extension_available, interpolate
+from deepep_lightning.ops.interpolate import _resolve_size, interpolate_unsupported_reason
+
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+
+OUR_GRAD_FN = "deepep_upsample_bilinear2d"
+
+CASES = [  # (size, scale_factor, recompute_scale_factor)
+    ((9, 11), None, None),
+    (7, None, None),
+    ((3, 2), None, None),  # downsampling
+    (None, 2.0, None),
+    (None, 2.3, None),  # scale passed to the kernel differs from H_out / H
+    (None, (1.7, 0.6), None),
+    (None, 2.3, True),
+    (None, 0.5, False),
+]
+
+
+@pytest.mark.parametrize("size, scale_factor, recompute", CASES)
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_forward_and_backward_equal_pytorch(size, scale_factor, recompute, align_corners):
+    x = torch.randn(2, 3, 5, 6, dtype=torch.float64, requires_grad=True)
+    kwargs = dict(size=size, scale_factor=scale_factor, mode="bilinear", align_corners=align_corners,
+                  recompute_scale_factor=recompute)
+    ours = interpolate(x, **kwargs)
+    theirs = F.interpolate(x, **kwargs)
+    assert OUR_GRAD_FN in type(ours.grad_fn).__name__
+    assert ours.shape == theirs.shape and torch.equal(ours, theirs)
+    grad_output = torch.randn_like(ours)
+    assert torch.equal(torch.autograd.grad(ours, x, grad_output)[0], torch.autograd.grad(theirs, x, grad_output)[0])
+
+
+def test_float32_and_align_corners_none():
+    x = torch.randn(1, 2, 4, 4, requires_grad=True)
+    ours = interpolate(x, scale_factor=3, mode="bilinear")
+    assert torch.equal(ours, F.interpolate(x, scale_factor=3, mode="bilinear"))
+    ours.sum().backward()
+    expected = torch.autograd.grad(F.interpolate(x, scale_factor=3, mode="bilinear").sum(), x)[0]
+    assert torch.equal(x.grad, expected)
+
+
+def test_resolve_size_follows_pytorch_rules():
+    x = torch.zeros(1, 1, 5, 7)
+    assert _resolve_size(x, 4, None, None) == ([4, 4], None, None)
+    assert _resolve_size(x, None, 1.5, None) == ([7, 10], 1.5, 1.5)
+    assert _resolve_size(x, None, 1.5, True) == ([7, 10], None, None)
+    assert _resolve_size(x, (2, 3), 2.0, None) is None  # both given: PyTorch raises
+    assert _resolve_size(x, (2, 3, 4), None, None) is None
+
+
+def test_gradcheck():
+    x = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a: interpolate(a, size=(5, 7), mode="bilinear", align_corners=True), (x,))
+
+
+def test_opcheck():
+    x = torch.randn(1, 2, 3, 4, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.deepep.upsample_bilinear2d.default, (x, [5, 6], False, None, None),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(scale_factor=2, mode="nearest"),
+        dict(scale_factor=2, mode="bicubic", align_corners=False),
+        dict(scale_factor=2, mode="bilinear", antialias=True),
+        dict(size=(3, 3), mode="area"),
+    ],
+)
+def test_uncovered_cases_delegate_to_pytorch(kwargs):
+    x = torch.randn(1, 2, 4, 4, requires_grad=True)
+    out = interpolate(x, **kwargs)
+    assert OUR_GRAD_FN not in type(out.grad_fn).__name__
+    assert torch.equal(out, F.interpolate(x, **kwargs))
+    assert interpolate_unsupported_reason(x, **kwargs) is not None
+
+
+def test_bad_arguments_raise_pytorch_errors():
+    x = torch.randn(1, 2, 4, 4)
+    with pytest.raises(ValueError, match="only one of size or scale_factor"):
+        interpolate(x, size=3, scale_factor=2.0, mode="bilinear")
+    with pytest.raises(ValueError, match="recompute_scale_factor"):
+        interpolate(x, size=3, mode="bilinear", recompute_scale_factor=True)
+    with pytest.raises(ValueError, match="either size or scale_factor"):
+        interpolate(x, mode="bilinear")
+    with pytest.raises((ValueError, NotImplementedError)):  # 3-D input with bilinear
+        interpolate(torch.randn(1, 2, 4), scale_factor=2.0, mode="bilinear")
+    with pytest.raises(RuntimeError):  # zero output size: PyTorch's kernel check
+        interpolate(x, scale_factor=0.1, mode="bilinear")
