@@ -45,6 +45,7 @@ from deepep_lightning.determinism.data import make_seekable
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints, format_fingerprint
 from deepep_lightning.determinism.results import capture_logged_state, merge_epoch_results, restore_metric_modules
 from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state, seed_everything_from
+from deepep_lightning.ops.routing import patch_refused_ops
 
 __all__ = ["DeterminismCallback", "FingerprintMismatchError"]
 
@@ -86,6 +87,9 @@ class DeterminismCallback(Callback):
         isolate_evaluation: validation and sanity checks run on their own stream and never shift
             the training stream (matters when ``reseed_every_step=False``).
         log_fingerprint: write the fingerprint to TensorBoard's text plugin.
+        patch_refused_ops: during fit, route ``F.grid_sample`` / ``F.interpolate`` (bilinear, 4-D)
+            to deterministic CUDA backward kernels instead of PyTorch's error in deterministic mode
+            (:func:`deepep_lightning.ops.patch_refused_ops`); every other case keeps PyTorch's behaviour.
 
     Raises:
         MisconfigurationException: an argument has a wrong type or value.
@@ -109,6 +113,7 @@ class DeterminismCallback(Callback):
         reseed_every_step: bool = True,
         isolate_evaluation: bool = True,
         log_fingerprint: bool = True,
+        patch_refused_ops: bool = True,
     ) -> None:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise MisconfigurationException(f"`seed` must be a non-negative int or None, got {seed!r}")
@@ -119,6 +124,7 @@ class DeterminismCallback(Callback):
             "reseed_every_step": reseed_every_step,
             "isolate_evaluation": isolate_evaluation,
             "log_fingerprint": log_fingerprint,
+            "patch_refused_ops": patch_refused_ops,
         }
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -136,6 +142,8 @@ class DeterminismCallback(Callback):
         self.reseed_every_step = reseed_every_step
         self.isolate_evaluation = isolate_evaluation
         self.log_fingerprint = log_fingerprint
+        self.patch_refused_ops = patch_refused_ops
+        self._routing_was_on: bool | None = None
         self._configure_kwargs = {
             "deterministic_algorithms": deterministic_algorithms,
             "warn_only": warn_only,
@@ -194,6 +202,8 @@ class DeterminismCallback(Callback):
         if torch.are_deterministic_algorithms_enabled() != record.deterministic_algorithms:
             rank_zero_warn("DeterminismCallback: deterministic-algorithms flag changed after configure(); re-applied")
             torch.use_deterministic_algorithms(record.deterministic_algorithms, warn_only=record.warn_only)
+        if self.patch_refused_ops and self._routing_was_on is None:
+            self._routing_was_on = patch_refused_ops(True)
         if stage == "fit" and self.seekable_data:
             source = trainer.fit_loop._data_source
             if not isinstance(source, _SeekableSource):
@@ -202,6 +212,9 @@ class DeterminismCallback(Callback):
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if self._routing_was_on is not None:
+            patch_refused_ops(self._routing_was_on)
+            self._routing_was_on = None
         if self._original_source is not None:
             wrapped = trainer.fit_loop._data_source
             self._original_source.instance = wrapped.instance

@@ -107,6 +107,7 @@ def configure(
     cudnn_benchmark: bool = False,
     distributed: bool = False,
     inductor: bool = True,
+    patch_refused_ops: bool = False,
 ) -> ConfigureRecord:
     """Make this process reproducible; call it before anything creates a CUDA context.
 
@@ -121,6 +122,9 @@ def configure(
         cudnn_benchmark: ``torch.backends.cudnn.benchmark`` (autotuning picks kernels by timing).
         distributed: also set :data:`NCCL_DETERMINISTIC_ENV` (kept where already set).
         inductor: set ``torch._inductor.config.deterministic`` as well.
+        patch_refused_ops: route ``F.grid_sample`` / ``F.interpolate`` (bilinear, 4-D) to the
+            extension's deterministic-backward kernels while deterministic mode is on
+            (:func:`deepep_lightning.ops.patch_refused_ops`); other cases keep PyTorch's behaviour.
 
     Returns:
         A :class:`ConfigureRecord`; ``too_late`` names settings CUDA had already fixed.
@@ -144,6 +148,7 @@ def configure(
             "cudnn_benchmark": cudnn_benchmark,
             "distributed": distributed,
             "inductor": inductor,
+            "patch_refused_ops": patch_refused_ops,
         },
     )
     cuda_started = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -179,6 +184,10 @@ def configure(
             too_late.append("CUBLAS_WORKSPACE_CONFIG")
     seed_everything_from(seed, "global")
     torch.use_deterministic_algorithms(deterministic_algorithms, warn_only=warn_only)
+    if patch_refused_ops:
+        from deepep_lightning.ops.routing import patch_refused_ops as install_routing
+
+        install_routing(True)
     torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory
     torch.backends.cudnn.deterministic = deterministic_algorithms
     torch.backends.cudnn.benchmark = cudnn_benchmark
