@@ -11,6 +11,9 @@ Runs, each a fresh ``fit`` launched by this script (Lightning's launcher re-runs
   efficiency = median step time on 1 GPU / median step time on ``--gpus`` GPUs (target >= 0.9).
 * ``plain``: ``strategy="ddp"`` on ``--gpus`` GPUs: the step-time cost of the deterministic profile
   (pinned NCCL algorithm/protocol, fixed buckets, per-rank seeds) = det / plain.
+* ``inv_1``, ``inv_2``: world-size-invariant mode (``virtual_world_size=2``) on the small MLP of
+  ``tests/strategies/_ddp_run.py`` (DeepEP's rollouts are keyed by the physical rank, so DeepEP
+  itself is not covered): 1 GPU accumulating 2 micro-batches vs 2 GPUs, weights must be equal.
 
 DeepEP runs in eager mode with the pure-PyTorch value head (no extension build) and no
 ``configure()`` (pass ``--configure`` to add deterministic algorithms; it costs per DESIGN.md §3).
@@ -53,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=30, help="timed steps after warm-up")
     parser.add_argument("--fault-step", type=int, default=22)
     parser.add_argument("--configure", action="store_true", help="call deepep_lightning.configure(0) first")
-    parser.add_argument("--runs", default="det_a,det_b,fault,det_1,plain")
+    parser.add_argument("--runs", default="det_a,det_b,fault,det_1,plain,inv_1,inv_2")
     parser.add_argument("--accelerator", default="gpu", help="'cpu' only to smoke-test this script (gloo)")
     # worker mode (set by the driver; ranks >= 1 inherit it from Lightning's launcher)
     parser.add_argument("--worker", default=None)
@@ -169,6 +172,40 @@ def _launch(args: argparse.Namespace, name: str, devices: int, strategy: str, fa
     return {"status": status, "ranks": ranks}
 
 
+def _launch_invariance(args: argparse.Namespace, name: str, devices: int) -> dict:
+    """A run of the test helper's small MLP in world-size-invariant mode; returns its weights' hash."""
+    import torch
+
+    out = os.path.join(args.out, name)
+    os.makedirs(out, exist_ok=True)
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "strategies", "_ddp_run.py")
+    command = [sys.executable, script, "--out", out, "--devices", str(devices), "--accelerator", args.accelerator,
+               "--no-health", "--accumulate", str(2 // devices), "--strategy-kwargs", '{"virtual_world_size": 2}']
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        status = f"timeout after {RUN_TIMEOUT_S} s"
+    with open(os.path.join(out, "log.txt"), "w") as handle:
+        handle.write(output)
+    print(f"[bench_ddp] {name}: {status}", flush=True)
+    path = os.path.join(out, "weights_rank0.pt")
+    if status != "ok" or not os.path.exists(path):
+        print(output[-3000:], flush=True)
+        return {"status": status, "ranks": [None]}
+    digest = hashlib.sha256()
+    for key, tensor in sorted(torch.load(path, weights_only=True).items()):
+        digest.update(key.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return {"status": status, "ranks": [{"weights_sha256": digest.hexdigest(), "median_step_s": None, "incidents": []}]}
+
+
 def _median(run: dict) -> float | None:
     values = [r["median_step_s"] for r in run["ranks"] if r and r["median_step_s"] is not None]
     return max(values) if values else None  # the slowest rank sets the pace
@@ -189,6 +226,9 @@ def main() -> None:
             "fault": (args.gpus, "ddp_deterministic", True), "det_1": (1, "ddp_deterministic", False),
             "plain": (args.gpus, "ddp", False)}
     runs = {name: _launch(args, name, *plan[name]) for name in wanted if name in plan}
+    for name, devices in (("inv_1", 1), ("inv_2", 2)):
+        if name in wanted:
+            runs[name] = _launch_invariance(args, name, devices)
     summary: dict = {"command": " ".join(sys.argv), "gpus": args.gpus, "config": vars(args), "runs": {}}
     for name, run in runs.items():
         summary["runs"][name] = {"status": run["status"], "median_step_s": _median(run), "weights_sha256": _hashes(run),
@@ -209,6 +249,9 @@ def main() -> None:
         summary["weak_scaling_efficiency"] = _median(runs["det_1"]) / _median(det_a)
     if det_a and "plain" in runs and _median(det_a) and _median(runs["plain"]):
         summary["deterministic_over_plain"] = _median(det_a) / _median(runs["plain"])
+    if "inv_1" in runs and "inv_2" in runs:
+        hashes = _hashes(runs["inv_1"]) + _hashes(runs["inv_2"])
+        summary["world_size_invariant_1_vs_2"] = None not in hashes and len(set(hashes)) == 1
     with open(os.path.join(args.out, "ddp.json"), "w") as handle:
         json.dump(summary, handle, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("config", "runs")}, indent=1))

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Everything the GPU machine runs, in sections: bash benchmarks/gpu_suite.sh SECTION... (results under $OUT/r,
-# packed into $OUT/results.tar.gz because only a few files come back from the device machine).
+# Everything the GPU machine runs, in sections: bash benchmarks/gpu_suite.sh SECTION... Results are written
+# under /tmp/r and packed into $OUT/results.tar.gz after every run (only a few files come back from the
+# device machine, and a run killed at the time limit must still return what finished).
 # Sections: setup foundation ops sanitize learning determinism health audit refused ddp
 set -u
 OUT=${OUT:-/tmp/out}
-R=$OUT/r
-mkdir -p "$R"
+R=/tmp/r
+mkdir -p "$R" "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ -d .whl ]; then  # jsonargparse (LightningCLI) is not in the GPU image
@@ -13,7 +14,12 @@ if [ -d .whl ]; then  # jsonargparse (LightningCLI) is not in the GPU image
     && export PYTHONPATH=$PWD:/tmp/site
 fi
 step() { echo "=== $* ($(date +%T))"; }
-run() { local name=$1 limit=$2; shift 2; step "$name"; timeout "$limit" "$@" > "$R/$name.txt" 2>&1; echo "rc=$? $name" | tee -a "$R/status.txt"; tail -n 5 "$R/$name.txt"; }
+pack() { tar -czf "$OUT/results.tar.gz.tmp" -C /tmp r && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"; }
+run() {
+  local name=$1 limit=$2; shift 2; step "$name"
+  timeout "$limit" "$@" > "$R/$name.txt" 2>&1
+  echo "rc=$? $name" | tee -a "$R/status.txt"; tail -n 5 "$R/$name.txt"; pack
+}
 
 for section in "$@"; do
   case $section in
@@ -34,5 +40,5 @@ assert c(), e(); print('extension with CUDA kernels built in', round(time.time()
     *) [ -f "benchmarks/gpu_sections/$section.sh" ] && source "benchmarks/gpu_sections/$section.sh" || echo "unknown section $section" ;;
   esac
 done
-tar -czf "$OUT/results.tar.gz" -C "$OUT" r
+pack
 cat "$R/status.txt"

@@ -32,11 +32,28 @@ _EXPORTS = {
     "collect_fingerprint": "deepep_lightning.determinism",
     "derive_seed": "deepep_lightning.determinism",
     "make_generator": "deepep_lightning.determinism",
+    "DeterministicDDPStrategy": "deepep_lightning.strategies.deterministic_ddp",
+    "WorldSizeMismatchError": "deepep_lightning.strategies.rank_state",
+    "audit_callable": "deepep_lightning.audit.level1",
+    "audit_catalogue": "deepep_lightning.audit.level1",
+    "audit_module": "deepep_lightning.audit.levels",
+    "audit_training": "deepep_lightning.audit.level4",
+    "OpHashMode": "deepep_lightning.audit.op_hashes",
+    "first_divergence": "deepep_lightning.audit.op_hashes",
+    "ModuleTarget": "deepep_lightning.audit.targets",
+    "AuditReport": "deepep_lightning.audit.report",
+    "grid_sample": "deepep_lightning.ops",
+    "interpolate": "deepep_lightning.ops",
+    "patch_refused_ops": "deepep_lightning.ops",
+    "all_action_q": "deepep_lightning.ops",
+    "extension_available": "deepep_lightning.ops",
     "locate_nonfinite": "deepep_lightning.audit.nonfinite",
     "NonFiniteOp": "deepep_lightning.audit.nonfinite",
 }
 
 __all__ = ["__version__", *_EXPORTS]
+
+import deepep_lightning.strategies  # noqa: E402,F401  cheap: registers strategy="ddp_deterministic"
 
 
 def __getattr__(name: str) -> Any:

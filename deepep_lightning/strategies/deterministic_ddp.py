@@ -1,0 +1,394 @@
+"""DeterministicDDPStrategy: DDP whose runs repeat bit for bit (same stack, hardware and world size).
+
+What it adds to Lightning's ``DDPStrategy``:
+
+* **Communication**: the NCCL profile of :mod:`~deepep_lightning.strategies.nccl_profile` set
+  before ``init_process_group`` (NVLS off, pinned algorithm/protocol); a fixed ``bucket_cap_mb``
+  (PyTorch issue 30509: the bucket size changes the gradients' bits), ``gradient_as_bucket_view``
+  (no copy, same numerics) and ``static_graph`` off unless asked for (it is safe only when every
+  step uses the same parameters; DeepEP in eager mode qualifies).
+* **Data**: the ``DistributedSampler`` Lightning injects gets ``seed=derive_seed(seed, "sampler")``
+  instead of ``PL_GLOBAL_SEED``, so a shard is a pure function of (seed, epoch, rank, world size)
+  (:meth:`DeterministicDDPStrategy.shard`); Lightning calls ``set_epoch`` every epoch.
+* **Per-rank seeds**: after the process group starts, each rank seeds torch/numpy/random from
+  ``derive_seed(seed, "rank", rank)`` (derived, not equal: augmentation and rollouts differ between
+  ranks; parameters are still equal, DDP broadcasts rank 0's at wrap time), and before every
+  training step from ``derive_seed(seed, "micro", rank, global_step)`` (``reseed_every_step``): a
+  step's randomness is then a pure function of its position, in rollback replays and resumes too.
+  DeepEP's rollouts already draw from ``derive_seed(seed, "rollout", rank, step)``.
+* **World-size invariance** (``virtual_world_size=2``): a fixed micro-batch partition over virtual
+  ranks; 1 process accumulating 2 micro-batches and 2 processes give bitwise-equal weights
+  (:mod:`~deepep_lightning.strategies.virtual_shards`). On 2 processes it is the default layout, so
+  it costs nothing there; the single process pays only the second micro-batch.
+* **Checkpoints**: world size, seeds and the fingerprint are stored with the data state under
+  ``checkpoint["deterministic_ddp"]``, together with every rank's own copy of the rank-local keys
+  (``per_rank_checkpoint_keys``: callback states, DeepEP's rollout state), which Lightning would
+  otherwise take from rank 0 alone (:mod:`~deepep_lightning.strategies.rank_state`). A resume with
+  a different world size is refused.
+
+Scope of the promise: same stack, same hardware, same world size (or 1 vs 2 processes with
+``virtual_world_size=2``); never across GPU models, NCCL/PyTorch versions or topologies.
+
+Health and rollback decisions are agreed across ranks by the health callbacks through
+:meth:`reduce_boolean_decision` and an all-reduce of the earliest bad step, so a NaN on one rank
+makes every rank restore the same snapshot and replay in lockstep.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from deepep_lightning.determinism.rng import seed_everything_from
+from deepep_lightning.determinism.streams import derive_seed
+from deepep_lightning.strategies._registration import DESCRIPTION, STRATEGY_NAME
+from deepep_lightning.strategies.nccl_profile import ALLOWED_ALGORITHMS, ALLOWED_PROTOCOLS, apply_nccl_profile
+from deepep_lightning.strategies.rank_state import (
+    CHECKPOINT_KEY,
+    apply_rank_state,
+    build_rank_state,
+    check_world_size,
+    resolve_run_seed,
+)
+from deepep_lightning.strategies.virtual_shards import VirtualShardSampler, sampler_seed
+
+__all__ = ["DeterministicDDPStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise MisconfigurationException(f"`DeterministicDDPStrategy({name}=...)` must be a bool, got {value!r}")
+    return value
+
+
+class DeterministicDDPStrategy(DDPStrategy):
+    """DDP with a pinned communication profile, seeded shards, per-rank seeds and world-size checks.
+
+    Args:
+        seed: run seed; ``None`` takes ``PL_GLOBAL_SEED`` (``seed_everything``), else the seed of
+            :func:`deepep_lightning.configure`, else 0.
+        bucket_cap_mb: DDP bucket size, fixed and recorded (25 = PyTorch's default).
+        gradient_as_bucket_view: gradients are views into the buckets (saves a copy, same bits).
+        static_graph: DDP's static-graph mode; only when every step uses the same parameters.
+        find_unused_parameters: DDP's flag (``True`` costs a graph traversal per step).
+        nccl_algorithm: ``NCCL_ALGO`` of the profile: ``"Ring"`` or ``"Tree"``.
+        nccl_protocol: ``NCCL_PROTO`` of the profile: ``"Simple"``, ``"LL"`` or ``"LL128"``.
+        allow_world_size_change: resume from a checkpoint of another world size with a warning
+            instead of an error (the resumed run is then not a continuation of the same one).
+        per_rank_checkpoint_keys: top-level checkpoint keys each rank keeps its own copy of.
+        reseed_every_step: before every training step (micro-batch), reseed torch/numpy/random from
+            ``derive_seed(seed, "micro", virtual_rank, global_step)``: the step's randomness is a
+            pure function of its position, also in rollback replays and after a resume.
+        virtual_world_size: world-size-invariant mode (``None``: off). The data is split over this
+            many virtual ranks whatever the number of processes ``W``; each process accumulates
+            ``virtual_world_size / W`` micro-batches (set ``accumulate_grad_batches`` to that). With
+            ``virtual_world_size=2``, 1 and 2 processes give bitwise-equal weights (see
+            :mod:`~deepep_lightning.strategies.virtual_shards` for why, and why only 1 vs 2).
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and DDP).
+
+    Raises:
+        MisconfigurationException: an argument has a wrong type or value.
+
+    Example::
+
+        import deepep_lightning  # registers "ddp_deterministic"
+        Trainer(accelerator="gpu", devices=2, strategy="ddp_deterministic")
+        Trainer(strategy=DeterministicDDPStrategy(bucket_cap_mb=50, static_graph=True))
+    """
+
+    strategy_name = STRATEGY_NAME
+
+    def __init__(
+        self,
+        *,
+        seed: Optional[int] = None,
+        bucket_cap_mb: float = 25.0,
+        gradient_as_bucket_view: bool = True,
+        static_graph: bool = False,
+        find_unused_parameters: bool = False,
+        nccl_algorithm: str = "Ring",
+        nccl_protocol: str = "Simple",
+        allow_world_size_change: bool = False,
+        per_rank_checkpoint_keys: Sequence[str] = ("callbacks", "deepep_rollout"),
+        reseed_every_step: bool = True,
+        virtual_world_size: Optional[int] = None,
+        **kwargs: Any,
+    ) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise MisconfigurationException(f"`DeterministicDDPStrategy(seed=...)` must be a non-negative int or None, got {seed!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise MisconfigurationException(f"`DeterministicDDPStrategy(bucket_cap_mb=...)` must be a positive number, got {bucket_cap_mb!r}")
+        if nccl_algorithm not in ALLOWED_ALGORITHMS:
+            raise MisconfigurationException(
+                f"`DeterministicDDPStrategy(nccl_algorithm=...)` must be one of {ALLOWED_ALGORITHMS}, got {nccl_algorithm!r}"
+                " (HINT: NVLS and CollNet reduce inside the switch in an unspecified order)"
+            )
+        if nccl_protocol not in ALLOWED_PROTOCOLS:
+            raise MisconfigurationException(
+                f"`DeterministicDDPStrategy(nccl_protocol=...)` must be one of {ALLOWED_PROTOCOLS}, got {nccl_protocol!r}"
+            )
+        if isinstance(per_rank_checkpoint_keys, str) or not all(isinstance(k, str) for k in per_rank_checkpoint_keys):
+            raise MisconfigurationException(
+                f"`DeterministicDDPStrategy(per_rank_checkpoint_keys=...)` must be a sequence of str, got {per_rank_checkpoint_keys!r}"
+            )
+        if virtual_world_size is not None and (
+            isinstance(virtual_world_size, bool) or not isinstance(virtual_world_size, int) or virtual_world_size < 1
+        ):
+            raise MisconfigurationException(
+                f"`DeterministicDDPStrategy(virtual_world_size=...)` must be a positive int or None, got {virtual_world_size!r}"
+            )
+        for name in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "allow_world_size_change",
+                     "reseed_every_step"):
+            _check_bool(name, locals()[name])
+        super().__init__(
+            bucket_cap_mb=bucket_cap_mb,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            static_graph=static_graph,
+            find_unused_parameters=find_unused_parameters,
+            **kwargs,
+        )
+        self._seed_arg = seed
+        self.nccl_algorithm = nccl_algorithm
+        self.nccl_protocol = nccl_protocol
+        self.allow_world_size_change = allow_world_size_change
+        self.per_rank_checkpoint_keys = tuple(per_rank_checkpoint_keys)
+        self.reseed_every_step = reseed_every_step
+        self.virtual_world_size = virtual_world_size
+        self.seed: Optional[int] = seed
+        self.rank_seed: Optional[int] = None
+        self.nccl_env: dict[str, str] = {}
+
+    # ---------------------------------------------------------------- registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"ddp_deterministic"`` (idempotent: an existing entry is replaced by the same)."""
+        strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION, override=True)
+
+    # ---------------------------------------------------------------- process group
+    @override
+    def setup_distributed(self) -> None:
+        self.seed = resolve_run_seed(self._seed_arg)
+        if "nccl" in self._get_process_group_backend():
+            self.nccl_env, _ = apply_nccl_profile(self.nccl_algorithm, self.nccl_protocol)
+        super().setup_distributed()  # Lightning's reset_seed(), ranks, init_process_group
+        self.rank_seed = seed_everything_from(self.seed, "rank", self.global_rank)
+        log.debug("rank %d seeded with %d", self.global_rank, self.rank_seed)
+
+    @property
+    def rank_seeds(self) -> list[int]:
+        """The seed of every rank (a pure function of the run seed and the rank)."""
+        seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
+        return [derive_seed(seed, "rank", rank) for rank in range(self.world_size)]
+
+    @property
+    def sampler_seed(self) -> int:
+        """``seed`` given to ``DistributedSampler`` (it draws epoch ``e`` from ``sampler_seed + e``)."""
+        seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
+        return sampler_seed(seed)
+
+    # ---------------------------------------------------------------- per-step streams, virtual ranks
+    @property
+    def micro_batches_per_step(self) -> int:
+        """Micro-batches each process accumulates per optimizer step (1 unless world-size invariant)."""
+        if self.virtual_world_size is None:
+            return 1
+        return max(self.virtual_world_size // self.world_size, 1)
+
+    def virtual_rank(self, batch_idx: int) -> int:
+        """The virtual rank whose micro-batch ``batch_idx`` is (the rank itself by default)."""
+        per_process = self.micro_batches_per_step
+        return self.global_rank * per_process + batch_idx % per_process
+
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        self.check_partition(trainer)
+        super().setup(trainer)
+
+    def check_partition(self, trainer: "pl.Trainer") -> None:
+        """World-size-invariant mode: ``virtual_world_size`` fits the world size and the accumulation.
+
+        Raises:
+            MisconfigurationException: it does not.
+        """
+        if self.virtual_world_size is None:
+            return
+        if self.virtual_world_size % self.world_size:
+            raise MisconfigurationException(
+                f"`DeterministicDDPStrategy(virtual_world_size={self.virtual_world_size!r})` must be a multiple of the"
+                f" world size {self.world_size}"
+            )
+        if trainer.accumulate_grad_batches != self.micro_batches_per_step:
+            raise MisconfigurationException(
+                f"`Trainer(accumulate_grad_batches=...)` must be virtual_world_size / world_size ="
+                f" {self.micro_batches_per_step} in world-size-invariant mode, got {trainer.accumulate_grad_batches!r}"
+                f" (HINT: the global batch is {self.virtual_world_size} micro-batches whatever the device count)"
+            )
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.reseed_every_step and self.lightning_module is not None and self.lightning_module._trainer is not None:
+            batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("batch_idx", 0)
+            step = self.lightning_module.trainer.global_step
+            seed_everything_from(self.seed or 0, "micro", self.virtual_rank(batch_idx), step)
+        return super().training_step(*args, **kwargs)
+
+    # ---------------------------------------------------------------- data
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {**super().distributed_sampler_kwargs, "seed": self.sampler_seed}
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        sampler = getattr(dataloader, "sampler", None)
+        if self._needs_virtual_shards(dataloader):
+            return super().process_dataloader(self._virtual_shard_loader(dataloader))
+        if isinstance(sampler, torch.utils.data.DistributedSampler) and self.world_size > 1:
+            if sampler.num_replicas != self.world_size or sampler.rank != self.global_rank:
+                raise MisconfigurationException(
+                    f"DeterministicDDPStrategy: a DistributedSampler with num_replicas={sampler.num_replicas!r},"
+                    f" rank={sampler.rank!r} runs on rank {self.global_rank} of {self.world_size}."
+                    " HINT: let Lightning create the sampler (return a plain DataLoader), or build it from"
+                    " `trainer.strategy.distributed_sampler_kwargs`."
+                )
+        return super().process_dataloader(dataloader)
+
+    def _needs_virtual_shards(self, dataloader: Any) -> bool:
+        module = self.lightning_module
+        return (
+            self.micro_batches_per_step > 1
+            and type(getattr(dataloader, "sampler", None)) is torch.utils.data.DistributedSampler  # Lightning's
+            and module is not None and module._trainer is not None and module.trainer.training
+        )
+
+    def _virtual_shard_loader(self, dataloader: Any) -> Any:
+        from lightning.pytorch.utilities.data import _update_dataloader
+
+        if dataloader.batch_size is None:
+            raise MisconfigurationException(
+                "DeterministicDDPStrategy(virtual_world_size=...) needs a DataLoader with a batch_size, got batch_size=None"
+            )
+        try:
+            sampler = VirtualShardSampler(
+                dataloader.dataset, virtual_world_size=self.virtual_world_size, num_replicas=self.world_size,
+                rank=self.global_rank, batch_size=dataloader.batch_size, seed=self.seed or 0,
+                shuffle=dataloader.sampler.shuffle,
+            )
+        except ValueError as error:
+            raise MisconfigurationException(f"DeterministicDDPStrategy: {error}") from error
+        return _update_dataloader(dataloader, sampler)
+
+    @staticmethod
+    def shard(num_samples: int, seed: int, epoch: int, rank: int, world_size: int, shuffle: bool = True,
+              drop_last: bool = False) -> list[int]:
+        """The indices ``rank`` sees in ``epoch``: what the injected ``DistributedSampler`` yields.
+
+        ``seed`` is the run seed (the sampler's own seed is derived from it).
+        """
+        sampler = torch.utils.data.DistributedSampler(
+            range(num_samples), num_replicas=world_size, rank=rank, shuffle=shuffle,
+            seed=sampler_seed(seed), drop_last=drop_last,
+        )
+        sampler.set_epoch(epoch)
+        return list(sampler)
+
+    # ---------------------------------------------------------------- fingerprint
+    def fingerprint(self) -> dict[str, str]:
+        """Everything about the communication and data layout that changes bits, as strings."""
+        kwargs = self._ddp_kwargs
+        record = {
+            "ddp.strategy": type(self).__name__,
+            "ddp.backend": str(self._process_group_backend or "<not started>"),
+            "ddp.world_size": str(self.world_size),
+            "ddp.bucket_cap_mb": str(kwargs.get("bucket_cap_mb")),
+            "ddp.gradient_as_bucket_view": str(kwargs.get("gradient_as_bucket_view")),
+            "ddp.static_graph": str(kwargs.get("static_graph")),
+            "ddp.find_unused_parameters": str(kwargs.get("find_unused_parameters")),
+            "ddp.broadcast_buffers": str(kwargs.get("broadcast_buffers", True)),
+            "ddp.comm_hook": getattr(self._ddp_comm_hook, "__qualname__", str(self._ddp_comm_hook)),
+            "ddp.nccl_algorithm": self.nccl_algorithm,
+            "ddp.nccl_protocol": self.nccl_protocol,
+            "ddp.seed": str(self.seed),
+            "ddp.sampler_seed": str(self.sampler_seed),
+            "ddp.rank_seeds": json.dumps(self.rank_seeds),
+            "ddp.reseed_every_step": str(self.reseed_every_step),
+            "ddp.virtual_world_size": str(self.virtual_world_size),
+            "torch": str.__str__(str(torch.__version__)),
+        }
+        for name, value in self.nccl_env.items():
+            record[f"env.{name}"] = value
+        return record
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or not trainer.is_global_zero:
+            return
+        record = self.fingerprint()
+        rank_zero_info("DeterministicDDPStrategy: " + ", ".join(f"{k}={v}" for k, v in record.items()))
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        text = "\n".join(["| field | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in sorted(record.items()))])
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("ddp/fingerprint", text, global_step=trainer.global_step)
+
+    # ---------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        # every rank runs this (Trainer.save_checkpoint), so the gather inside is collective
+        checkpoint[CHECKPOINT_KEY] = build_rank_state(
+            checkpoint, self.per_rank_checkpoint_keys, self.world_size, seed=self.seed, sampler_seed=self.sampler_seed,
+            rank_seeds=self.rank_seeds, fingerprint=self.fingerprint(),
+        )
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def check_resume(self, state: dict[str, Any]) -> None:
+        """Refuse (or, with ``allow_world_size_change``, warn about) a checkpoint of another world size.
+
+        Raises:
+            WorldSizeMismatchError: the saved world size differs from this run's.
+        """
+        check_world_size(state, self.world_size, self.allow_world_size_change)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        # *args/**kwargs: Lightning 2.6 passes ``weights_only``; older versions do not
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is None:
+            rank_zero_warn(
+                "DeterministicDDPStrategy: the checkpoint has no world-size record (not written by this strategy);"
+                " a world-size change cannot be detected and rank-local state comes from rank 0."
+            )
+            return checkpoint
+        self.check_resume(state)
+        saved_seed = state.get("seed")
+        current_seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
+        if saved_seed is not None and saved_seed != current_seed:
+            rank_zero_warn(f"DeterministicDDPStrategy: the checkpoint's seed is {saved_seed!r}, this run's is {current_seed!r}")
+        apply_rank_state(checkpoint, state, self.global_rank, self.world_size)
+        return checkpoint
+
+
+def _register_class() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    DeterministicDDPStrategy.register_strategies(StrategyRegistry)  # replaces the lazy factory entry
+
+
+_register_class()

@@ -1,0 +1,105 @@
+"""Tiny LightningModules for the audit tests: a clean one and planted nondeterminism (negative controls)."""
+
+from __future__ import annotations
+
+import itertools
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+_CALLS = itertools.count()  # global state the repeats do not reset: a call counter
+
+
+class _Data(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(32, 6, generator=generator)
+        self.y = torch.randn(32, 1, generator=generator)
+
+    def __len__(self) -> int:
+        return 32
+
+    def __getitem__(self, index: int):
+        return self.x[index], self.y[index]
+
+
+class CleanModule(pl.LightningModule):
+    """Linear → Dropout (global RNG, reset by the audit) → Linear; reproducible."""
+
+    def __init__(self, hidden: int = 8, lr: float = 0.05) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Dropout(0.2))
+        self.head = nn.Linear(hidden, 1)
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_Data(), batch_size=8, shuffle=True)
+
+
+class _NoisyGate(nn.Module):
+    """Adds noise from a process-wide generator nobody resets: every call draws new numbers."""
+
+    generator = torch.Generator().manual_seed(1234)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.01 * torch.randn(x.shape, generator=_NoisyGate.generator)
+
+
+class UnseededRNGModule(CleanModule):
+    """Planted fault: ``encoder.gate`` draws from an unseeded, never-reset generator."""
+
+    def __init__(self, hidden: int = 8, lr: float = 0.05) -> None:
+        super().__init__(hidden, lr)
+        self.encoder.add_module("gate", _NoisyGate())
+
+
+class _CountingScale(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (1.0 + 1e-3 * next(_CALLS))
+
+
+class CallCountModule(CleanModule):
+    """Planted fault: ``head_scale`` multiplies by a factor that depends on a global call counter."""
+
+    def __init__(self, hidden: int = 8, lr: float = 0.05) -> None:
+        super().__init__(hidden, lr)
+        self.head_scale = _CountingScale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head_scale(self.head(self.encoder(x)))
+
+
+class IndexAddModule(CleanModule):
+    """``index_add_`` over duplicate indices (atomic on CUDA: nondeterministic there, exact on CPU)."""
+
+    def __init__(self, hidden: int = 8, lr: float = 0.05, rows: int = 200_000, bins: int = 100) -> None:
+        super().__init__(hidden, lr)
+        self.rows, self.bins = rows, bins
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(x)  # [B, H]
+        source = h.repeat(self.rows // h.shape[0], 1)  # [rows, H]
+        index = torch.arange(source.shape[0], device=x.device) % self.bins
+        pooled = torch.zeros(self.bins, h.shape[1], device=x.device, dtype=h.dtype).index_add_(0, index, source)
+        return self.head(pooled.sum(0, keepdim=True) * 1e-3 + h)
+
+
+_COUNTER_INPUT = torch.randn(16, generator=torch.Generator().manual_seed(3))
+
+
+def counting_callable() -> torch.Tensor:
+    """L1 negative control: the result depends on how often it was called."""
+    return _COUNTER_INPUT * (1.0 + 1e-6 * next(_CALLS))

@@ -1,0 +1,61 @@
+"""``deepep-audit`` (deepep_lightning/audit/cli.py): help, exit codes, JSON."""
+
+import json
+
+import pytest
+
+from deepep_lightning.audit.cli import main
+
+
+def test_help_documents_levels_protocol_and_exit_codes(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for needle in ("l1", "l2", "l3", "l4", "CUDA_LAUNCH_BLOCKING", "first divergent op", "package.module:Class",
+                   "Exit code: 0 reproducible, 1 divergence found, 2 could not run"):
+        assert needle in text
+
+
+def test_clean_module_exits_0(capsys):
+    assert main(["l2", "--target", "_planted:CleanModule", "--device", "cpu", "--repeats", "3"]) == 0
+    assert "REPRODUCIBLE" in capsys.readouterr().out
+
+
+def test_planted_fault_exits_1_and_json_names_the_op_and_module(capsys, tmp_path):
+    out = tmp_path / "report.json"
+    code = main(["l3", "--target", "_planted:UnseededRNGModule", "--device", "cpu", "--repeats", "3", "--steps", "2",
+                 "--json", "--json-out", str(out)])
+    assert code == 1
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text())
+    divergence = printed["results"][0]["divergence"]
+    assert "randn" in divergence["op"] and divergence["module_path"].endswith("encoder.gate")
+    assert printed["exit_code"] == 1 and printed["environment"]["torch"]
+
+
+def test_cannot_run_exits_2(capsys):
+    assert main(["l2", "--target", "no_such_package_xyz:Model", "--device", "cpu"]) == 2
+    assert "cannot import" in capsys.readouterr().err
+    assert main(["l2", "--target", "_planted:CleanModule", "--config", "/nonexistent.yaml"]) == 2
+
+
+def test_l1_catalogue_subset_and_list(capsys, tmp_path):
+    table = tmp_path / "table.md"
+    assert main(["l1", "--ops", "cumsum,index_add_", "--columns", "default", "--device", "cpu", "--repeats", "3",
+                 "--table-out", str(table)]) == 0
+    assert "| cumsum | yes |" in capsys.readouterr().out and "| index_add_ | yes |" in table.read_text()
+    assert main(["l1", "--list"]) == 0
+    assert "grid_sample_backward" in capsys.readouterr().out
+
+
+def test_l1_callable_planted(capsys):
+    assert main(["l1", "--callable", "_planted:counting_callable", "--repeats", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "DIVERGENT" in out and "first divergent op: aten.mul.Tensor" in out and "Python state" in out
+
+
+def test_unknown_argument_outside_l4_is_rejected():
+    with pytest.raises(SystemExit) as done:
+        main(["l2", "--model.hidden=3"])
+    assert done.value.code == 2
