@@ -277,6 +277,13 @@ class DeterminismCallback(Callback):
         if self.reseed_every_step:
             seed_everything_from(self.seed, "train", self._rank, trainer.current_epoch, batch_idx)
 
+    def on_replay_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, epoch: int
+    ) -> None:
+        """Called by ``NaNRollbackCallback`` before each replayed step: the same reseed as the original step."""
+        if self.reseed_every_step:
+            seed_everything_from(self.seed, "train", self._rank, epoch, batch_idx)
+
     @override
     def on_train_batch_end(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int

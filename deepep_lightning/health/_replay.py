@@ -62,6 +62,13 @@ def run_step(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: Repl
     """Run one recorded step (forward, backward, optimizer step, step-interval LR schedulers)."""
     if trainer.global_step != entry.step:
         raise RuntimeError(f"replay out of order: trainer is at step {trainer.global_step}, entry is step {entry.step}")
+    # Callbacks that set per-step state in on_train_batch_start (DeterminismCallback reseeds the global
+    # RNG there) get the same chance before a replayed step; other on_train_batch_start work (batch
+    # copies, fault injection) must not run twice, so this is an opt-in hook, not that one.
+    for callback in trainer.callbacks:
+        hook = getattr(callback, "on_replay_batch_start", None)
+        if callable(hook):
+            hook(trainer, pl_module, entry.batch, entry.batch_idx, entry.epoch)
     epoch_loop = trainer.fit_loop.epoch_loop
     kwargs = epoch_loop._build_kwargs(OrderedDict(), clone_batch(entry.batch), entry.batch_idx)
     if pl_module.automatic_optimization:
