@@ -16,7 +16,8 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_multi = pytest.mark.skip(reason="needs two or more CUDA devices")
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        # markers, not keywords: a parameter id such as "gpu" must not skip a CPU test
+        if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(skip_gpu)
-        if "multigpu" in item.keywords and n_gpus < 2:
+        if item.get_closest_marker("multigpu") and n_gpus < 2:
             item.add_marker(skip_multi)

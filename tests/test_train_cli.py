@@ -1,0 +1,40 @@
+"""train.py (LightningCLI): bad configuration is refused before any training starts."""
+
+import runpy
+from pathlib import Path
+
+import pytest
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = str(ROOT / "configs" / "default.yaml")
+
+
+def _main(args):
+    namespace = runpy.run_path(str(ROOT / "train.py"), run_name="train_module")
+    return namespace["main"](args)
+
+
+def test_unknown_config_key_names_the_key(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _main(["fit", "--config", DEFAULT, "--model.num_envz=4"])
+    assert exit_info.value.code != 0
+    assert "num_envz" in capsys.readouterr().err
+
+
+def test_bad_value_names_argument_and_value_before_training(tmp_path):
+    with pytest.raises(MisconfigurationException, match=r"num_envs=.*must be a positive int, got 0"):
+        _main(["fit", "--config", DEFAULT, "--model.num_envs=0", f"--trainer.default_root_dir={tmp_path}"])
+
+
+def test_unknown_env_name_is_refused(tmp_path):
+    with pytest.raises(MisconfigurationException, match=r"env=.*got 'pong'"):
+        _main(["fit", "--config", DEFAULT, "--model.env=pong", f"--trainer.default_root_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("name", ["default", "gpu", "memory", "nan_demo", "ddp", "audit"])
+def test_every_config_parses(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _main(["fit", "--config", str(ROOT / "configs" / f"{name}.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    assert "model:" in capsys.readouterr().out
