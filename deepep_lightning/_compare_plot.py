@@ -1,0 +1,71 @@
+"""The PNG of ``deepep-compare --plot``: curves overlaid and their difference on a log scale."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, List
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from deepep_lightning.compare import CompareResult
+
+__all__ = ["plot_comparison"]
+
+
+def _compared_tags(result: "CompareResult") -> set:
+    return {tag for pair in result.comparisons for tag in pair.tags}
+
+
+def _differing_tags(result: "CompareResult") -> set:
+    return {tag for pair in result.comparisons for tag, verdict in pair.tags.items() if not verdict.identical}
+
+
+def plot_comparison(result: "CompareResult", path: str, max_tags: int = 16) -> List[str]:
+    """Save a PNG: per tag, the curves overlaid (left) and ``|run - reference|`` on a log scale (right).
+
+    Args:
+        result: what :func:`compare_runs` returned.
+        path: the PNG to write.
+        max_tags: draw at most this many tags, the differing ones first.
+
+    Returns:
+        The tags drawn. A dotted line marks each run's first divergent step.
+    """
+    from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend and figures alone
+
+    differing = _differing_tags(result)
+    tags = sorted(_compared_tags(result), key=lambda tag: (tag not in differing, tag))[:max_tags]
+    figure = Figure(figsize=(12, 2.6 * len(tags)))
+    axes = figure.subplots(len(tags), 2, squeeze=False, sharex="row")
+    reference = result.runs[0]
+    for (curves, diffs), tag in zip(axes, tags):
+        ref = reference.series[tag]
+        curves.plot(ref.steps, ref.values.astype(np.float64), lw=1.2, label=f"{reference.path} (reference)")
+        for index, (pair, run) in enumerate(zip(result.comparisons, result.runs[1:])):
+            if tag not in pair.tags:
+                continue
+            color, series, verdict = f"C{index + 1}", run.series[tag], pair.tags[tag]
+            curves.plot(series.steps, series.values.astype(np.float64), "--", c=color, lw=1, label=run.path)
+            common, i, j = np.intersect1d(ref.steps, series.steps, return_indices=True)
+            with np.errstate(invalid="ignore"):
+                gap = np.abs(series.values[j].astype(np.float64) - ref.values[i].astype(np.float64))
+            shown = np.isfinite(gap) & (gap > 0)  # zeros cannot be drawn on a log scale
+            if shown.any():
+                diffs.semilogy(common[shown], gap[shown], ".", color=color, ms=3)
+            if verdict.first_divergent_step is not None:
+                for axis in (curves, diffs):
+                    axis.axvline(verdict.first_divergent_step, color=color, ls=":", lw=1)
+                label = f"first divergence: step {verdict.first_divergent_step}"
+                position = (0.01, 0.9 - 0.1 * index)
+                diffs.annotate(label, position, xycoords="axes fraction", color=color, fontsize=8)
+        if tag not in differing:
+            diffs.text(0.5, 0.5, "bitwise identical", ha="center", va="center", transform=diffs.transAxes)
+            diffs.set_yticks([])
+        curves.set_title(tag, fontsize=9)
+        diffs.set_title(f"|run - reference| of {tag} (log scale)", fontsize=9)
+        curves.legend(fontsize=7)
+    for axis in axes[-1]:
+        axis.set_xlabel("step")
+    figure.tight_layout()
+    figure.savefig(path, dpi=80)  # Agg canvas
+    return tags
