@@ -16,7 +16,6 @@ import argparse
 import time
 from collections import deque
 
-import torch
 
 from _timing import write_json
 from deepep_lightning import DeepEPModule

@@ -28,6 +28,7 @@ __all__ = [
     "catalogue_names",
     "compare_states",
     "first_divergence",
+    "format_catalogue_table",
     "locate",
     "locate_divergence",
     "locate_nonfinite",
