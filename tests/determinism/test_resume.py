@@ -147,7 +147,9 @@ def test_checkpoint_loads_with_weights_only(runs: dict[str, Path]) -> None:
 
 
 # ----------------------------------------------------------------------------- GPU
-_GPU_SETTINGS = {"num_envs": 256, "rollout_length": 256, "hidden_size": 256, "steps_per_epoch": 7}
+# B=T=H=256 (configs/gpu.yaml) ran past 200 s per case on the H200 (mostly eager steps + process start);
+# the determinism properties do not depend on size, so the GPU check uses a smaller DeepEP.
+_GPU_SETTINGS = {"num_envs": 64, "rollout_length": 32, "hidden_size": 64, "steps_per_epoch": 7}
 
 
 @pytest.mark.gpu
