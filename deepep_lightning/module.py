@@ -257,7 +257,8 @@ class DeepEPModule(pl.LightningModule):
         rollout = collect_rollout(agent, self._env, self._hidden.clone(), hp.rollout_length, self._generator, hp.bptt_truncation)
         self._hidden.copy_(rollout.final_hidden)
         terms = deepep_loss(
-            rollout.logits, rollout.q, rollout.actions, rollout.rewards * hp.reward_scale, rollout.dones, rollout.bootstrap_value,
+            rollout.logits, rollout.q, rollout.actions, rollout.rewards * hp.reward_scale, rollout.terminateds,
+            rollout.bootstrap_value,
             gamma=hp.gamma, gae_lambda=hp.gae_lambda, value_coef=hp.value_coef, entropy_coef=hp.entropy_coef,
         )
         return rollout, terms

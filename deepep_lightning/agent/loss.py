@@ -22,7 +22,7 @@ def lambda_returns(
 ) -> torch.Tensor:
     """λ-returns ``G_t = r_t + γ(1 − d_t)[(1 − λ) V(s_{t+1}) + λ G_{t+1}]``, ``[T, B]``.
 
-    ``values[t]`` is V(s_t) (for the expected-value critic, ``Σ_a π(a|s_t) Q(s_t, a)``), and the
+    ``dones`` are true terminals only (pass time-limit truncations as not done). ``values[t]`` is V(s_t) (for the expected-value critic, ``Σ_a π(a|s_t) Q(s_t, a)``), and the
     recursion starts from ``G_T = V(s_T) = bootstrap_value``. ``λ = 1`` gives Monte-Carlo returns
     bootstrapped at the rollout end, ``λ = 0`` one-step expected-SARSA targets.
     """

@@ -20,7 +20,8 @@ class Rollout:
     q: torch.Tensor  # [T, B, A], with grad
     actions: torch.Tensor  # [T, B]
     rewards: torch.Tensor  # [T, B]
-    dones: torch.Tensor  # [T, B] bool
+    dones: torch.Tensor  # [T, B] bool: an episode ended (recurrent state reset)
+    terminateds: torch.Tensor  # [T, B] bool: a true terminal (no bootstrap); dones & ~terminateds = time limit
     episode_returns: torch.Tensor  # [T, B], finished episodes' returns where dones
     bootstrap_value: torch.Tensor  # [B], V(s_T) = Σ_a π(a|s_T) Q(s_T, a), no grad
     final_hidden: torch.Tensor  # [B, H], detached
@@ -44,7 +45,7 @@ def collect_rollout(
     """
     batch = env.num_envs
     obs = env.observe()  # [B, obs_dim]
-    logits, qs, actions, rewards, dones, returns = [], [], [], [], [], []
+    logits, qs, actions, rewards, dones, terminateds, returns = [], [], [], [], [], [], []
     for t in range(length):
         if bptt_truncation is not None and t > 0 and t % bptt_truncation == 0:
             hidden = hidden.detach()
@@ -58,6 +59,7 @@ def collect_rollout(
         actions.append(step.action)
         rewards.append(result.reward)
         dones.append(result.done)
+        terminateds.append(result.terminated)
         returns.append(result.episode_return)
     with torch.no_grad():
         last_logits, last_q = agent.evaluate(obs, hidden)
@@ -68,6 +70,7 @@ def collect_rollout(
         torch.stack(actions),
         torch.stack(rewards),
         torch.stack(dones),
+        torch.stack(terminateds),
         torch.stack(returns),
         bootstrap,
         hidden.detach(),

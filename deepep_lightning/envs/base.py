@@ -16,13 +16,15 @@ class StepResult:
     Auto-reset convention: where ``done`` is true the episode ended *on this step*;
     ``reward`` is the reward of that last step, ``episode_return``/``episode_length``
     are the finished episode's totals, and ``obs`` is already the **first observation of
-    the next episode** (the terminal observation is not returned; bootstrapping stops at
-    ``done``, so it is never needed). Where ``done`` is false, ``episode_return`` is 0.
+    the next episode** (the last observation is not returned). ``terminated`` marks a true end
+    (no value beyond it); ``done & ~terminated`` is a time-limit truncation, where the agent keeps
+    bootstrapping. Where ``done`` is false, ``episode_return`` is 0.
     """
 
     obs: torch.Tensor  # [B, obs_dim] float32
     reward: torch.Tensor  # [B] float32
     done: torch.Tensor  # [B] bool: terminated or truncated
+    terminated: torch.Tensor  # [B] bool: a true terminal state (not a time limit)
     episode_return: torch.Tensor  # [B] float32, finished episodes only
     episode_length: torch.Tensor  # [B] float32, finished episodes only
 
@@ -81,7 +83,7 @@ class BatchedEnv:
                 )
             target.copy_(source)
 
-    def _finish(self, reward: torch.Tensor, done: torch.Tensor) -> StepResult:
+    def _finish(self, reward: torch.Tensor, done: torch.Tensor, terminated: torch.Tensor) -> StepResult:
         """Update episode accumulators in place; return them for finished episodes."""
         self.episode_return.add_(reward)
         self.episode_length.add_(1.0)
@@ -90,4 +92,4 @@ class BatchedEnv:
         keep = (~done).to(reward.dtype)
         self.episode_return.mul_(keep)
         self.episode_length.mul_(keep)
-        return StepResult(self.observe(), reward, done, finished_return, finished_length)
+        return StepResult(self.observe(), reward, done, terminated, finished_return, finished_length)

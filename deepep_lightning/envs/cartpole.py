@@ -30,9 +30,11 @@ class BatchedCartPole(BatchedEnv):
     Dynamics, thresholds and rewards follow gymnasium's ``CartPoleEnv`` (``kinematics_integrator="euler"``):
     reward 1 on every step including the terminating one; terminated when ``|x| > 2.4`` or
     ``|θ| > 12°``; truncated after ``max_episode_steps`` (500). Both end the episode and auto-reset
-    (see :class:`~deepep_lightning.envs.base.StepResult`); the agent treats truncation like
-    termination (no bootstrap past it), a common simplification that slightly undervalues states
-    near the 500-step cap.
+    (see :class:`~deepep_lightning.envs.base.StepResult`); only termination is ``terminated``. The
+    agent bootstraps through a truncation (the time limit is not part of the state, so treating it as
+    a terminal would teach the critic values it cannot predict — Pardo et al., 2018); since the last
+    observation is replaced by the next episode's first, that bootstrap uses the fresh start state's
+    value, which for CartPole is close to the value of any balanced state.
 
     Args:
         num_envs: number of environments B.
@@ -92,4 +94,4 @@ class BatchedCartPole(BatchedEnv):
         # Draw reset states every step (used or not) so RNG use never depends on the data.
         fresh = self._random_state(generator)
         self.state.copy_(torch.where(done.unsqueeze(-1), fresh, next_state))
-        return self._finish(reward, done)
+        return self._finish(reward, done, terminated)

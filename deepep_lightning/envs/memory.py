@@ -69,4 +69,4 @@ class CueRecall(BatchedEnv):
         fresh_cue = self._draw_cue(generator)  # drawn every step so RNG use never depends on the data
         self.cue.copy_(torch.where(done, fresh_cue, self.cue))
         self.clock.copy_(torch.where(done, torch.zeros_like(self.clock), self.clock + 1))
-        return self._finish(reward, done)
+        return self._finish(reward, done, done)  # the query step is a true end

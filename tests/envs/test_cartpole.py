@@ -78,6 +78,16 @@ def test_truncation_after_max_episode_steps():
     assert dones[:4] == [[False, False]] * 4 and dones[4] == [True, True]
 
 
+def test_truncation_is_done_but_not_terminated_and_falling_is_both():
+    generator = torch.Generator().manual_seed(0)
+    env = BatchedCartPole(2, max_episode_steps=3)
+    env.state.copy_(torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.39, 5.0, 0.0, 0.0]]))
+    env.episode_length.copy_(torch.tensor([2.0, 0.0]))  # env 0 is on its last allowed step
+    result = env.step(torch.tensor([1, 1]), generator)
+    assert result.done.tolist() == [True, True]
+    assert result.terminated.tolist() == [False, True]
+
+
 def test_state_dict_round_trip_continues_identically():
     generator = torch.Generator().manual_seed(3)
     env = BatchedCartPole(4)
