@@ -21,7 +21,7 @@ from _timing import write_json
 from deepep_lightning import DeepEPModule
 from deepep_lightning.agent.graphed_step import GraphedTrainStep
 
-GPU_CONFIG = dict(num_envs=256, rollout_length=256, hidden_size=256, learning_rate=3e-3, policy_learning_rate=3e-4,
+GPU_CONFIG = dict(num_envs=256, rollout_length=256, hidden_size=256, learning_rate=3e-3, policy_learning_rate=1e-4,
                   reward_scale=0.05, gamma=0.99, gae_lambda=0.95, entropy_coef=0.001, fused_value_head=True,
                   cuda_graph=True)
 
