@@ -68,7 +68,7 @@ class DeepEPModule(pl.LightningModule):
         steps_per_epoch: training steps (rollouts) per epoch.
         seed: seeds the environments and the rollout streams (rank-aware).
         learning_rate: Adam's learning rate (critic, recurrent cell).
-        policy_learning_rate: the policy network's learning rate (default: ``learning_rate``). A
+        policy_learning_rate: the policy network's learning rate (None: ``learning_rate``). A
             slower actor than critic (two time-scale actor-critic) keeps the all-action gradient from
             chasing the critic's errors on actions it has stopped taking.
         optimizer: ``"adam"`` (default) or ``"sgd"`` (plain SGD; with a large learning rate it really
@@ -106,7 +106,7 @@ class DeepEPModule(pl.LightningModule):
         steps_per_epoch: int = 50,
         seed: int = 0,
         learning_rate: float = 3e-3,
-        policy_learning_rate: float | None = 3e-4,
+        policy_learning_rate: float | None = 1e-4,
         optimizer: str = "adam",
         gamma: float = 0.99,
         reward_scale: float = 0.05,
