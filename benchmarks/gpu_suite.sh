@@ -36,7 +36,7 @@ assert c(), e(); print('extension with CUDA kernels built in', round(time.time()
       run pytest_ops_gpu 240 python3 -m pytest -q -rs -m gpu tests/ops
       run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$R" ;;
     learning)
-      run bench_learning 300 python3 benchmarks/bench_learning.py --out "$R" --budget-s 60 --memory-steps 200 ;;
+      run bench_learning 500 python3 benchmarks/bench_learning.py --out "$R" --budget-s 150 --memory-horizons 32 64 128 256 --memory-budget-s 80 ;;
     *) [ -f "benchmarks/gpu_sections/$section.sh" ] && source "benchmarks/gpu_sections/$section.sh" || echo "unknown section $section" ;;
   esac
 done

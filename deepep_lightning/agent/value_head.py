@@ -27,8 +27,11 @@ class AllActionValueHead(nn.Module):
     def __init__(self, in_features: int, hidden_size: int, num_actions: int, fused: bool = False) -> None:
         super().__init__()
         self.input_layer = nn.Linear(in_features, hidden_size)  # W1, and its bias
-        # Zero E: every action starts with the same Q, so the policy follows only what the critic learns.
-        self.action_embedding = nn.Parameter(torch.zeros(num_actions, hidden_size))  # E [A, H]
+        # Random E (std 0.5, the scale of W1·x): action and state interact through tanh from the first
+        # step. With E = 0 every unit's gradient w.r.t. E[a] starts identical across actions and the
+        # critic sat on a plateau: the 4-step cue-recall task took ~1000 steps instead of ~200
+        # (BENCHMARKS.md, "Learning").
+        self.action_embedding = nn.Parameter(torch.randn(num_actions, hidden_size) * 0.5)  # E [A, H]
         self.output_weight = nn.Parameter(torch.randn(hidden_size) / hidden_size**0.5)  # w2 [H]
         self.output_bias = nn.Parameter(torch.zeros(1))  # b2
         self.fused = fused
