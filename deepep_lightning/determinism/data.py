@@ -106,7 +106,11 @@ class SeekableDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.set_epoch(int(state.get("epoch", 0)))  # type: ignore[attr-defined]
-        self._resume_batches = int(state.get("batches", 0))
+        batches = int(state.get("batches", 0))
+        # A checkpoint taken after the epoch's last batch: Lightning counts that epoch as finished on
+        # restore and starts the next one (set_epoch follows), so the next iterator starts at batch 0.
+        # Seeking to the end instead would yield an empty epoch and shift the epoch counter by one.
+        self._resume_batches = 0 if batches >= len(self) else batches
 
 
 def _is_plain_map_loader(dataloader: DataLoader) -> str | None:

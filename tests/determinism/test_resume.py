@@ -9,6 +9,8 @@ optimizer tensors with ``torch.equal``, every TensorBoard scalar by value):
   augmentation in ``__getitem__``; and DeepEP);
 * the same with ``reseed_every_step=False``, where only the checkpointed RNG state carries the
   streams across the restart;
+* a checkpoint taken after an epoch's last batch, killed early in the next epoch (the logged
+  ``epoch`` and the next epoch's data order must not shift);
 * negative controls: the same resumes with restoring disabled must differ: restoring nothing
   (the epoch's data order starts over), and, with ``reseed_every_step=False``, restoring everything
   but the RNG states (dropout and the validation noise then draw other numbers).
@@ -34,10 +36,13 @@ _SCRIPT = Path(__file__).with_name("_run_fit.py")
 _REPO = Path(__file__).resolve().parents[2]
 _KILL_AT = 11  # checkpoints every 3 steps: last one at step 9, killed at the start of step 12
 _SCENARIOS = {
-    # name: (module, extra args)
-    "plain": ("plain", []),
-    "plain_noreseed": ("plain", ["--no-reseed"]),
-    "deepep": ("deepep", []),
+    # name: (module, extra args, kill at)
+    "plain": ("plain", [], _KILL_AT),
+    "plain_noreseed": ("plain", ["--no-reseed"], _KILL_AT),
+    "deepep": ("deepep", [], _KILL_AT),
+    # checkpoint after the epoch's last batch (8 batches per epoch), killed 2 steps into the next epoch:
+    # the resumed run must start epoch 1 at batch 0 (once logged epoch 2 and drew another order)
+    "plain_epoch_end": ("plain", ["--ckpt-every", "8"], 10),
 }
 
 
@@ -61,15 +66,15 @@ def _wait(processes: dict[str, tuple[subprocess.Popen, Path]], expect_killed: se
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     first: dict[str, tuple[subprocess.Popen, Path]] = {}
-    for name, (module, extra) in _SCENARIOS.items():
+    for name, (module, extra, kill_at) in _SCENARIOS.items():
         for run in ("full", "killed"):
-            args = extra + (["--kill-at", str(_KILL_AT)] if run == "killed" else [])
+            args = extra + (["--kill-at", str(kill_at)] if run == "killed" else [])
             first[f"{name}/{run}"] = (_start(module, root / name / run, args), root / name / run)
     first["plain/full_again"] = (_start("plain", root / "plain" / "full_again", []), root / "plain" / "full_again")
     _wait(first, expect_killed={f"{name}/killed" for name in _SCENARIOS})
 
     second: dict[str, tuple[subprocess.Popen, Path]] = {}
-    for name, (module, extra) in _SCENARIOS.items():
+    for name, (module, extra, _) in _SCENARIOS.items():
         killed = root / name / "killed"
         # negative controls: restore nothing (data order restarts) / restore everything but the RNG
         negative = {"plain": ["--no-restore", "all"], "plain_noreseed": ["--no-restore", "rng"]}
