@@ -1,0 +1,101 @@
+"""The strategy's per-step reseed: the states of ``seed_everything_from``, without ``torch.manual_seed``."""
+
+from __future__ import annotations
+
+import random
+import time
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+from deepep_lightning.determinism.rng import seed_everything_from
+from deepep_lightning.strategies import _step_seed
+from deepep_lightning.strategies._step_seed import reseed_step
+
+
+def _draws() -> tuple:
+    cuda = torch.rand(4, device="cuda").cpu() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), torch.rand(4), np.random.get_state()[1].copy(), np.random.rand(3), random.random(), cuda
+
+
+def _assert_same(first: tuple, second: tuple) -> None:
+    assert torch.equal(first[0], second[0])
+    assert torch.equal(first[1], second[1])
+    assert np.array_equal(first[2], second[2]) and np.array_equal(first[3], second[3])
+    assert first[4] == second[4]
+    if first[5] is not None:
+        assert torch.equal(first[5], second[5])
+
+
+@pytest.mark.parametrize("keys", [("micro", 0, 0), ("micro", 1, 12345), ("anything", 7)])
+def test_same_states_as_seed_everything_from(keys):
+    assert reseed_step(3, *keys) == seed_everything_from(3, *keys)
+    seed_everything_from(3, *keys)
+    reference = _draws()
+    torch.manual_seed(999)  # move every stream away in between
+    np.random.seed(999)
+    random.seed(999)
+    reseed_step(3, *keys)
+    _assert_same(_draws(), reference)
+
+
+def test_different_keys_give_different_streams():  # negative control: the comparison above can fail
+    reseed_step(3, "micro", 0, 1)
+    first = _draws()
+    reseed_step(3, "micro", 1, 1)
+    with pytest.raises(AssertionError):
+        _assert_same(_draws(), first)
+
+
+def test_does_not_capture_the_stack(monkeypatch):
+    if not _step_seed._only_cpu_and_cuda():
+        pytest.skip("another device type is present: reseed_step falls back to seed_everything_from")
+    calls = []
+    monkeypatch.setattr(traceback, "format_stack", lambda *a, **k: calls.append(1) or [])
+    reseed_step(0, "micro", 0, 0)
+    assert calls == []
+    seed_everything_from(0, "micro", 0, 0)  # control: torch.manual_seed captures it (uninitialised XPU/MTIA)
+    assert calls, "torch.manual_seed no longer captures the stack: reseed_step may no longer be needed"
+
+
+def test_falls_back_to_seed_everything_from_with_another_device_type(monkeypatch):
+    monkeypatch.setattr(_step_seed, "_only_cpu_and_cuda", lambda: False)
+    calls = []
+    monkeypatch.setattr(_step_seed, "seed_everything_from", lambda seed, *keys: calls.append((seed, keys)) or 1)
+    assert reseed_step(4, "micro", 1, 2) == 1
+    assert calls == [(4, ("micro", 1, 2))]
+
+
+def test_cheaper_than_seed_everything_from_under_a_deep_stack():
+    def deep(depth: int, fn) -> float:
+        if depth:
+            return deep(depth - 1, fn)
+        start = time.perf_counter()
+        for step in range(50):
+            fn(0, "micro", 0, step)
+        return time.perf_counter() - start
+
+    deep(60, reseed_step), deep(60, seed_everything_from)  # warm up
+    fast = min(deep(60, reseed_step) for _ in range(3))
+    slow = min(deep(60, seed_everything_from) for _ in range(3))
+    assert fast < slow, (fast, slow)
+
+
+def test_strategy_step_draws_the_stream_of_seed_everything_from(monkeypatch):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies.strategy import Strategy
+
+    from deepep_lightning.strategies import DeterministicDDPStrategy
+
+    strategy = DeterministicDDPStrategy(seed=11)
+    strategy.seed = 11
+    trainer = SimpleNamespace(global_step=5)
+    module = SimpleNamespace(_trainer=trainer, trainer=trainer)
+    monkeypatch.setattr(DeterministicDDPStrategy, "lightning_module", property(lambda self: module))
+    monkeypatch.setattr(Strategy, "training_step", lambda self, *args, **kwargs: _draws())
+    drawn = strategy.training_step(None, 0)  # what the module's step would draw
+    seed_everything_from(11, "micro", 0, 5)  # the stream the strategy promises: (seed, "micro", rank, step)
+    _assert_same(drawn, _draws())
