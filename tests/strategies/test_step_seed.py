@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 import traceback
 
 import numpy as np
@@ -66,21 +65,6 @@ def test_falls_back_to_seed_everything_from_with_another_device_type(monkeypatch
     monkeypatch.setattr(_step_seed, "seed_everything_from", lambda seed, *keys: calls.append((seed, keys)) or 1)
     assert reseed_step(4, "micro", 1, 2) == 1
     assert calls == [(4, ("micro", 1, 2))]
-
-
-def test_cheaper_than_seed_everything_from_under_a_deep_stack():
-    def deep(depth: int, fn) -> float:
-        if depth:
-            return deep(depth - 1, fn)
-        start = time.perf_counter()
-        for step in range(50):
-            fn(0, "micro", 0, step)
-        return time.perf_counter() - start
-
-    deep(60, reseed_step), deep(60, seed_everything_from)  # warm up
-    fast = min(deep(60, reseed_step) for _ in range(3))
-    slow = min(deep(60, seed_everything_from) for _ in range(3))
-    assert fast < slow, (fast, slow)
 
 
 def test_strategy_step_draws_the_stream_of_seed_everything_from(monkeypatch):
