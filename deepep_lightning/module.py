@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import lightning.pytorch as pl
 import torch
@@ -264,7 +265,7 @@ class DeepEPModule(pl.LightningModule):
         return rollout, terms
 
     @override
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, torch.Tensor]:
         self._ensure_rollout_state()
         self._seed_rollout()
         if self.hparams.cuda_graph:
@@ -285,8 +286,12 @@ class DeepEPModule(pl.LightningModule):
                                    weight=outputs["episodes"].float())
         self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
         if self.hparams.cuda_graph:
-            self.log("train/grad_norm", outputs["grad_norm"].clone(), on_step=True, on_epoch=False)
-            return None
+            # The graph's outputs are overwritten by the next replay: hand on clones. Manual optimisation
+            # passes this dict to the callbacks' on_train_batch_end (NumericalHealthCallback checks
+            # "loss" and reads "grad_norm" in place of the gradients, which no hook sees inside the graph).
+            checked = {"loss": outputs["loss"].detach().clone(), "grad_norm": outputs["grad_norm"].detach().clone()}
+            self.log("train/grad_norm", checked["grad_norm"], on_step=True, on_epoch=False)
+            return checked
         return outputs["loss"]
 
     @override
@@ -298,19 +303,61 @@ class DeepEPModule(pl.LightningModule):
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.max_grad_norm, foreach=True)
 
     # ---------------------------------------------------------------- CUDA graph path
+    _uncaptured = False  # set by uncaptured_steps()
+
+    @contextlib.contextmanager
+    def uncaptured_steps(self) -> Iterator[None]:
+        """Inside this block, ``cuda_graph=True`` training steps run without the CUDA graph.
+
+        The same step (:meth:`_whole_step`: rollout, loss, backward, clipping, optimizer step) runs
+        eagerly on the current stream, on the same tensors the graph uses, so it is one ordinary
+        training step and the graph carries on after the block. Dispatch modes see every op of it,
+        which is why :class:`~deepep_lightning.NaNRollbackCallback`'s non-finite locator diagnoses a
+        graph-path step in here. It is also the way to step through the graph path in a debugger
+        and, given a non-capturable optimizer (the CPU tests override ``configure_optimizers``), to
+        run the graph path's code on a CPU. No effect when ``cuda_graph=False``.
+
+        Example::
+
+            with model.uncaptured_steps():
+                trainer.fit(model)  # every step eager, as the graph would compute it
+        """
+        previous, self._uncaptured = self._uncaptured, True
+        try:
+            yield
+        finally:
+            self._uncaptured = previous
+
+    def _graph_capture_key(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+        """The optimizer's hyperparameters: capturable Adam bakes the Python floats (lr, betas...) into the graph."""
+        return [{k: v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+                for group in optimizer.param_groups]
+
+    def _graph_static_tensors(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """What a rollback restores and the graph reads in place: parameters, optimizer state, recurrent state."""
+        params = list(self.parameters())
+        state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return params + state + ([self._hidden] if self._hidden is not None else [])
+
     def _graphed_training_step(self) -> dict[str, torch.Tensor]:
-        if self.device.type != "cuda":
+        lightning_optimizer = self.optimizers()
+        optimizer = lightning_optimizer.optimizer
+        if not self._uncaptured and self.device.type != "cuda":
             raise MisconfigurationException(
                 f"`DeepEPModule(cuda_graph=True)` needs a CUDA device, the module is on {self.device}"
                 " (HINT: set cuda_graph: false for CPU runs)"
             )
-        lightning_optimizer = self.optimizers()
-        if self._graphed is None:
+        if self._graphed is None and not self._uncaptured:
             assert self._generator is not None
-            self._graphed = GraphedTrainStep(lambda: self._whole_step(lightning_optimizer.optimizer), self._generator)
+            # A changed learning rate (NaNRollbackCallback's lower_lr policy, a scheduler) re-captures the graph.
+            self._graphed = GraphedTrainStep(
+                lambda: self._whole_step(optimizer), self._generator,
+                capture_key=lambda: self._graph_capture_key(optimizer),
+                static_tensors=lambda: self._graph_static_tensors(optimizer),
+            )
         # Lightning counts optimizer steps through these hooks; the step itself runs inside the graph.
         lightning_optimizer._on_before_step()
-        outputs = self._graphed()
+        outputs = self._whole_step(optimizer) if self._uncaptured else self._graphed()
         lightning_optimizer._on_after_step()
         return outputs
 
