@@ -7,6 +7,11 @@ loop's optimizer-step counters, the module's rollout state
 any LightningModule may implement for state that lives outside parameters),
 the health callback's state (spike window) and the LR scale applied by rollback.
 
+Restoring is **in place**: parameters, buffers, optimizer state and the rollout
+state are copied into the live tensors, never replaced, because a captured CUDA
+graph (``DeepEPModule(cuda_graph=True)``) keeps raw pointers to them and would
+otherwise go on reading freed memory.
+
 On disk a snapshot is ``MAGIC | payload length | sha256 | torch.save payload``,
 written to a temporary file, fsynced and renamed, so a file is either complete
 or absent; a truncated or corrupted file fails verification with
@@ -28,7 +33,10 @@ import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import Tensor
 
-__all__ = ["CorruptSnapshotError", "Snapshot", "SnapshotRing", "load_snapshot_file", "save_snapshot_file"]
+__all__ = [
+    "CorruptSnapshotError", "Snapshot", "SnapshotRing", "clone_update_state", "load_snapshot_file", "restore_update_state",
+    "save_snapshot_file",
+]
 
 _MAGIC = b"DEEPEPSNAP1\n"
 _HEADER = struct.Struct("<Q32s")
@@ -70,11 +78,54 @@ def _to_device(tree: Any) -> Any:
     return copy.deepcopy(tree)
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Load ``saved`` into ``optimizer``, copying into the live state tensors where shapes allow.
+def _copy_into(current: Any, saved: Any) -> bool:
+    """``current.copy_(saved)`` when both are tensors of one shape and dtype; False when it cannot."""
+    if not (isinstance(current, Tensor) and isinstance(saved, Tensor)):
+        return False
+    if current.shape != saved.shape or current.dtype != saved.dtype:
+        return False
+    with torch.no_grad():
+        current.copy_(saved)
+    return True
 
-    In-place copies keep tensor identities (what a captured CUDA graph relies on); a state
-    entry absent from the snapshot (no step taken yet) is removed, as in a fresh optimizer.
+
+def _reset_state(optimizer: torch.optim.Optimizer, param: Tensor) -> None:
+    """Return ``param``'s optimizer state to "no step taken yet"."""
+    live = optimizer.state.get(param)
+    # Adam and AdamW create step 0 and zero moments lazily at their first step: zeroing the live
+    # tensors in place is that same state, without freeing what a captured graph points to.
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
+    if live and adam and all(isinstance(v, Tensor) for v in live.values()):
+        with torch.no_grad():
+            for value in live.values():
+                value.zero_()
+    else:
+        optimizer.state.pop(param, None)
+
+
+def _restore_module(pl_module: "pl.LightningModule", saved: dict[str, Any]) -> None:
+    """Copy the saved parameters and buffers into the live ones (host → device, in place)."""
+    live = pl_module.state_dict(keep_vars=True)
+    if live.keys() != saved.keys():
+        pl_module.load_state_dict(_to_device(saved))  # raises load_state_dict's own missing/unexpected-key error
+        return
+    rest = {}
+    for name, value in saved.items():
+        leaf = value.get(_LEAF) if isinstance(value, dict) else None
+        if not _copy_into(live[name], leaf):
+            rest[name] = _to_device(value)
+    if rest:  # extra state, or a tensor whose shape changed: only load_state_dict knows what to do
+        pl_module.load_state_dict(rest, strict=False)
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Load ``saved`` into ``optimizer``, copying into the live state tensors.
+
+    In-place copies keep tensor identities (what a captured CUDA graph relies on). A state entry
+    absent from the snapshot (no step taken yet) is zeroed in place for Adam/AdamW (identical to
+    their lazily created state) and removed for other optimizers, as in a fresh optimizer. Only a
+    changed number of param groups falls back to ``optimizer.load_state_dict`` (new tensors; a
+    :class:`~deepep_lightning.agent.graphed_step.GraphedTrainStep` then refuses to replay).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len(saved["param_groups"]) != len(optimizer.param_groups):
@@ -82,12 +133,15 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
         return
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
         for key, value in saved_group.items():
-            if key != "params":
-                group[key] = copy.deepcopy(value)
+            if key == "params":
+                continue
+            restored = _to_device(value)
+            if not _copy_into(group.get(key), restored):  # a tensor lr is read by the graph too
+                group[key] = restored
     for index, param in enumerate(params):
         saved_state = saved["state"].get(index)
         if saved_state is None:
-            optimizer.state.pop(param, None)
+            _reset_state(optimizer, param)
             continue
         live = optimizer.state.setdefault(param, {})
         for key in list(live):
@@ -96,16 +150,44 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
         for key, value in saved_state.items():
             restored = _to_device(value)
             current = live.get(key)
-            if (
-                isinstance(restored, Tensor)
-                and isinstance(current, Tensor)
-                and current.shape == restored.shape
-                and current.dtype == restored.dtype
-                and current.device == restored.device
+            if not (
+                isinstance(current, Tensor) and isinstance(restored, Tensor) and current.device == restored.device
+                and _copy_into(current, restored)
             ):
-                current.copy_(restored)
-            else:
                 live[key] = restored
+
+
+def clone_update_state(pl_module: "pl.LightningModule", optimizers: list) -> list[Any]:
+    """Device copies of what an optimizer step changes: the parameters and the optimizer state.
+
+    With :func:`restore_update_state`, this drops one step's update after the fact, for modules
+    whose optimizer step runs inside ``training_step`` (manual optimisation, a CUDA graph).
+    """
+    params = [p.detach().clone() for p in pl_module.parameters()]
+    states = [
+        {id(p): {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
+         for p, s in optimizer.state.items()}
+        for optimizer in optimizers
+    ]
+    return [params, states]
+
+
+def restore_update_state(pl_module: "pl.LightningModule", optimizers: list, saved: list[Any]) -> None:
+    """Copy :func:`clone_update_state`'s copies back, in place; state created since is reset as in a fresh optimizer."""
+    params, states = saved
+    with torch.no_grad():
+        for live, value in zip(pl_module.parameters(), params):
+            live.copy_(value)
+    for optimizer, state in zip(optimizers, states):
+        for param in list(optimizer.state):
+            old = state.get(id(param))
+            if old is None:
+                _reset_state(optimizer, param)
+                continue
+            live = optimizer.state[param]
+            for key, value in old.items():
+                if not _copy_into(live.get(key), value):
+                    live[key] = value
 
 
 def _loops(trainer: "pl.Trainer") -> tuple[Any, Any]:
@@ -167,8 +249,7 @@ class Snapshot:
     def restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", restore_progress: bool = True) -> None:
         """Put the trainer and module back to this state (counters too when ``restore_progress``)."""
         self.wait()
-        with torch.no_grad():
-            pl_module.load_state_dict(_to_device(self.model))
+        _restore_module(pl_module, self.model)
         for optimizer, saved in zip(trainer.optimizers, self.optimizers):
             _restore_optimizer(optimizer, saved)
             optimizer.zero_grad(set_to_none=True)

@@ -1,5 +1,6 @@
-"""Snapshots: exact restore of model/optimizer/scheduler/RNG; atomic checksummed files; corrupt files rejected."""
+"""Snapshots: exact, in-place restore of model/optimizer/scheduler/RNG; atomic checksummed files; corrupt files rejected."""
 
+import copy
 import os
 
 import pytest
@@ -10,7 +11,11 @@ from deepep_lightning.health.snapshot import (
     CorruptSnapshotError,
     Snapshot,
     SnapshotRing,
+    _restore_optimizer,
+    _to_host,
+    clone_update_state,
     load_snapshot_file,
+    restore_update_state,
     save_snapshot_file,
 )
 
@@ -117,3 +122,63 @@ def test_host_ring_drops_oldest(trained):
         snapshot.step = step
         ring.push(snapshot)
     assert ring.steps() == [2, 3] and ring.latest().step == 3
+
+
+def _addresses(trainer, module):
+    optimizer = trainer.optimizers[0]
+    state = [v for p in module.parameters() for v in optimizer.state[p].values()]
+    return [t.data_ptr() for t in [*module.parameters(), *state]]
+
+
+def test_restore_copies_into_the_live_tensors(trained):
+    """A captured CUDA graph points at these tensors: a restore must copy into them, never replace them."""
+    trainer, module = trained
+    snapshot = Snapshot.capture(trainer, module, {}, lr_scale=1.0)
+    params = [p.detach().clone() for p in module.parameters()]
+    before = _addresses(trainer, module)
+    _mutate(trainer, module)
+    snapshot.restore(trainer, module)
+    assert _addresses(trainer, module) == before
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), params))
+    # negative control: the optimizer's own load_state_dict replaces its state tensors, and the check sees it
+    trainer.optimizers[0].load_state_dict(copy.deepcopy(trainer.optimizers[0].state_dict()))
+    assert _addresses(trainer, module) != before
+
+
+def test_restore_before_the_first_step_keeps_adam_state_in_place_and_exact():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    fresh = torch.nn.Linear(3, 2)
+    fresh.load_state_dict(model.state_dict())
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    reference = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    empty = _to_host(optimizer.state_dict(), [])  # before any step: no state
+
+    def train(net, opt, steps):
+        for step in range(steps):
+            opt.zero_grad()
+            net(torch.full((4, 3), float(step + 1))).square().sum().backward()
+            opt.step()
+
+    train(model, optimizer, 2)
+    live = {id(v): v.data_ptr() for s in optimizer.state.values() for v in s.values()}
+    _restore_optimizer(optimizer, empty)
+    assert {id(v): v.data_ptr() for s in optimizer.state.values() for v in s.values()} == live  # kept, in place
+    assert all(not v.any() for s in optimizer.state.values() for v in s.values())  # step 0, zero moments
+    with torch.no_grad():
+        model.weight.copy_(fresh.weight)
+        model.bias.copy_(fresh.bias)
+    train(model, optimizer, 3)
+    train(fresh, reference, 3)  # a fresh Adam creating its state lazily: the same bits
+    assert torch.equal(model.weight, fresh.weight) and torch.equal(model.bias, fresh.bias)
+
+
+def test_update_state_round_trip_is_in_place(trained):
+    trainer, module = trained
+    saved = clone_update_state(module, trainer.optimizers)
+    params = [p.detach().clone() for p in module.parameters()]
+    before = _addresses(trainer, module)
+    _mutate(trainer, module)
+    restore_update_state(module, trainer.optimizers, saved)
+    assert _addresses(trainer, module) == before
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), params))
