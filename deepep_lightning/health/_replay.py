@@ -58,17 +58,28 @@ def silenced_logging(pl_module: "pl.LightningModule") -> Iterator[None]:
                 pl_module.__dict__.pop(name, None)
 
 
-def run_step(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: ReplayEntry) -> Any:
-    """Run one recorded step (forward, backward, optimizer step, step-interval LR schedulers)."""
-    if trainer.global_step != entry.step:
-        raise RuntimeError(f"replay out of order: trainer is at step {trainer.global_step}, entry is step {entry.step}")
-    # Callbacks that set per-step state in on_train_batch_start (DeterminismCallback reseeds the global
-    # RNG there) get the same chance before a replayed step; other on_train_batch_start work (batch
-    # copies, fault injection) must not run twice, so this is an opt-in hook, not that one.
+def call_replay_hooks(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: ReplayEntry) -> None:
+    """Call every callback's ``on_replay_batch_start`` before a step is run again (replay or diagnosis).
+
+    Callbacks that set per-step state in on_train_batch_start (DeterminismCallback reseeds the global
+    RNG there) get the same chance before a replayed step; other on_train_batch_start work (batch
+    copies, fault injection) must not run twice, so this is an opt-in hook, not that one.
+    """
     for callback in trainer.callbacks:
         hook = getattr(callback, "on_replay_batch_start", None)
         if callable(hook):
             hook(trainer, pl_module, entry.batch, entry.batch_idx, entry.epoch)
+
+
+def run_step(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: ReplayEntry) -> Any:
+    """Run one recorded step (forward, backward, optimizer step, step-interval LR schedulers).
+
+    With manual optimisation (e.g. ``DeepEPModule(cuda_graph=True)``) this calls ``training_step``,
+    which runs the whole step itself (replays the CUDA graph).
+    """
+    if trainer.global_step != entry.step:
+        raise RuntimeError(f"replay out of order: trainer is at step {trainer.global_step}, entry is step {entry.step}")
+    call_replay_hooks(trainer, pl_module, entry)
     epoch_loop = trainer.fit_loop.epoch_loop
     kwargs = epoch_loop._build_kwargs(OrderedDict(), clone_batch(entry.batch), entry.batch_idx)
     if pl_module.automatic_optimization:

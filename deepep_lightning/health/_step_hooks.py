@@ -9,7 +9,10 @@ once per module and removed when the last hook is gone.
 
 A pre-hook is ``fn(step, batch) -> batch``; a post-hook is ``fn(step, output) -> output``.
 ``step`` is ``trainer.global_step`` when the step starts (the 0-based index of the
-optimizer step being computed).
+optimizer step being computed). Hooks run in the order they were added, except
+``innermost`` ones, which wrap the step most tightly: their pre-hooks run after all
+others and their post-hooks before all others (rollback's skip must save the state
+the step really starts from, after a fault was planted in it).
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ class _Hooks:
     def __init__(self) -> None:
         self.pre: dict[str, Callable[[int, Any], Any]] = {}
         self.post: dict[str, Callable[[int, Any], Any]] = {}
+        self.innermost: set[str] = set()
+
+    def ordered_pre(self) -> list[Callable[[int, Any], Any]]:
+        return [fn for name, fn in self.pre.items() if name not in self.innermost] + [
+            fn for name, fn in self.pre.items() if name in self.innermost]
+
+    def ordered_post(self) -> list[Callable[[int, Any], Any]]:
+        return [fn for name, fn in self.post.items() if name in self.innermost] + [
+            fn for name, fn in self.post.items() if name not in self.innermost]
 
 
 def _wrapper(module: "pl.LightningModule", original: Callable[..., Any]) -> Callable[..., Any]:
@@ -34,10 +46,10 @@ def _wrapper(module: "pl.LightningModule", original: Callable[..., Any]) -> Call
         hooks: _Hooks = module.__dict__[_ATTR]
         trainer = module._trainer
         step = trainer.global_step if trainer is not None else 0
-        for fn in list(hooks.pre.values()):
+        for fn in hooks.ordered_pre():
             batch = fn(step, batch)
         output = original(batch, *args, **kwargs)
-        for fn in list(hooks.post.values()):
+        for fn in hooks.ordered_post():
             output = fn(step, output)
         return output
 
@@ -45,7 +57,10 @@ def _wrapper(module: "pl.LightningModule", original: Callable[..., Any]) -> Call
     return training_step
 
 
-def add_step_hook(module: "pl.LightningModule", name: str, pre: Callable | None = None, post: Callable | None = None) -> None:
+def add_step_hook(
+    module: "pl.LightningModule", name: str, pre: Callable | None = None, post: Callable | None = None,
+    innermost: bool = False,
+) -> None:
     hooks = module.__dict__.get(_ATTR)
     if hooks is None:
         hooks = _Hooks()
@@ -55,6 +70,8 @@ def add_step_hook(module: "pl.LightningModule", name: str, pre: Callable | None 
         hooks.pre[name] = pre
     if post is not None:
         hooks.post[name] = post
+    if innermost:
+        hooks.innermost.add(name)
 
 
 def remove_step_hook(module: "pl.LightningModule", name: str) -> None:
@@ -63,6 +80,7 @@ def remove_step_hook(module: "pl.LightningModule", name: str) -> None:
         return
     hooks.pre.pop(name, None)
     hooks.post.pop(name, None)
+    hooks.innermost.discard(name)
     if not hooks.pre and not hooks.post:
         del module.__dict__[_ATTR]
         module.__dict__.pop("training_step", None)

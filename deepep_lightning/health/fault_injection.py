@@ -37,6 +37,14 @@ class FaultInjectionCallback(Callback):
     Injection also fires inside rollback replays, so ``mode="once"`` models a transient fault
     (a replay is clean) and ``mode="always"`` a persistent one (a replay fails the same way).
 
+    Under manual optimisation the optimizer step happens inside ``training_step``; for
+    ``DeepEPModule(cuda_graph=True)`` it is a CUDA graph replay. There, ``"parameter"`` is the
+    fault that reaches training: it is written into the parameter in place, which the graph
+    reads, so the loss, the gradients and the updated weights turn non-finite. ``"loss"`` only
+    poisons the loss the step *reports* (the update is already done), which tests detection
+    alone; ``"gradient"`` needs ``on_after_backward``, which a captured backward never calls, so
+    it raises instead of silently planting nothing.
+
     Args:
         target: ``"loss"`` (the training step's loss is multiplied by the value, so the
             gradients turn non-finite too), ``"gradient"`` (after backward, one element of a
@@ -80,6 +88,7 @@ class FaultInjectionCallback(Callback):
         self.injections: list[tuple[int, str]] = []  # (step, target) each time a fault was planted
         self._fired: set[int] = set()
         self._param: Optional[torch.nn.Parameter] = None
+        self._gradient_due: Optional[int] = None  # a step whose gradient fault has not been planted yet
 
     @property
     def state_key(self) -> str:
@@ -143,10 +152,30 @@ class FaultInjectionCallback(Callback):
         return batch
 
     @override
+    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        due = self.target == "gradient" and step in self.steps and not (self.mode == "once" and step in self._fired)
+        self._gradient_due = step if due else None
+
+    @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.target == "gradient" and self._param is not None and self._param.grad is not None:
             if self._fire(trainer.global_step):
                 _poison(self._param.grad, _VALUES[self.value])
+                self._gradient_due = None
+
+    @override
+    def on_train_batch_end(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step, self._gradient_due = self._gradient_due, None
+        if step is not None and not pl_module.automatic_optimization:
+            raise RuntimeError(
+                f"FaultInjectionCallback(target='gradient') could not plant its fault at step {step}: "
+                "`on_after_backward` was not called, as in a manually optimised step without `manual_backward` "
+                "(e.g. DeepEPModule(cuda_graph=True), whose backward runs inside a CUDA graph). "
+                "HINT: use target='parameter', which the graph reads."
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -15,11 +15,11 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning.audit.nonfinite import locate_nonfinite
-from deepep_lightning.health._replay import ReplayEntry, clone_batch, run_step, silenced_logging
+from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
 from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
 from deepep_lightning.health.events import run_log_dir
 from deepep_lightning.health.health_callback import HealthVerdict, NumericalHealthCallback, _check_choice, _check_int
-from deepep_lightning.health.snapshot import Snapshot, SnapshotRing
+from deepep_lightning.health.snapshot import Snapshot, SnapshotRing, clone_update_state, restore_update_state
 
 __all__ = ["NaNRollbackCallback"]
 
@@ -64,6 +64,18 @@ class NaNRollbackCallback(Callback):
     Guarantee scope: bitwise replay needs deterministic kernels (see ``DESIGN.md``) and
     ``accumulate_grad_batches=1``; batches are copied at ``on_train_batch_start`` (host memory
     grows with ``keep_snapshots × snapshot_every_n_steps`` batches).
+
+    Manual optimisation and CUDA graphs (``DeepEPModule(cuda_graph=True)``): the step's outputs
+    must carry ``"loss"`` (and ``"grad_norm"``, standing in for the gradients no hook sees). A
+    replay calls ``training_step`` again, which replays the graph on the restored tensors: every
+    restore copies in place, so the graph's pointers stay valid (a replaced tensor makes
+    ``GraphedTrainStep`` refuse to replay). A skipped step has already updated the weights inside
+    ``training_step``, so its update is undone in place (parameters and optimizer state; its
+    rollout, i.e. data position, stays). ``lower_lr`` works because a changed learning rate makes
+    the module capture its graph again on the next step. The locator runs the bad step under the
+    module's ``uncaptured_steps()`` when it has one, to see the ops inside the graph. The
+    bitwise guarantee holds for snapshots taken after the graph was captured (the first
+    ``warmup_steps`` steps run eagerly; replaying them through the graph matches to fp32 rounding).
 
     Args:
         snapshot_every_n_steps: minimum steps between snapshots (taken only at healthy checks).
@@ -120,6 +132,7 @@ class NaNRollbackCallback(Callback):
         self._skip_steps: set[int] = set()
         self._lr_scale = 1.0
         self._last_snapshot_step: Optional[int] = None
+        self._undo: Optional[tuple[Any, ...]] = None  # the update state before a skipped manual-optimisation step
 
     @property
     def state_key(self) -> str:
@@ -147,16 +160,34 @@ class NaNRollbackCallback(Callback):
                 directory = os.path.join(run_log_dir(trainer), directory)
             directory = os.path.join(directory, f"rank{trainer.global_rank}")
             self.ring = SnapshotRing(self.keep_snapshots, directory)
-        add_step_hook(pl_module, "rollback", post=self._skip_hook)
+        add_step_hook(pl_module, "rollback", innermost=True, post=self._skip_hook,
+                      pre=lambda step, batch: self._before_step(trainer, pl_module, step, batch))
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         remove_step_hook(pl_module, "rollback")
+        self._undo = None
         if self._health is not None:
             self._health._delegate = None
 
+    def _skips(self, step: int) -> bool:
+        return self.stopped or step in self._skip_steps
+
+    def _before_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int, batch: Any) -> Any:
+        # Returning None skips the update only under automatic optimisation; a manual step (a CUDA
+        # graph) updates inside training_step, so keep what it will change and put it back after.
+        if self._skips(step) and not pl_module.automatic_optimization:
+            self._undo = (clone_update_state(pl_module, trainer.optimizers), pl_module, trainer.optimizers)
+        return batch
+
     def _skip_hook(self, step: int, output: Any) -> Any:
-        return None if (self.stopped or step in self._skip_steps) else output
+        if not self._skips(step):
+            return output
+        if self._undo is not None:
+            saved, pl_module, optimizers = self._undo
+            self._undo = None
+            restore_update_state(pl_module, optimizers, saved)
+        return None
 
     def _emit(self, trainer: "pl.Trainer", kind: str, step: int, **fields: Any) -> dict[str, Any]:
         assert self._health is not None
@@ -231,6 +262,12 @@ class NaNRollbackCallback(Callback):
 
     def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", snapshot: Snapshot) -> None:
         assert self._health is not None
+        if not snapshot.rollout and hasattr(pl_module, "rollout_state_dict") and pl_module.rollout_state_dict():
+            rank_zero_warn(
+                f"NaNRollbackCallback: the snapshot of step {snapshot.step} has no rollout state (the module created it "
+                "later), so the replay starts from the current one and is not bitwise. HINT: create the rollout "
+                "state before `on_train_start` (e.g. in the module's `on_fit_start`)."
+            )
         snapshot.restore(trainer, pl_module)
         self._health.load_state_dict(copy.deepcopy(snapshot.callback_state))
         self._apply_lr_scale(trainer, snapshot.lr_scale)
@@ -264,8 +301,14 @@ class NaNRollbackCallback(Callback):
                 self._health.begin_step(entry.step)
                 run_step(trainer, pl_module, entry)
             entry = self._entries(bad_step, bad_step + 1)[0]
+            call_replay_hooks(trainer, pl_module, entry)  # reseeded like the original step and the replays
             no_sync = getattr(trainer.strategy.model, "no_sync", None)
-            with no_sync() if callable(no_sync) else _nullcontext():
+            # a captured graph is one opaque launch: run the step eagerly so the locator sees its ops
+            uncaptured = getattr(pl_module, "uncaptured_steps", None)
+            with (
+                no_sync() if callable(no_sync) else _nullcontext(),
+                uncaptured() if callable(uncaptured) else _nullcontext(),
+            ):
                 found = locate_nonfinite(
                     lambda: pl_module.training_step(clone_batch(entry.batch), entry.batch_idx),
                     module=pl_module,

@@ -100,3 +100,49 @@ def state_equal(a: dict, b: dict) -> bool:
 @pytest.fixture
 def toy_fit():
     return fit
+
+
+class OverflowBeforeStep(pl.Callback):
+    """Sets the value head's output bias to 1e30 before step ``step``, every time it runs (or ``times`` times).
+
+    Outside ``training_step`` (at batch start, and at every replay and diagnosis through
+    ``on_replay_batch_start``), and finite, so the non-finite locator can only name the op
+    inside the step where it overflows: the critic's squared error in ``loss.py``.
+    """
+
+    def __init__(self, step: int, times: int | None = None) -> None:
+        self.step, self.times, self.planted = step, times, 0
+
+    def _plant(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_step == self.step and (self.times is None or self.planted < self.times):
+            self.planted += 1
+            with torch.no_grad():
+                pl_module.agent.value_head.output_bias.fill_(1e30)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._plant(trainer, pl_module)
+
+    def on_replay_batch_start(self, trainer, pl_module, batch, batch_idx, epoch):
+        self._plant(trainer, pl_module)
+
+
+def tensor_addresses(pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer) -> list[int]:
+    """Where the parameters and the optimizer state live (what a captured CUDA graph points to)."""
+    params = list(pl_module.parameters())
+    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return [t.data_ptr() for t in params + state]
+
+
+class Recorder(pl.Callback):
+    """Step outputs as the callbacks see them, and the tensors' addresses after the first and the last step."""
+
+    def __init__(self):
+        self.outputs, self.first, self.last = [], None, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.outputs.append(outputs)
+        if self.first is None:
+            self.first = tensor_addresses(pl_module, trainer.optimizers[0])
+
+    def on_train_end(self, trainer, pl_module):
+        self.last = tensor_addresses(pl_module, trainer.optimizers[0])

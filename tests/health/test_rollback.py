@@ -140,3 +140,21 @@ def test_bad_arguments_name_argument_and_value(kwargs, name):
     with pytest.raises(MisconfigurationException, match=name) as info:
         NaNRollbackCallback(**kwargs)
     assert repr(next(iter(kwargs.values()))) in str(info.value)
+
+
+def test_diagnosed_step_is_reseeded_like_a_replayed_one(tmp_path):
+    """on_replay_batch_start runs before every re-run step: the replays and the step run under the locator."""
+    import lightning.pytorch as pl
+
+    class Seen(pl.Callback):
+        def __init__(self):
+            self.steps = []
+
+        def on_replay_batch_start(self, trainer, pl_module, batch, batch_idx, epoch):
+            self.steps.append(trainer.global_step)
+
+    seen = Seen()
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
+    fit(tmp_path, [FaultInjectionCallback("loss", steps=[6], mode="always"), NumericalHealthCallback(check_every_n_steps=1),
+                   rollback, seen], max_steps=10)
+    assert seen.steps == [4, 5, 6] + [4, 5, 6]  # the replay that fails again, then the diagnosis up to and at step 6
