@@ -1,4 +1,8 @@
-"""GPU campaign: no host sync per step (sync debug mode), transient faults bitwise, persistent ones handled, DeepEP."""
+"""GPU campaign: no host sync per step (sync debug mode), transient faults bitwise, persistent ones handled, DeepEP.
+
+The ``test_graph_*`` tests run DeepEPModule(cuda_graph=True): the whole step is one CUDA graph replay, and
+rollback must restore in place what the graph points to.
+"""
 
 import lightning.pytorch as pl
 import pytest
@@ -8,7 +12,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from deepep_lightning.audit.nonfinite import locate_nonfinite
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback
 
-from .conftest import ToyModule, fit, state_equal
+from deepep_lightning.health import snapshot as snapshot_module
+from deepep_lightning.module import DeepEPModule
+
+from .conftest import OverflowBeforeStep, Recorder, ToyModule, fit, state_equal
 
 pytestmark = pytest.mark.gpu
 
@@ -95,8 +102,6 @@ def test_locator_on_gpu():
 
 
 def test_deepep_transient_bitwise_on_gpu(tmp_path):
-    from deepep_lightning.module import DeepEPModule
-
     def make():
         return DeepEPModule(num_envs=64, rollout_length=32, hidden_size=64, steps_per_epoch=30, fused_value_head=False)
 
@@ -108,3 +113,127 @@ def test_deepep_transient_bitwise_on_gpu(tmp_path):
     assert ("transient", 17) in [(e["kind"], e["step"]) for e in health.events.events]
     assert state_equal(clean.state_dict(), faulty.state_dict())
     assert clean.rollout_state_dict()["rollout_step"] == faulty.rollout_state_dict()["rollout_step"] == 30
+
+
+# ---------------------------------------------------------------- the CUDA-graph path
+GRAPH = dict(num_envs=64, rollout_length=32, hidden_size=64, steps_per_epoch=40, fused_value_head=False)
+
+
+def _graph_module():
+    return DeepEPModule(**GRAPH, cuda_graph=True)
+
+
+class UncapturedGraphModule(DeepEPModule):
+    """The graph path's code with every step uncaptured: the eager reference for the graph."""
+
+    def training_step(self, batch, batch_idx):
+        with self.uncaptured_steps():
+            return super().training_step(batch, batch_idx)
+
+
+def _kinds(health):
+    return [(e["kind"], e["step"]) for e in health.events.events]
+
+
+def _optimizer_state_equal(a, b):
+    sa, sb = a.optimizers[0].state_dict()["state"], b.optimizers[0].state_dict()["state"]
+    return sa.keys() == sb.keys() and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i])
+
+
+def test_graph_transient_fault_rolled_back_in_place_bitwise(tmp_path):
+    clean_trainer, clean = _gpu_fit(tmp_path / "clean", [NumericalHealthCallback(check_every_n_steps=5),
+                                                         NaNRollbackCallback(snapshot_every_n_steps=10)], 30, module=_graph_module)
+    health, recorder = NumericalHealthCallback(check_every_n_steps=5), Recorder()
+    callbacks = [FaultInjectionCallback("parameter", steps=[17]), health, NaNRollbackCallback(snapshot_every_n_steps=10),
+                 recorder]
+    trainer, faulty = _gpu_fit(tmp_path / "faulty", callbacks, 30, module=_graph_module)
+    # caught at the first check after it (step 20), named as step 17; replayed from the snapshot of step 10
+    assert _kinds(health) == [("detected", 17), ("rollback", 10), ("transient", 17)]
+    assert faulty._graphed.captures == clean._graphed.captures == 1  # the rollback kept the graph
+    # restored in place: every parameter and optimizer-state tensor is still the one the graph points to
+    assert recorder.first == recorder.last
+    # training went on from the restored state, through the graph, exactly as if the fault never happened
+    assert trainer.global_step == 30 and torch.isfinite(recorder.outputs[-1]["loss"])
+    assert state_equal(clean.state_dict(), faulty.state_dict()) and _optimizer_state_equal(clean_trainer, trainer)
+    a, b = clean.rollout_state_dict(), faulty.rollout_state_dict()
+    assert a["rollout_step"] == b["rollout_step"] == 30 and torch.equal(a["hidden"], b["hidden"])
+    assert all(torch.equal(a["env"][k], b["env"][k]) for k in a["env"])
+
+
+def test_graph_without_rollback_the_nan_reaches_the_weights(tmp_path):
+    """Negative control: the planted NaN goes through the captured update into every weight."""
+    health = NumericalHealthCallback(check_every_n_steps=1, on_nonfinite="warn")
+    with pytest.warns(UserWarning, match="nonfinite_loss at step 7"):
+        _, module = _gpu_fit(tmp_path, [FaultInjectionCallback("parameter", steps=[7]), health], 12, module=_graph_module)
+    assert module._graphed.captures == 1
+    assert not any(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_graph_overflow_detected_on_its_step_and_op_named(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
+    _, module = _gpu_fit(tmp_path, [OverflowBeforeStep(7), health, rollback], 12, module=_graph_module)
+    assert _kinds(health)[:3] == [("detected", 7), ("rollback", 4), ("reproducible", 7)]
+    diagnosis = next(e for e in health.events.events if e["kind"] == "diagnosis")
+    # the op inside the graph (run uncaptured for the locator), as on the eager path
+    assert diagnosis["op"] == "aten.pow.Tensor_Scalar" and "loss.py" in diagnosis["report"]
+    assert rollback.stopped and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_graph_diagnosis_without_uncaptured_step_cannot_see_inside(tmp_path):
+    """Negative control: the locator on the graph replay itself sees only what follows the graph."""
+
+    class Opaque(DeepEPModule):
+        uncaptured_steps = None
+
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    _gpu_fit(tmp_path, [OverflowBeforeStep(7), health, NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")], 12,
+             module=lambda: Opaque(**GRAPH, cuda_graph=True))
+    diagnosis = next(e for e in health.events.events if e["kind"] == "diagnosis")
+    assert diagnosis["op"] != "aten.pow.Tensor_Scalar" and "loss.py" not in diagnosis["report"]
+
+
+def test_graph_persistent_reported_loss_fault_skipped(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip")
+    trainer, module = _gpu_fit(tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback], 12,
+                               module=_graph_module)
+    kinds = [k for k, _ in _kinds(health)]
+    assert kinds == ["detected", "rollback", "reproducible", "diagnosis", "policy", "rollback", "recovered"]
+    assert trainer.global_step == 12 and module.rollout_state_dict()["rollout_step"] == 12 and not rollback.stopped
+    assert module._graphed.captures == 1 and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def _lower_lr_run(tmp_path, module):
+    # planted for the original step and the replay that classifies it; gone when the lower rate is tried
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", lr_factor=0.5, max_retries=2, locate=False)
+    trainer, module = _gpu_fit(tmp_path, [OverflowBeforeStep(7, times=2), health, rollback], 14, module=module)
+    kinds = [k for k, _ in _kinds(health)]
+    assert kinds == ["detected", "rollback", "reproducible", "policy", "rollback", "recovered"]
+    assert trainer.global_step == 14 and rollback.state_dict()["lr_scale"] == 0.5
+    assert trainer.optimizers[0].param_groups[0]["lr"] == module.hparams.learning_rate * 0.5
+    return module
+
+
+def test_graph_lower_lr_recaptures_and_trains_at_the_lower_rate(tmp_path, monkeypatch):
+    graphed = _lower_lr_run(tmp_path / "graph", _graph_module)
+    assert graphed._graphed.captures == 2  # the lowered learning rate is baked into a new capture
+    eager = _lower_lr_run(tmp_path / "eager", lambda: UncapturedGraphModule(**GRAPH, cuda_graph=True))
+    for key, value in eager.state_dict().items():
+        torch.testing.assert_close(graphed.state_dict()[key], value, rtol=1e-3, atol=1e-4, msg=key)
+    # negative control: a graph kept across the change goes on with the old rate, and the comparison sees it
+    monkeypatch.setattr(DeepEPModule, "_graph_capture_key", lambda self, optimizer: None)
+    stale = _lower_lr_run(tmp_path / "stale", _graph_module)
+    assert stale._graphed.captures == 1
+    assert any(not torch.allclose(stale.state_dict()[k], v, rtol=1e-3, atol=1e-4) for k, v in eager.state_dict().items())
+
+
+def test_graph_refuses_to_replay_after_a_restore_that_is_not_in_place(tmp_path, monkeypatch):
+    """Negative control for the in-place restore: a replaced optimizer state is caught before any replay."""
+    monkeypatch.setattr(snapshot_module, "_restore_optimizer",
+                        lambda optimizer, saved: optimizer.load_state_dict(snapshot_module._to_device(saved)))
+    callbacks = [FaultInjectionCallback("parameter", steps=[7]), NumericalHealthCallback(check_every_n_steps=1),
+                 NaNRollbackCallback(snapshot_every_n_steps=4)]
+    with pytest.raises(RuntimeError, match="replaced since the capture"):
+        _gpu_fit(tmp_path, callbacks, 12, module=_graph_module)
