@@ -20,8 +20,8 @@ two strategies is switched on or off alone:
 =========================  ==================================================================
 
 Optional (``--variants``): ``det_static_graph``, ``det_nccl_ll128``, ``det_configure``, and
-``det_manual_seed_reseed`` (the per-step reseed through ``torch.manual_seed``, as before the
-strategy's ``reseed_step``: its host cost shows in the ``own us`` column).
+``det_manual_seed_reseed`` (the per-step reseed through ``torch.manual_seed``, as before
+``seed_everything_from`` got its fast path: its host cost shows in the ``own us`` column).
 
 NVLS/multicast are off in every run, as in ``bench_ddp.py`` (the lent 2-GPU machines need it). The
 ranks of a variant are started side by side by this script (``LOCAL_RANK``/``WORLD_SIZE``/
@@ -122,7 +122,7 @@ RATIOS = (
     ("det_no_bucket_view", "det", "det with gradient_as_bucket_view=False / det"),
     ("det_nccl_ll", "det", "det with NCCL_PROTO=LL / det"),
     ("ddp_configure", "ddp", "cost of configure() on plain ddp"),
-    ("det_manual_seed_reseed", "det", "per-step reseed via torch.manual_seed / via reseed_step"),
+    ("det_manual_seed_reseed", "det", "per-step reseed via torch.manual_seed / fast path"),
     ("det_repeat", "det", "drift: det at the end / det at the start"),
     ("ddp_repeat", "ddp", "drift: plain at the end / plain at the start"),
 )
@@ -216,9 +216,9 @@ def _worker(args: argparse.Namespace) -> None:
                 {key: os.environ.get(key, "<unset>") for key in NCCL_RECORDED_ENV}, []
             )
         if variant.manual_seed_reseed:
-            from deepep_lightning.determinism.rng import seed_everything_from
+            from deepep_lightning.determinism import rng
 
-            deterministic_ddp.reseed_step = seed_everything_from
+            rng._only_cpu_and_cuda = lambda: False  # seed_everything_from then calls torch.manual_seed
         _instrument_strategy_training_step(own_times)
         if variant.strategy_kwargs:
             strategy = deterministic_ddp.DeterministicDDPStrategy(**variant.strategy_kwargs)

@@ -51,7 +51,6 @@ from typing_extensions import override
 from deepep_lightning.determinism.rng import seed_everything_from
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.strategies._registration import DESCRIPTION, STRATEGY_NAME
-from deepep_lightning.strategies._step_seed import reseed_step
 from deepep_lightning.strategies.nccl_profile import ALLOWED_ALGORITHMS, ALLOWED_PROTOCOLS, apply_nccl_profile
 from deepep_lightning.strategies.rank_state import (
     CHECKPOINT_KEY,
@@ -242,8 +241,7 @@ class DeterministicDDPStrategy(DDPStrategy):
         if self.reseed_every_step and self.lightning_module is not None and self.lightning_module._trainer is not None:
             batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("batch_idx", 0)
             step = self.lightning_module.trainer.global_step
-            # same states as seed_everything_from, without torch.manual_seed's per-call stack capture
-            reseed_step(self.seed or 0, "micro", self.virtual_rank(batch_idx), step)
+            seed_everything_from(self.seed or 0, "micro", self.virtual_rank(batch_idx), step)
         return super().training_step(*args, **kwargs)
 
     # ---------------------------------------------------------------- data

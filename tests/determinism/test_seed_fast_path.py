@@ -1,4 +1,4 @@
-"""The strategy's per-step reseed: the states of ``seed_everything_from``, without ``torch.manual_seed``."""
+"""``seed_everything_from``'s fast path (no ``torch.manual_seed``) and the strategy's per-step stream."""
 
 from __future__ import annotations
 
@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 import torch
 
+from deepep_lightning.determinism import rng
 from deepep_lightning.determinism.rng import seed_everything_from
-from deepep_lightning.strategies import _step_seed
-from deepep_lightning.strategies._step_seed import reseed_step
+from deepep_lightning.determinism.streams import derive_seed
+
+
+def _reference_seed(seed: int, *keys) -> int:
+    """What seed_everything_from promises, the slow way: torch.manual_seed seeds every device type."""
+    derived = derive_seed(seed, *keys)
+    torch.manual_seed(derived)
+    np.random.seed(derived & (2**32 - 1))
+    random.seed(derived)
+    return derived
 
 
 def _draws() -> tuple:
@@ -29,42 +38,42 @@ def _assert_same(first: tuple, second: tuple) -> None:
 
 
 @pytest.mark.parametrize("keys", [("micro", 0, 0), ("micro", 1, 12345), ("anything", 7)])
-def test_same_states_as_seed_everything_from(keys):
-    assert reseed_step(3, *keys) == seed_everything_from(3, *keys)
-    seed_everything_from(3, *keys)
+def test_same_states_as_torch_manual_seed(keys):
+    assert seed_everything_from(3, *keys) == _reference_seed(3, *keys)
+    _reference_seed(3, *keys)
     reference = _draws()
     torch.manual_seed(999)  # move every stream away in between
     np.random.seed(999)
     random.seed(999)
-    reseed_step(3, *keys)
+    seed_everything_from(3, *keys)
     _assert_same(_draws(), reference)
 
 
 def test_different_keys_give_different_streams():  # negative control: the comparison above can fail
-    reseed_step(3, "micro", 0, 1)
+    seed_everything_from(3, "micro", 0, 1)
     first = _draws()
-    reseed_step(3, "micro", 1, 1)
+    seed_everything_from(3, "micro", 1, 1)
     with pytest.raises(AssertionError):
         _assert_same(_draws(), first)
 
 
 def test_does_not_capture_the_stack(monkeypatch):
-    if not _step_seed._only_cpu_and_cuda():
-        pytest.skip("another device type is present: reseed_step falls back to seed_everything_from")
+    if not rng._only_cpu_and_cuda():
+        pytest.skip("another device type is present: seed_everything_from uses torch.manual_seed")
     calls = []
     monkeypatch.setattr(traceback, "format_stack", lambda *a, **k: calls.append(1) or [])
-    reseed_step(0, "micro", 0, 0)
+    seed_everything_from(0, "micro", 0, 0)
     assert calls == []
-    seed_everything_from(0, "micro", 0, 0)  # control: torch.manual_seed captures it (uninitialised XPU/MTIA)
-    assert calls, "torch.manual_seed no longer captures the stack: reseed_step may no longer be needed"
+    _reference_seed(0, "micro", 0, 0)  # control: torch.manual_seed captures it (uninitialised XPU/MTIA)
+    assert calls, "torch.manual_seed no longer captures the stack: the fast path may no longer be needed"
 
 
-def test_falls_back_to_seed_everything_from_with_another_device_type(monkeypatch):
-    monkeypatch.setattr(_step_seed, "_only_cpu_and_cuda", lambda: False)
+def test_uses_torch_manual_seed_with_another_device_type(monkeypatch):
+    monkeypatch.setattr(rng, "_only_cpu_and_cuda", lambda: False)
     calls = []
-    monkeypatch.setattr(_step_seed, "seed_everything_from", lambda seed, *keys: calls.append((seed, keys)) or 1)
-    assert reseed_step(4, "micro", 1, 2) == 1
-    assert calls == [(4, ("micro", 1, 2))]
+    monkeypatch.setattr(torch, "manual_seed", lambda seed: calls.append(seed))
+    derived = seed_everything_from(4, "micro", 1, 2)
+    assert calls == [derived]
 
 
 def test_strategy_step_draws_the_stream_of_seed_everything_from(monkeypatch):
@@ -81,5 +90,5 @@ def test_strategy_step_draws_the_stream_of_seed_everything_from(monkeypatch):
     monkeypatch.setattr(DeterministicDDPStrategy, "lightning_module", property(lambda self: module))
     monkeypatch.setattr(Strategy, "training_step", lambda self, *args, **kwargs: _draws())
     drawn = strategy.training_step(None, 0)  # what the module's step would draw
-    seed_everything_from(11, "micro", 0, 5)  # the stream the strategy promises: (seed, "micro", rank, step)
+    _reference_seed(11, "micro", 0, 5)  # the stream the strategy promises: (seed, "micro", rank, step)
     _assert_same(drawn, _draws())
