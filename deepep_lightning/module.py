@@ -220,6 +220,12 @@ class DeepEPModule(pl.LightningModule):
         self._rollout_step = int(state["rollout_step"])
 
     @override
+    def on_fit_start(self) -> None:
+        # Create the environments now (after the checkpoint restore and the move to the device), so
+        # the snapshot NaNRollbackCallback takes at train start already holds the rollout state.
+        self._ensure_rollout_state()
+
+    @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["deepep_rollout"] = self.rollout_state_dict()
 

@@ -30,6 +30,21 @@ def test_deepep_transient_gradient_fault_is_invisible(tmp_path):
     assert torch.equal(a["hidden"], b["hidden"]) and all(torch.equal(a["env"][k], b["env"][k]) for k in a["env"])
 
 
+def test_deepep_rollback_to_the_train_start_snapshot_is_bitwise(tmp_path):
+    # snapshots only at train start (step 0): the rollout state must already exist there
+    def callbacks(health):
+        return [health, NaNRollbackCallback(snapshot_every_n_steps=100)]
+
+    _, clean = fit(tmp_path, callbacks(NumericalHealthCallback(check_every_n_steps=1)), max_steps=6, module=_make)
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    _, faulty = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[3]), *callbacks(health)], max_steps=6,
+                    module=_make)
+    assert [(e["kind"], e["step"]) for e in health.events.events] == [("detected", 3), ("rollback", 0), ("transient", 3)]
+    assert state_equal(clean.state_dict(), faulty.state_dict())
+    a, b = clean.rollout_state_dict(), faulty.rollout_state_dict()
+    assert torch.equal(a["hidden"], b["hidden"]) and all(torch.equal(a["env"][k], b["env"][k]) for k in a["env"])
+
+
 def test_deepep_persistent_loss_fault_skipped_and_diagnosed(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip")
