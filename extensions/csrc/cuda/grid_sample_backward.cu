@@ -1,4 +1,4 @@
-// Deterministic CUDA backward of bilinear 2-D grid_sample (forward: PyTorch's own kernel).
+// Deterministic CUDA backward of bilinear 2-D grid_sample (forward: PyTorch's own kernel), v2.
 //
 // PyTorch's grid_sampler_2d_backward scatters weight * grad_output into grad_input with float
 // atomicAdd, so the summation order (and the last bits) change from run to run; under
@@ -8,21 +8,40 @@
 //   grad_input is a sort + segmented gather, with no float atomics. A point with top-left corner
 //   (y0, x0) = floor(iy, ix) feeds the 4 pixels of "cell" (y0 + 1, x0 + 1) of an
 //   (H_in + 1) x (W_in + 1) cell grid (cells -1 .. H_in - 1 shifted by one), so:
-//     1. the same point kernel writes per point its cell key = (n * (H_in + 1) + y0 + 1) *
-//        (W_in + 1) + x0 + 1 (a sentinel past the last cell when no corner is inside the image)
-//        and its 4 corner weights (nw, ne, sw, se, PyTorch's formulas);
-//     2. a stable radix sort (cub::DeviceRadixSort::SortPairs, only the bits a key can use)
-//        orders the point ids by cell; equal keys keep point order, so the order is a function
-//        of the grid only (one key per point, not per corner: 4x less to sort);
+//     1. the point kernel writes per point its cell key = (n * (H_in + 1) + y0 + 1) * (W_in + 1) +
+//        x0 + 1 (a sentinel past the last cell when no corner is inside the image), its 4 corner
+//        weights (nw, ne, sw, se, PyTorch's formulas) and its grad_output row [C] (grad_output in
+//        NHWC, written while the point reads its channels anyway);
+//     2. a stable LSD radix sort (cub, only the bits a key can use) orders the point ids by cell;
+//        equal keys keep point order, so the order is a function of the grid only;
 //     3. a binary search per cell gives it its segment [start, end) of the sorted points;
-//     4. one thread per (pixel, channel) walks the 4 cells that touch its pixel in a fixed order
-//        (as se, sw, ne, nw corner), each segment in sorted order, sums weight * grad_output in
-//        double and writes its grad_input element once.
+//     4. one thread per (pixel, group of <= 8 channels) walks the 4 cells that touch its pixel in a
+//        fixed order (as se, sw, ne, nw corner), each segment in sorted order, and sums
+//        weight * grad_output in double, one running sum per channel, written once.
+// Why deterministic, whatever the launch configuration: every grad_input element is one running
+// sum whose terms and their order are functions of (grid, grad_output) alone. Threads, blocks,
+// the channel grouping and the 4-point load unrolling change who computes a sum and when its
+// loads are issued, never the order of its additions. That order is v1's
+// (grid_sample_backward_v1.cu), so v2 matches v1 to rounding (the same formulas, compiled again).
+//
+// What v2 changes against v1, for speed (v1: 0.28-0.50 ms against PyTorch's 0.16-0.34 ms on an
+// H200 for benchmarks/bench_refused_ops.py):
+//   - outputs and scratch come from at::detail::empty_cuda: at::empty runs a NaN-fill kernel over
+//     every new tensor while torch.use_deterministic_algorithms(True) is on (PyTorch's
+//     fill_uninitialized_memory), v1 paid 7 of them a call; every byte here is written before it
+//     is read. One scratch allocation instead of six;
+//   - no separate permute copy of grad_output (one launch and 2 x |grad_output| of traffic less);
+//   - the gather reads the segment bounds, point ids and weights once per 8 channels instead of
+//     once per channel (C x fewer threads for C <= 8), a point's 8 values are one 32-byte read,
+//     and 4 points' loads are in flight together, so long segments (heavy overlap) cost a quarter
+//     of the dependent-load latency;
+//   - the sort runs on a cub::DoubleBuffer: no extra key/value copies in its temp storage.
 // All work is on the current stream, nothing synchronises.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/native/cuda/GridSampler.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -33,6 +52,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 
 namespace deepep {
@@ -41,12 +61,22 @@ namespace deepep {
 void check_grid_sample_args(const at::Tensor& input, const at::Tensor& grid, int64_t padding_mode);
 at::Tensor grid_sample_bilinear2d_forward(const at::Tensor& input, const at::Tensor& grid,
                                           int64_t padding_mode, bool align_corners);
+// Defined in refused_ops_kernel_version.cu.
+int refused_ops_kernel_version();
+namespace v1 {  // grid_sample_backward_v1.cu
+std::tuple<at::Tensor, at::Tensor> grid_sample_bilinear2d_backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& grid,
+    int64_t padding_mode, bool align_corners, bool input_requires_grad);
+}  // namespace v1
 
 namespace {
 
 using at::native::GridSamplerPadding;
 
 constexpr int kThreads = 256;
+constexpr int kMaxChannelsPerThread = 8;  // float: one 32-byte read per point visit
+constexpr int kUnroll = 4;             // points of a segment whose loads are issued together
+constexpr size_t kScratchAlignment = 256;
 
 template <typename scalar_t>
 __global__ void grid_sample_point_kernel(
@@ -59,7 +89,8 @@ __global__ void grid_sample_point_kernel(
     scalar_t* __restrict__ grad_grid,                   // [N, H_out, W_out, 2]
     uint32_t* __restrict__ keys,                        // [P] cell of each point
     int32_t* __restrict__ point_ids,                    // [P] 0, 1, 2, ... (sort payload)
-    at::opmath_type<scalar_t>* __restrict__ weights) {  // [P, 4] nw, ne, sw, se
+    at::opmath_type<scalar_t>* __restrict__ weights,    // [P, 4] nw, ne, sw, se
+    scalar_t* __restrict__ grad_rows) {                 // [P, C] or nullptr (not needed, or C == 1)
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t point = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (point >= num_points) return;
@@ -96,10 +127,13 @@ __global__ void grid_sample_point_kernel(
 
   const scalar_t* input_n = input + n * channels * in_hw;
   const scalar_t* grad_n = grad_output + n * channels * out_hw + hw;
+  scalar_t* grad_row = grad_rows == nullptr ? nullptr : grad_rows + point * channels;
   const int64_t offset_nw = static_cast<int64_t>(y0) * in_w + x0;
   opmath_t gix = 0, giy = 0;
   for (int c = 0; c < channels; ++c) {
-    const opmath_t g = static_cast<opmath_t>(grad_n[c * out_hw]);
+    const scalar_t grad_value = grad_n[c * out_hw];
+    if (grad_row != nullptr) grad_row[c] = grad_value;
+    const opmath_t g = static_cast<opmath_t>(grad_value);
     const scalar_t* plane = input_n + c * in_hw;
     if (inside[0]) {
       const opmath_t v = static_cast<opmath_t>(plane[offset_nw]);
@@ -126,44 +160,6 @@ __global__ void grid_sample_point_kernel(
   grad_grid[2 * point + 1] = static_cast<scalar_t>(gy_mult * giy);
 }
 
-template <typename scalar_t>
-__global__ void grid_sample_gather_kernel(
-    const int64_t num_pixels, const int channels, const int in_h, const int in_w,
-    const int32_t* __restrict__ segment_start,                 // [N * (H_in + 1) * (W_in + 1) + 1]
-    const int32_t* __restrict__ order,                         // [P] point ids sorted by cell
-    const at::opmath_type<scalar_t>* __restrict__ weights,     // [P, 4]
-    const scalar_t* __restrict__ grad_output_nhwc,             // [N, H_out, W_out, C]
-    scalar_t* __restrict__ grad_input) {                       // [N, C, H_in, W_in]
-  using opmath_t = at::opmath_type<scalar_t>;
-  // Channel fastest: the threads of one pixel walk the same segments and read adjacent channels.
-  const int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (index >= num_pixels * channels) return;
-  const int64_t pixel = index / channels;
-  const int64_t c = index - pixel * channels;
-  const int64_t in_hw = static_cast<int64_t>(in_h) * in_w;
-  const int64_t n = pixel / in_hw;
-  const int y = static_cast<int>((pixel - n * in_hw) / in_w);
-  const int x = static_cast<int>(pixel - n * in_hw - static_cast<int64_t>(y) * in_w);
-  // Cells (shifted by one) whose corner k is this pixel: (y, x) se, (y, x+1) sw, (y+1, x) ne, (y+1, x+1) nw.
-  const int64_t cell_row = (n * (in_h + 1) + y) * (in_w + 1) + x;
-  const int64_t cells[4] = {cell_row, cell_row + 1, cell_row + in_w + 1, cell_row + in_w + 2};
-  const int corners[4] = {3, 2, 1, 0};
-  // Accumulated in double: heavily overlapped pixels sum thousands of terms, and the result
-  // should be as good as any order PyTorch's atomics might pick, not worse.
-  double acc = 0;
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const int32_t end = segment_start[cells[s] + 1];
-    for (int32_t j = segment_start[cells[s]]; j < end; ++j) {
-      const int64_t point = order[j];
-      const opmath_t term = weights[4 * point + corners[s]] *
-                            static_cast<opmath_t>(grad_output_nhwc[point * channels + c]);
-      acc += static_cast<double>(term);
-    }
-  }
-  grad_input[(n * channels + c) * in_hw + (pixel - n * in_hw)] = static_cast<scalar_t>(acc);
-}
-
 // segment_start[q] = first j with sorted_keys[j] >= q, q in [0, num_cells]: a binary search per
 // cell, O(log P) reads, whatever the overlap.
 __global__ void segment_start_kernel(const int32_t num_entries, const uint32_t num_cells,
@@ -178,7 +174,104 @@ __global__ void segment_start_kernel(const int32_t num_entries, const uint32_t n
   segment_start[q] = low;
 }
 
+// kChannels: channels per thread (4 or 8; the sums do not depend on it).
+template <typename scalar_t, int kChannels>
+__global__ void grid_sample_gather_kernel(
+    const int64_t num_items, const int channels, const int channel_groups, const int in_h, const int in_w,
+    const int32_t* __restrict__ segment_start,              // [N * (H_in + 1) * (W_in + 1) + 1]
+    const int32_t* __restrict__ order,                      // [P] point ids sorted by cell
+    const at::opmath_type<scalar_t>* __restrict__ weights,  // [P, 4]
+    const scalar_t* __restrict__ grad_rows,                 // [P, C]: grad_output as [N, H_out, W_out, C]
+    scalar_t* __restrict__ grad_input) {                    // [N, C, H_in, W_in]
+  using opmath_t = at::opmath_type<scalar_t>;
+  // Pixel fastest: a warp holds 32 neighbouring pixels of one channel group, so its grad_input
+  // stores are coalesced and neighbours share cells (their loads hit L1).
+  const int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (index >= num_items) return;
+  const int64_t in_hw = static_cast<int64_t>(in_h) * in_w;
+  const int64_t plane = index / in_hw;  // n * channel_groups + group
+  const int64_t pixel = index - plane * in_hw;
+  const int64_t n = plane / channel_groups;
+  const int channel_begin = static_cast<int>(plane - n * channel_groups) * kChannels;
+  const int count = min(kChannels, channels - channel_begin);
+  const int y = static_cast<int>(pixel / in_w);
+  const int x = static_cast<int>(pixel - static_cast<int64_t>(y) * in_w);
+  // Cells (shifted by one) whose corner 3 - s is this pixel, s = 0..3: (y, x) se, (y, x+1) sw,
+  // (y+1, x) ne, (y+1, x+1) nw. Their segment bounds are loaded together, up front.
+  const int32_t* starts = segment_start + (n * (in_h + 1) + y) * (in_w + 1) + x;
+  int32_t begin[4], end[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int64_t cell = (s & 1) + (s >> 1) * static_cast<int64_t>(in_w + 1);
+    begin[s] = starts[cell];
+    end[s] = starts[cell + 1];
+  }
+  const scalar_t* rows = grad_rows + channel_begin;
+  // Accumulated in double: heavily overlapped pixels sum thousands of terms, and the result
+  // should be as good as any order PyTorch's atomics might pick, not worse.
+  double acc[kChannels];
+#pragma unroll
+  for (int k = 0; k < kChannels; ++k) acc[k] = 0;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const int corner = 3 - s;
+    int32_t j = begin[s];
+    for (; j + kUnroll <= end[s]; j += kUnroll) {
+      // All loads of kUnroll points first, then the additions in segment order.
+      int64_t point[kUnroll];
+      opmath_t weight[kUnroll];
+      scalar_t value[kUnroll][kChannels];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) point[u] = order[j + u];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        weight[u] = weights[4 * point[u] + corner];
+        const scalar_t* row = rows + point[u] * channels;
+#pragma unroll
+        for (int k = 0; k < kChannels; ++k) value[u][k] = k < count ? row[k] : scalar_t(0);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < kChannels; ++k) {
+          if (k < count) acc[k] += static_cast<double>(weight[u] * static_cast<opmath_t>(value[u][k]));
+        }
+      }
+    }
+    for (; j < end[s]; ++j) {
+      const int64_t point = order[j];
+      const opmath_t weight = weights[4 * point + corner];
+      const scalar_t* row = rows + point * channels;
+#pragma unroll
+      for (int k = 0; k < kChannels; ++k) {
+        if (k < count) acc[k] += static_cast<double>(weight * static_cast<opmath_t>(row[k]));
+      }
+    }
+  }
+  scalar_t* out = grad_input + (n * channels + channel_begin) * in_hw + pixel;
+#pragma unroll
+  for (int k = 0; k < kChannels; ++k) {
+    if (k < count) out[k * in_hw] = static_cast<scalar_t>(acc[k]);
+  }
+}
+
 unsigned int blocks_for(int64_t count) { return static_cast<unsigned int>((count + kThreads - 1) / kThreads); }
+
+// A CUDA tensor without at::empty's deterministic-mode NaN fill: for buffers written in full
+// before anything reads them.
+at::Tensor empty_unfilled(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
+  return at::Tensor(at::detail::empty_cuda(sizes, dtype, device, std::nullopt));
+}
+
+// Byte offsets of the buffers carved out of one scratch allocation.
+struct ScratchLayout {
+  size_t total = 0;
+  size_t add(size_t bytes) {
+    const size_t offset = total;
+    total += (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
+    return offset;
+  }
+};
 
 // One batch chunk (cell keys and point ids fit in 32 bits; see the caller).
 void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& grid,
@@ -188,49 +281,72 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, con
   const int64_t in_h = input.size(2), in_w = input.size(3);
   const int64_t out_hw = grid.size(1) * grid.size(2);
   const int64_t num_points = batch * out_hw;
-  const int64_t num_pixels = batch * in_h * in_w;
   const int64_t num_cells = batch * (in_h + 1) * (in_w + 1);
-  const int64_t num_entries = input_requires_grad ? num_points : 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const at::TensorOptions int_options = input.options().dtype(at::kInt);
-  // Cell keys (as uint32) and point ids, unsorted then sorted.
-  at::Tensor buffers = at::empty({4, num_entries}, int_options);
-  auto* keys = reinterpret_cast<uint32_t*>(buffers[0].data_ptr<int32_t>());
-  auto* sorted_keys = reinterpret_cast<uint32_t*>(buffers[1].data_ptr<int32_t>());
-  int32_t* point_ids = buffers[2].data_ptr<int32_t>();
-  int32_t* order = buffers[3].data_ptr<int32_t>();
-  at::Tensor weights = at::empty({num_entries, 4}, input.options().dtype(at::toOpMathType(input.scalar_type())));
+  // Stable LSD radix sort over the bits that a key can use (sentinel included).
+  int end_bit = 1;
+  while (end_bit < 32 && (static_cast<uint64_t>(num_cells) >> end_bit) != 0) ++end_bit;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, input.scalar_type(), "grid_sample_bilinear2d_backward_cuda", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* grad_data = grad_output.data_ptr<scalar_t>();
+    if (!input_requires_grad) {
+      grid_sample_point_kernel<scalar_t><<<blocks_for(num_points), kThreads, 0, stream>>>(
+          num_points, static_cast<int>(channels), static_cast<int>(in_h), static_cast<int>(in_w), out_hw,
+          input.data_ptr<scalar_t>(), grid.data_ptr<scalar_t>(), grad_data, padding, align_corners,
+          /*want_input_grad=*/false, 0u, grad_grid.data_ptr<scalar_t>(), nullptr, nullptr, nullptr, nullptr);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    const int num_entries = static_cast<int>(num_points);
+    cub::DoubleBuffer<uint32_t> key_buffers(nullptr, nullptr);
+    cub::DoubleBuffer<int32_t> id_buffers(nullptr, nullptr);
+    size_t sort_bytes = 0;
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, key_buffers, id_buffers, num_entries, 0,
+                                                   end_bit, stream));
+    // With C == 1, NCHW grad_output already is [P, C].
+    const bool copy_rows = channels > 1;
+    ScratchLayout layout;
+    const size_t key_bytes = sizeof(uint32_t) * num_points;
+    const size_t keys_current = layout.add(key_bytes), keys_alternate = layout.add(key_bytes);
+    const size_t ids_current = layout.add(key_bytes), ids_alternate = layout.add(key_bytes);
+    const size_t weights_at = layout.add(sizeof(opmath_t) * 4 * num_points);
+    const size_t starts_at = layout.add(sizeof(int32_t) * (num_cells + 1));
+    const size_t rows_at = layout.add(copy_rows ? sizeof(scalar_t) * num_points * channels : 0);
+    const size_t sort_at = layout.add(sort_bytes);
+    const at::Tensor scratch = empty_unfilled({static_cast<int64_t>(layout.total)}, at::kByte, input.device());
+    auto* base = static_cast<unsigned char*>(scratch.data_ptr());
+    auto* keys = reinterpret_cast<uint32_t*>(base + keys_current);
+    auto* point_ids = reinterpret_cast<int32_t*>(base + ids_current);
+    auto* weights = reinterpret_cast<opmath_t*>(base + weights_at);
+    auto* segment_start = reinterpret_cast<int32_t*>(base + starts_at);
+    scalar_t* grad_rows = copy_rows ? reinterpret_cast<scalar_t*>(base + rows_at) : nullptr;
+
     grid_sample_point_kernel<scalar_t><<<blocks_for(num_points), kThreads, 0, stream>>>(
         num_points, static_cast<int>(channels), static_cast<int>(in_h), static_cast<int>(in_w), out_hw,
-        input.data_ptr<scalar_t>(), grid.data_ptr<scalar_t>(), grad_output.data_ptr<scalar_t>(), padding,
-        align_corners, input_requires_grad, static_cast<uint32_t>(num_cells), grad_grid.data_ptr<scalar_t>(),
-        keys, point_ids, weights.data_ptr<opmath_t>());
+        input.data_ptr<scalar_t>(), grid.data_ptr<scalar_t>(), grad_data, padding, align_corners,
+        /*want_input_grad=*/true, static_cast<uint32_t>(num_cells), grad_grid.data_ptr<scalar_t>(), keys,
+        point_ids, weights, grad_rows);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (!input_requires_grad) return;
 
-    // Stable LSD radix sort over the bits that a key can use (sentinel included): equal keys keep
-    // their point order, so the order depends only on the grid.
-    int end_bit = 1;
-    while (end_bit < 32 && (static_cast<uint64_t>(num_cells) >> end_bit) != 0) ++end_bit;
-    size_t temp_bytes = 0;
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, temp_bytes, keys, sorted_keys, point_ids, order,
-                                                   static_cast<int>(num_entries), 0, end_bit, stream));
-    at::Tensor temp = at::empty({static_cast<int64_t>(temp_bytes)}, input.options().dtype(at::kByte));
-    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.data_ptr(), temp_bytes, keys, sorted_keys, point_ids,
-                                                   order, static_cast<int>(num_entries), 0, end_bit, stream));
-    at::Tensor segment_start = at::empty({num_cells + 1}, int_options);
+    // Equal keys keep their point order (stable), so the order depends only on the grid.
+    key_buffers = cub::DoubleBuffer<uint32_t>(keys, reinterpret_cast<uint32_t*>(base + keys_alternate));
+    id_buffers = cub::DoubleBuffer<int32_t>(point_ids, reinterpret_cast<int32_t*>(base + ids_alternate));
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(base + sort_at, sort_bytes, key_buffers, id_buffers,
+                                                   num_entries, 0, end_bit, stream));
     segment_start_kernel<<<blocks_for(num_cells + 1), kThreads, 0, stream>>>(
-        static_cast<int32_t>(num_entries), static_cast<uint32_t>(num_cells), sorted_keys,
-        segment_start.data_ptr<int32_t>());
+        num_entries, static_cast<uint32_t>(num_cells), key_buffers.Current(), segment_start);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const at::Tensor grad_output_nhwc = grad_output.permute({0, 2, 3, 1}).contiguous();
-    grid_sample_gather_kernel<scalar_t><<<blocks_for(num_pixels * channels), kThreads, 0, stream>>>(
-        num_pixels, static_cast<int>(channels), static_cast<int>(in_h), static_cast<int>(in_w),
-        segment_start.data_ptr<int32_t>(), order, weights.data_ptr<opmath_t>(),
-        grad_output_nhwc.data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>());
+    // Few channels: 4 per thread (fewer registers, more threads in flight); else 8.
+    const int channels_per_thread = channels <= 4 ? 4 : kMaxChannelsPerThread;
+    const int64_t channel_groups = (channels + channels_per_thread - 1) / channels_per_thread;
+    const int64_t num_items = batch * channel_groups * in_h * in_w;
+    const auto gather = channels_per_thread == 4 ? grid_sample_gather_kernel<scalar_t, 4>
+                                                 : grid_sample_gather_kernel<scalar_t, kMaxChannelsPerThread>;
+    gather<<<blocks_for(num_items), kThreads, 0, stream>>>(
+        num_items, static_cast<int>(channels), static_cast<int>(channel_groups), static_cast<int>(in_h),
+        static_cast<int>(in_w), segment_start, id_buffers.Current(), weights,
+        copy_rows ? grad_rows : grad_data, grad_input.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -238,6 +354,10 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, con
 std::tuple<at::Tensor, at::Tensor> grid_sample_bilinear2d_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& grid,
     int64_t padding_mode, bool align_corners, bool input_requires_grad) {
+  if (refused_ops_kernel_version() == 1) {
+    return v1::grid_sample_bilinear2d_backward_cuda(grad_output, input, grid, padding_mode, align_corners,
+                                                    input_requires_grad);
+  }
   check_grid_sample_args(input, grid, padding_mode);
   TORCH_CHECK(input.is_cuda(), "grid_sample_bilinear2d_backward: input must be a CUDA tensor, got ",
               input.device());
@@ -256,10 +376,11 @@ std::tuple<at::Tensor, at::Tensor> grid_sample_bilinear2d_backward_cuda(
   const at::Tensor input_c = input.contiguous();
   const at::Tensor grid_c = grid.contiguous();
   const at::Tensor grad_c = grad_output.contiguous();
-  at::Tensor grad_grid = at::empty(grid_c.sizes(), grid_c.options());  // [N, H_out, W_out, 2]
-  // The gather writes every grad_input element exactly once, so no zero fill is needed.
-  at::Tensor grad_input = input_requires_grad ? at::empty(input_c.sizes(), input_c.options())
-                                              : at::empty({0}, input_c.options());
+  // Both are written in full by the kernels below (the gather writes every grad_input element once).
+  at::Tensor grad_grid = empty_unfilled(grid_c.sizes(), grid_c.scalar_type(), grid_c.device());  // [N, H_out, W_out, 2]
+  const int64_t no_elements[1] = {0};
+  at::Tensor grad_input = empty_unfilled(input_requires_grad ? input_c.sizes() : at::IntArrayRef(no_elements),
+                                         input_c.scalar_type(), input_c.device());
   if (grid_c.numel() == 0 || input_c.numel() == 0) {  // nothing to sample: all gradients are zero
     return {grad_input.zero_(), grad_grid.zero_()};
   }
@@ -273,6 +394,10 @@ std::tuple<at::Tensor, at::Tensor> grid_sample_bilinear2d_backward_cuda(
               "grid_sample_bilinear2d_backward: one sample needs H_out * W_out and (H_in + 1) * (W_in + 1) "
               "below 2^31, got grid ", grid_c.sizes(), " and input ", input_c.sizes());
   const int64_t chunk = std::max<int64_t>(1, std::min(limit / per_sample_points, limit / per_sample_cells));
+  if (chunk >= input_c.size(0)) {  // the usual case: one chunk, no narrow views
+    launch_backward(grad_c, input_c, grid_c, padding, align_corners, input_requires_grad, grad_input, grad_grid);
+    return {grad_input, grad_grid};
+  }
   for (int64_t begin = 0; begin < input_c.size(0); begin += chunk) {
     const int64_t length = std::min(chunk, input_c.size(0) - begin);
     launch_backward(grad_c.narrow(0, begin, length), input_c.narrow(0, begin, length),
