@@ -1,26 +1,50 @@
 // Deterministic CUDA backward of bilinear upsampling (F.interpolate(mode="bilinear"), 4-D input,
-// antialias=False); the forward is PyTorch's own kernel.
+// antialias=False), v2; the forward is PyTorch's own kernel.
 //
 // PyTorch's upsample_bilinear2d_backward scatters every grad_output element into its 4 source
 // pixels with float atomicAdd (nondeterministic order; refused under
-// torch.use_deterministic_algorithms(True)). The map is separable and monotone, so the adjoint
-// is a gather: along each axis, output index o reads source i0(o) with weight 1 - lambda(o) and
-// source i0(o) + p(o) with weight lambda(o) (p = 0 on the last row/column), with i0, lambda
-// computed by PyTorch's own area_pixel_compute_scale / area_pixel_compute_source_index (UpSample.cuh),
-// so the index map is PyTorch's exactly. i0 is non-decreasing in o, hence the outputs that read
-// source i are those with i0(o) in {i - 1, i}: one contiguous range [start(i - 1), start(i + 1)),
-// where start(i) is the first o with i0(o) >= i (a binary search per source index).
-// One thread per grad_input element sums its (rows x columns) window in row-major order and
-// writes once: a fixed order, no atomics, bitwise reproducible.
+// torch.use_deterministic_algorithms(True)). The map is separable, grad_input = A_hᵀ · grad_output
+// · A_w per plane, and along each axis output index o reads source i0(o) with weight 1 - lambda(o)
+// and source i0(o) + p(o) with weight lambda(o) (p = 0 on the last row/column), with i0, lambda
+// from PyTorch's own area_pixel_compute_scale / area_pixel_compute_source_index (UpSample.cuh), so
+// the index map is PyTorch's exactly. i0 is non-decreasing in o, hence the outputs that read
+// source i are one contiguous range [start(i - 1), start(i + 1)), start(i) = the first o with
+// i0(o) >= i (a binary search over PyTorch's formula).
+//
+// One kernel, one block per (plane, 32 x 32 tile of grad_input), 32 x 8 threads:
+//   1. column pass: for every output row oh the tile reads (its window), lane x sums its output
+//      columns, column_sum(oh, x) = sum over ow in [start_w(x - 1), start_w(x + 1)) of
+//      A_w(ow, x) * grad_output(oh, ow), in increasing ow, into shared memory (coalesced along W);
+//   2. row pass: thread (x, y) adds A_h(oh, y) * column_sum(oh, x) over oh in
+//      [start_h(y - 1), start_h(y + 1)) in increasing oh, and writes grad_input(y, x) once.
+// Windows taller than the shared buffer (upsampling by more than ~3.8x) go through it in chunks
+// of output rows; the row sums carry over, so the chunking does not change them.
+// Why deterministic, whatever the launch configuration: column_sum(oh, x) is a function of
+// (oh, x) alone and every grad_input element is one running sum over oh in increasing order, so
+// the tile shape, the chunking and the block count change who computes a sum, never its order.
+// Sums are in accscalar_t (float for float/half/bfloat16, double for double): every sum has the
+// few taps of one axis (2-3 for scale <= 1.5x, ~2s for scale s), not the s^2 of a 2-D window.
+//
+// What v2 changes against v1 (upsample_bilinear_backward_v1.cu; 0.39-0.88 ms against PyTorch's
+// 0.20-0.65 ms on an H200 for benchmarks/bench_refused_ops.py):
+//   - 1 launch instead of 5 (v1: 4 index-table kernels, then the gather); the indices are computed
+//     where they are used, segment starts once per block into shared memory;
+//   - grad_output is read once, coalesced (v1: every grad_input element re-read its whole 2-D
+//     window from L1/L2, 64-bit index arithmetic per element, double adds);
+//   - grad_input from at::detail::empty_cuda: at::empty's deterministic-mode NaN fill would write
+//     it once more (v1: 4 fills a call); every element is written by the kernel.
+// All work is on the current stream, nothing synchronises.
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <ATen/native/cuda/UpSample.cuh>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <climits>
 #include <optional>
 
 namespace deepep {
@@ -30,135 +54,184 @@ void check_upsample_args(const at::Tensor& grad_output, at::IntArrayRef input_si
 at::Tensor upsample_bilinear2d_forward(const at::Tensor& input, at::IntArrayRef output_size,
                                        bool align_corners, std::optional<double> scale_h,
                                        std::optional<double> scale_w);
+// Defined in refused_ops_kernel_version.cu.
+int refused_ops_kernel_version();
+namespace v1 {  // upsample_bilinear_backward_v1.cu
+at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_output, at::IntArrayRef input_size,
+                                             bool align_corners, std::optional<double> scale_h,
+                                             std::optional<double> scale_w);
+}  // namespace v1
 
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kTileWidth = 32;  // input columns per block: the lanes of a warp
+constexpr int kWarps = 8;       // blockDim = (kTileWidth, kWarps)
+constexpr int kRowsPerThread = 4;
+constexpr int kTileHeight = kWarps * kRowsPerThread;  // input rows per block
+constexpr int kChunkRows = 128;  // output rows whose column sums fit in shared memory at once
 
-// Per output index o of one axis: first source index i0(o) and the weight lambda(o) of i0 + p.
+// One axis of the map, as PyTorch's kernel computes it.
 template <typename accscalar_t>
-__global__ void axis_source_kernel(const int out_size, const int in_size, const accscalar_t scale,
-                                   const bool align_corners, int* __restrict__ first_source,
-                                   accscalar_t* __restrict__ lambda) {
-  const int o = blockIdx.x * blockDim.x + threadIdx.x;
-  if (o >= out_size) return;
-  const accscalar_t real = at::native::area_pixel_compute_source_index<accscalar_t>(
-      scale, o, align_corners, /*cubic=*/false);
-  const int i0 = static_cast<int>(real);  // truncation, as in PyTorch's kernel (real >= 0)
-  first_source[o] = i0 < in_size - 1 ? i0 : in_size - 1;
-  lambda[o] = real - i0;
-}
+struct AxisMap {
+  accscalar_t scale;  // area_pixel_compute_scale
+  int in_size;
+  int out_size;
+  bool align_corners;
 
-// start[i] = first o with first_source[o] >= i, for i in [0, in_size]; first_source is sorted.
-__global__ void axis_start_kernel(const int out_size, const int in_size,
-                                  const int* __restrict__ first_source, int* __restrict__ start) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i > in_size) return;
-  int low = 0, high = out_size;
-  while (low < high) {
-    const int mid = (low + high) / 2;
-    if (first_source[mid] < i) low = mid + 1; else high = mid;
+  __device__ __forceinline__ accscalar_t source(int o) const {
+    return at::native::area_pixel_compute_source_index<accscalar_t>(scale, o, align_corners, /*cubic=*/false);
   }
-  start[i] = low;
-}
 
-// Weight with which output index o of one axis reads source index i (0 when it does not).
-template <typename accscalar_t>
-__device__ __forceinline__ accscalar_t axis_weight(const int o, const int i, const int in_size,
-                                                  const int* __restrict__ first_source,
-                                                  const accscalar_t* __restrict__ lambda) {
-  const int i0 = first_source[o];
-  const int i1 = i0 + (i0 < in_size - 1 ? 1 : 0);
-  const accscalar_t l1 = lambda[o];
-  accscalar_t weight = 0;
-  if (i0 == i) weight += static_cast<accscalar_t>(1) - l1;
-  if (i1 == i) weight += l1;
-  return weight;
-}
+  // i0(o): truncation as in PyTorch's kernel (source >= 0), clamped to the last index.
+  __device__ __forceinline__ int first_source(int o) const {
+    const int truncated = static_cast<int>(source(o));
+    return truncated < in_size - 1 ? truncated : in_size - 1;
+  }
+
+  // Weight with which output o reads source i (0 when it does not), formed as v1 formed it.
+  __device__ __forceinline__ accscalar_t weight(int o, int i) const {
+    const accscalar_t real = source(o);
+    const int truncated = static_cast<int>(real);
+    const int i0 = truncated < in_size - 1 ? truncated : in_size - 1;
+    const int i1 = i0 + (i0 < in_size - 1 ? 1 : 0);
+    const accscalar_t lambda = real - truncated;
+    accscalar_t result = 0;
+    if (i0 == i) result += static_cast<accscalar_t>(1) - lambda;
+    if (i1 == i) result += lambda;
+    return result;
+  }
+
+  // First o in [0, out_size] with first_source(o) >= i (out_size when none).
+  __device__ int start(int i) const {
+    if (i <= 0) return 0;
+    if (i >= in_size) return out_size;
+    int low = 0, high = out_size;
+    while (low < high) {
+      const int mid = low + (high - low) / 2;
+      if (first_source(mid) < i) low = mid + 1; else high = mid;
+    }
+    return low;
+  }
+};
 
 template <typename scalar_t, typename accscalar_t>
-__global__ void upsample_gather_kernel(
-    const int64_t total, const int in_h, const int in_w, const int out_h, const int out_w,
-    const int* __restrict__ source_h, const accscalar_t* __restrict__ lambda_h, const int* __restrict__ start_h,
-    const int* __restrict__ source_w, const accscalar_t* __restrict__ lambda_w, const int* __restrict__ start_w,
-    const scalar_t* __restrict__ grad_output,  // [N*C, H_out, W_out]
-    scalar_t* __restrict__ grad_input) {       // [N*C, H_in, W_in]
-  const int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (index >= total) return;
-  const int x = static_cast<int>(index % in_w);
-  const int y = static_cast<int>((index / in_w) % in_h);
-  const int64_t plane = index / (static_cast<int64_t>(in_w) * in_h);
-  const int row_begin = start_h[y > 0 ? y - 1 : 0], row_end = start_h[y + 1 <= in_h ? y + 1 : in_h];
-  const int col_begin = start_w[x > 0 ? x - 1 : 0], col_end = start_w[x + 1 <= in_w ? x + 1 : in_w];
-  const scalar_t* grad_plane = grad_output + plane * out_h * out_w;
-  // Terms as PyTorch forms them (accscalar_t), summed in double: a pixel can collect thousands.
-  double acc = 0;
-  for (int oh = row_begin; oh < row_end; ++oh) {
-    const accscalar_t weight_h = axis_weight(oh, y, in_h, source_h, lambda_h);
-    if (weight_h == static_cast<accscalar_t>(0)) continue;
-    const scalar_t* grad_row = grad_plane + static_cast<int64_t>(oh) * out_w;
-    for (int ow = col_begin; ow < col_end; ++ow) {
-      const accscalar_t weight_w = axis_weight(ow, x, in_w, source_w, lambda_w);
-      acc += static_cast<double>(weight_h * weight_w * static_cast<accscalar_t>(grad_row[ow]));
-    }
+__global__ void __launch_bounds__(kTileWidth * kWarps) upsample_bilinear_backward_kernel(
+    const int tiles_x, const int tiles_per_plane, const AxisMap<accscalar_t> rows, const AxisMap<accscalar_t> columns,
+    const scalar_t* __restrict__ grad_output,  // [N * C, H_out, W_out]
+    scalar_t* __restrict__ grad_input) {       // [N * C, H_in, W_in]
+  __shared__ accscalar_t column_sums[kChunkRows][kTileWidth];  // [output row - chunk begin, tile column]
+  __shared__ int row_start[kTileHeight + 2];                   // start_h(y0 - 1 + k)
+  __shared__ int column_start[kTileWidth + 2];                 // start_w(x0 - 1 + k)
+  const int lane = threadIdx.x, warp = threadIdx.y;
+  const int64_t plane = blockIdx.x / tiles_per_plane;
+  const int tile = static_cast<int>(blockIdx.x - plane * tiles_per_plane);
+  const int y0 = (tile / tiles_x) * kTileHeight;
+  const int x0 = (tile % tiles_x) * kTileWidth;
+  const int in_h = rows.in_size, in_w = columns.in_size;
+  const int out_h = rows.out_size, out_w = columns.out_size;
+
+  const int thread = warp * kTileWidth + lane;
+  if (thread < kTileHeight + 2) {
+    row_start[thread] = rows.start(y0 - 1 + thread);
+  } else if (thread < kTileHeight + 2 + kTileWidth + 2) {
+    const int k = thread - (kTileHeight + 2);
+    column_start[k] = columns.start(x0 - 1 + k);
   }
-  grad_input[index] = static_cast<scalar_t>(acc);
+  __syncthreads();
+
+  const int x = x0 + lane;
+  const bool column_inside = x < in_w;
+  const int column_begin = column_start[lane], column_end = column_start[lane + 2];
+  const scalar_t* grad_plane = grad_output + plane * out_h * out_w;
+  int row_begin[kRowsPerThread], row_end[kRowsPerThread];
+  accscalar_t acc[kRowsPerThread];
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int t = warp + kWarps * r;  // this thread's input rows: y0 + t (none past the last row)
+    row_begin[r] = row_start[t];
+    row_end[r] = y0 + t < in_h ? row_start[t + 2] : row_start[t];
+    acc[r] = 0;
+  }
+  // Output rows read by the tile: [start_h(y0 - 1), start_h(y0 + kTileHeight)).
+  const int window_end = row_start[kTileHeight + 1];
+  for (int chunk_begin = row_start[0]; chunk_begin < window_end; chunk_begin += kChunkRows) {
+    const int chunk_end = min(chunk_begin + kChunkRows, window_end);
+    if (column_inside) {
+      for (int oh = chunk_begin + warp; oh < chunk_end; oh += kWarps) {
+        const scalar_t* grad_row = grad_plane + static_cast<int64_t>(oh) * out_w;
+        accscalar_t sum = 0;
+        for (int ow = column_begin; ow < column_end; ++ow) {
+          sum += columns.weight(ow, x) * static_cast<accscalar_t>(grad_row[ow]);
+        }
+        column_sums[oh - chunk_begin][lane] = sum;
+      }
+    }
+    __syncthreads();
+    if (column_inside) {
+#pragma unroll
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        const int y = y0 + warp + kWarps * r;
+        const int begin = max(row_begin[r], chunk_begin), end = min(row_end[r], chunk_end);
+        for (int oh = begin; oh < end; ++oh) {
+          acc[r] += rows.weight(oh, y) * column_sums[oh - chunk_begin][lane];
+        }
+      }
+    }
+    __syncthreads();  // before the next chunk overwrites column_sums
+  }
+  if (!column_inside) return;
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int y = y0 + warp + kWarps * r;
+    if (y < in_h) grad_input[(plane * in_h + y) * in_w + x] = static_cast<scalar_t>(acc[r]);
+  }
 }
 
 at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_output, at::IntArrayRef input_size,
                                              bool align_corners, std::optional<double> scale_h,
                                              std::optional<double> scale_w) {
+  if (refused_ops_kernel_version() == 1) {
+    return v1::upsample_bilinear2d_backward_cuda(grad_output, input_size, align_corners, scale_h, scale_w);
+  }
   check_upsample_args(grad_output, input_size);
   TORCH_CHECK(grad_output.is_cuda(), "upsample_bilinear2d_backward: grad_output must be a CUDA tensor, got ",
               grad_output.device());
   const c10::cuda::CUDAGuard device_guard(grad_output.device());
   const int64_t in_h = input_size[2], in_w = input_size[3];
   const int64_t out_h = grad_output.size(2), out_w = grad_output.size(3);
-  TORCH_CHECK(in_h < INT_MAX && in_w < INT_MAX && out_h < INT_MAX && out_w < INT_MAX,
-              "upsample_bilinear2d_backward: spatial sizes must fit in int32, got input_size ", input_size,
-              " and grad_output ", grad_output.sizes());
+  // Tile arithmetic reaches in_h + kTileHeight + 1 and in_w + kTileWidth + 1.
+  const int64_t size_limit = INT_MAX - 2 * (kTileHeight + kTileWidth);
+  TORCH_CHECK(in_h < size_limit && in_w < size_limit && out_h < size_limit && out_w < size_limit,
+              "upsample_bilinear2d_backward: spatial sizes must be below 2^31 - ", 2 * (kTileHeight + kTileWidth),
+              ", got input_size ", input_size, " and grad_output ", grad_output.sizes());
   const at::Tensor grad_c = grad_output.contiguous();
-  at::Tensor grad_input = at::empty(input_size, grad_c.options());
+  // Written in full by the kernel: no deterministic-mode fill needed.
+  at::Tensor grad_input = at::Tensor(at::detail::empty_cuda(input_size, grad_c.scalar_type(), grad_c.device(),
+                                                            std::nullopt));
   if (grad_input.numel() == 0) return grad_input;
   if (grad_c.numel() == 0) return grad_input.zero_();
+  const int64_t planes = input_size[0] * input_size[1];
+  const int64_t tiles_x = (in_w + kTileWidth - 1) / kTileWidth;
+  const int64_t tiles_per_plane = tiles_x * ((in_h + kTileHeight - 1) / kTileHeight);
+  TORCH_CHECK(tiles_per_plane <= INT_MAX && planes * tiles_per_plane <= INT_MAX,
+              "upsample_bilinear2d_backward: at most 2^31 - 1 tiles of ", kTileHeight, " x ", kTileWidth,
+              " input pixels, got input_size ", input_size);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const at::TensorOptions int_options = grad_c.options().dtype(at::kInt);
-  // [out_h | out_w] first sources and [in_h + 1 | in_w + 1] segment starts.
-  at::Tensor source = at::empty({out_h + out_w}, int_options);
-  at::Tensor start = at::empty({in_h + 1 + in_w + 1}, int_options);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_c.scalar_type(), "upsample_bilinear2d_backward_cuda", [&] {
     using accscalar_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-    at::Tensor lambda = at::empty({out_h + out_w}, grad_c.options().dtype(c10::CppTypeToScalarType<accscalar_t>::value));
-    const accscalar_t scale_y = at::native::area_pixel_compute_scale<accscalar_t>(
-        static_cast<int>(in_h), static_cast<int>(out_h), align_corners, scale_h);
-    const accscalar_t scale_x = at::native::area_pixel_compute_scale<accscalar_t>(
-        static_cast<int>(in_w), static_cast<int>(out_w), align_corners, scale_w);
-    int* source_h = source.data_ptr<int>();
-    int* source_w = source_h + out_h;
-    accscalar_t* lambda_h = lambda.data_ptr<accscalar_t>();
-    accscalar_t* lambda_w = lambda_h + out_h;
-    int* start_h = start.data_ptr<int>();
-    int* start_w = start_h + in_h + 1;
-    const auto blocks = [](int64_t count) { return static_cast<unsigned int>((count + kThreads - 1) / kThreads); };
-
-    axis_source_kernel<accscalar_t><<<blocks(out_h), kThreads, 0, stream>>>(
-        static_cast<int>(out_h), static_cast<int>(in_h), scale_y, align_corners, source_h, lambda_h);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    axis_source_kernel<accscalar_t><<<blocks(out_w), kThreads, 0, stream>>>(
-        static_cast<int>(out_w), static_cast<int>(in_w), scale_x, align_corners, source_w, lambda_w);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    axis_start_kernel<<<blocks(in_h + 1), kThreads, 0, stream>>>(
-        static_cast<int>(out_h), static_cast<int>(in_h), source_h, start_h);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    axis_start_kernel<<<blocks(in_w + 1), kThreads, 0, stream>>>(
-        static_cast<int>(out_w), static_cast<int>(in_w), source_w, start_w);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const int64_t total = grad_input.numel();
-    upsample_gather_kernel<scalar_t, accscalar_t><<<blocks(total), kThreads, 0, stream>>>(
-        total, static_cast<int>(in_h), static_cast<int>(in_w), static_cast<int>(out_h), static_cast<int>(out_w),
-        source_h, lambda_h, start_h, source_w, lambda_w, start_w, grad_c.data_ptr<scalar_t>(),
-        grad_input.data_ptr<scalar_t>());
+    const AxisMap<accscalar_t> rows{
+        at::native::area_pixel_compute_scale<accscalar_t>(static_cast<int>(in_h), static_cast<int>(out_h),
+                                                          align_corners, scale_h),
+        static_cast<int>(in_h), static_cast<int>(out_h), align_corners};
+    const AxisMap<accscalar_t> columns{
+        at::native::area_pixel_compute_scale<accscalar_t>(static_cast<int>(in_w), static_cast<int>(out_w),
+                                                          align_corners, scale_w),
+        static_cast<int>(in_w), static_cast<int>(out_w), align_corners};
+    upsample_bilinear_backward_kernel<scalar_t, accscalar_t>
+        <<<static_cast<unsigned int>(planes * tiles_per_plane), dim3(kTileWidth, kWarps), 0, stream>>>(
+            static_cast<int>(tiles_x), static_cast<int>(tiles_per_plane), rows, columns,
+            grad_c.data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return grad_input;
