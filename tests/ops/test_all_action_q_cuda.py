@@ -143,7 +143,8 @@ def test_capturable_in_a_cuda_graph(deterministic):
         if deterministic:
             assert torch.equal(x, y), name
         else:
-            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=name)
+            # atomics: the 4096-term fp32 sums of dw/db come in another order on every run
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_clean_under_torch_cuda_sanitizer():

@@ -15,7 +15,7 @@
 //     2. a stable LSD radix sort (cub, only the bits a key can use) orders the point ids by cell;
 //        equal keys keep point order, so the order is a function of the grid only;
 //     3. a binary search per cell gives it its segment [start, end) of the sorted points;
-//     4. one thread per (pixel, group of <= 8 channels) walks the 4 cells that touch its pixel in a
+//     4. one thread per (pixel, group of 1-8 channels) walks the 4 cells that touch its pixel in a
 //        fixed order (as se, sw, ne, nw corner), each segment in sorted order, and sums
 //        weight * grad_output in double, one running sum per channel, written once.
 // Why deterministic, whatever the launch configuration: every grad_input element is one running
@@ -174,7 +174,7 @@ __global__ void segment_start_kernel(const int32_t num_entries, const uint32_t n
   segment_start[q] = low;
 }
 
-// kChannels: channels per thread (4 or 8; the sums do not depend on it).
+// kChannels: channels per thread (1, 2, 4 or 8; the sums do not depend on it).
 template <typename scalar_t, int kChannels>
 __global__ void grid_sample_gather_kernel(
     const int64_t num_items, const int channels, const int channel_groups, const int in_h, const int in_w,
@@ -337,12 +337,23 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, con
     segment_start_kernel<<<blocks_for(num_cells + 1), kThreads, 0, stream>>>(
         num_entries, static_cast<uint32_t>(num_cells), key_buffers.Current(), segment_start);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    // Few channels: 4 per thread (fewer registers, more threads in flight); else 8.
-    const int channels_per_thread = channels <= 4 ? 4 : kMaxChannelsPerThread;
+    // Channels per thread: 8 (one 32-byte read per point visit) while that still gives the GPU a full
+    // wave of threads; fewer when the input is small, so the serial walks of long segments (a grid
+    // that samples a small region heavily) spread over more threads. Few channels: at most 4.
+    const cudaDeviceProp* properties = at::cuda::getCurrentDeviceProperties();
+    const int64_t full_wave = static_cast<int64_t>(properties->multiProcessorCount) *
+                              properties->maxThreadsPerMultiProcessor;
+    int channels_per_thread = channels <= 4 ? 4 : kMaxChannelsPerThread;
+    while (channels_per_thread > 1 &&
+           batch * ((channels + channels_per_thread - 1) / channels_per_thread) * in_h * in_w < full_wave) {
+      channels_per_thread /= 2;
+    }
     const int64_t channel_groups = (channels + channels_per_thread - 1) / channels_per_thread;
     const int64_t num_items = batch * channel_groups * in_h * in_w;
-    const auto gather = channels_per_thread == 4 ? grid_sample_gather_kernel<scalar_t, 4>
-                                                 : grid_sample_gather_kernel<scalar_t, kMaxChannelsPerThread>;
+    const auto gather = channels_per_thread == 1   ? grid_sample_gather_kernel<scalar_t, 1>
+                        : channels_per_thread == 2 ? grid_sample_gather_kernel<scalar_t, 2>
+                        : channels_per_thread == 4 ? grid_sample_gather_kernel<scalar_t, 4>
+                                                   : grid_sample_gather_kernel<scalar_t, kMaxChannelsPerThread>;
     gather<<<blocks_for(num_items), kThreads, 0, stream>>>(
         num_items, static_cast<int>(channels), static_cast<int>(channel_groups), static_cast<int>(in_h),
         static_cast<int>(in_w), segment_start, id_buffers.Current(), weights,
