@@ -79,8 +79,11 @@ class DeterminismCallback(Callback):
         deterministic_algorithms, warn_only, fill_uninitialized_memory, cublas_workspace_config:
             passed to :func:`configure` (see there for the defaults and their cost).
         release_cublas_env: at train start on CUDA, let PyTorch check ``CUBLAS_WORKSPACE_CONFIG``
-            once and then unset it (:func:`prime_cublas_and_release_env`): avoids the per-GEMM host
-            cost of the variable where PyTorch re-parses it on every call.
+            once and then unset it (:func:`prime_cublas_and_release_env`): PyTorch 2.11 re-reads the
+            variable on every cuBLAS call (H200: 58-134 instead of 16-30 us host time per GEMM, GPU
+            time unchanged; 1.43x on the eager DeepEP step, ~1.0x once released, same bits;
+            ``BENCHMARKS.md``). Only a value :func:`configure` set is removed; the fingerprint still
+            records it.
         seekable_data: rebuild plain map-style train DataLoaders as seekable ones (order = pure
             function of (seed, epoch, rank); per-sample streams from (seed, epoch, index)).
         reseed_every_step: reseed the global RNGs from the batch position before every batch.
@@ -108,7 +111,7 @@ class DeterminismCallback(Callback):
         warn_only: bool = False,
         fill_uninitialized_memory: bool = False,
         cublas_workspace_config: str | None = ":4096:8",
-        release_cublas_env: bool = False,
+        release_cublas_env: bool = True,
         seekable_data: bool = True,
         reseed_every_step: bool = True,
         isolate_evaluation: bool = True,
