@@ -1,4 +1,4 @@
-"""Overhead of NumericalHealthCallback and NaNRollbackCallback on DeepEP (eager), side by side.
+"""Overhead of NumericalHealthCallback and NaNRollbackCallback on DeepEP (eager or CUDA graph), side by side.
 
 Three configurations run interleaved in one process, ``--repeats`` times each:
 ``off`` (no health callbacks), ``health`` (NumericalHealthCallback at its default
@@ -53,7 +53,8 @@ def _module(args: argparse.Namespace) -> pl.LightningModule:
     from deepep_lightning.module import DeepEPModule
 
     return DeepEPModule(num_envs=args.num_envs, rollout_length=args.rollout_length, hidden_size=args.hidden_size,
-                        steps_per_epoch=args.warmup + args.steps + 1, seed=0, fused_value_head=args.fused_value_head)
+                        steps_per_epoch=args.warmup + args.steps + 1, seed=0, fused_value_head=args.fused_value_head,
+                        cuda_graph=args.cuda_graph)
 
 
 def _run(config: str, args: argparse.Namespace, accelerator: str) -> float:
@@ -84,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--fused-value-head", action="store_true", help="use the compiled deepep::all_action_q op")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (smoke test only)")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="the whole step as one CUDA graph (configs/gpu.yaml: --num-envs 256 --rollout-length 32"
+                             " --hidden-size 256 --fused-value-head --cuda-graph)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     accelerator = "cpu" if args.cpu or not torch.cuda.is_available() else "gpu"
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "workload": {"num_envs": args.num_envs, "rollout_length": args.rollout_length, "hidden_size": args.hidden_size,
-                     "fused_value_head": args.fused_value_head,
+                     "fused_value_head": args.fused_value_head, "cuda_graph": args.cuda_graph,
                      "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats},
         "defaults": {"check_every_n_steps": NumericalHealthCallback().check_every_n_steps,
                      "snapshot_every_n_steps": NaNRollbackCallback().snapshot_every_n_steps},
