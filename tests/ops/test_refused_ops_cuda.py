@@ -276,6 +276,40 @@ def test_grid_sample_v2_channel_groupings(channels, monkeypatch):
     _assert_close_relative(v2[1].double().cpu(), oracle[1], rtol=1e-4)
 
 
+@pytest.mark.parametrize("points", [(1, 31), (1, 32), (1, 33), (8, 8), (5, 13), (40, 50)])
+def test_grid_sample_v2_chunked_segments_match_oracle(points):
+    """Segments of 31, 32, 33, 64, 65 and 2000 points: the full 32-point chunks are pre-summed,
+    the tail walked point by point; every term must be counted exactly once."""
+    from deepep_lightning.ops import grid_sample
+
+    ho, wo = points
+    for low, high in ((0.3, 0.3), (-0.15, 0.15)):  # one cell; a few neighbouring cells
+        x, grid = _grid_inputs((3, 5, 6, 7, ho, wo, low, high), seed=ho * wo)
+        out = grid_sample(x, grid, padding_mode="zeros", align_corners=False)
+        grad_output = torch.randn_like(out)
+        ours = torch.autograd.grad(out, (x, grid), grad_output)
+        x64, grid64 = x.detach().double().cpu().requires_grad_(), grid.detach().double().cpu().requires_grad_()
+        oracle = torch.autograd.grad(F.grid_sample(x64, grid64, align_corners=False), (x64, grid64),
+                                     grad_output.double().cpu())
+        _assert_close_relative(ours[0].double().cpu(), oracle[0], rtol=1e-5)
+        _assert_close_relative(ours[1].double().cpu(), oracle[1], rtol=1e-4)
+
+
+def test_grid_sample_v2_chunked_result_does_not_depend_on_the_batch_around_it():
+    """Chunks start at each cell's own segment start: another batch around a heavily overlapped
+    sample shifts its segments in the sorted array but must not change a bit."""
+    from deepep_lightning.ops import grid_sample
+
+    x, grid = _grid_inputs((4, 6, 16, 16, 57, 43, -0.2, 0.2), seed=5)
+    grad_output = torch.randn(4, 6, 57, 43, device="cuda")
+    batch = torch.autograd.grad(grid_sample(x, grid, align_corners=False), (x, grid), grad_output)
+    for i in (1, 3):
+        x2, grid2 = x.detach()[i:i + 1].clone().requires_grad_(), grid.detach()[i:i + 1].clone().requires_grad_()
+        single = torch.autograd.grad(grid_sample(x2, grid2, align_corners=False), (x2, grid2),
+                                     grad_output[i:i + 1])
+        assert torch.equal(batch[0][i:i + 1], single[0]) and torch.equal(batch[1][i:i + 1], single[1])
+
+
 @pytest.mark.parametrize("case", INTERPOLATE_CASES + [
     (2, 3, 33, 65, dict(size=(70, 129))),  # partial 32 x 32 tiles in both directions
     (1, 2, 5, 40, dict(size=(600, 41))),  # > 128 output rows per tile: the row pass goes in chunks

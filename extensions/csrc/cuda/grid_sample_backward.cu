@@ -15,14 +15,22 @@
 //     2. a stable LSD radix sort (cub, only the bits a key can use) orders the point ids by cell;
 //        equal keys keep point order, so the order is a function of the grid only;
 //     3. a binary search per cell gives it its segment [start, end) of the sorted points;
-//     4. one thread per (pixel, group of 1-8 channels) walks the 4 cells that touch its pixel in a
-//        fixed order (as se, sw, ne, nw corner), each segment in sorted order, and sums
-//        weight * grad_output in double, one running sum per channel, written once.
+//     4. a segment of L points is split into L / K full chunks of K = 32 sorted points, from its
+//        start, and a tail of L % K points; one thread per (chunk, channel) sums the chunk's terms
+//        weight * grad_output per corner, in sorted order, in double, into a fixed slot (the slot
+//        index is chunk start / K: full chunks are disjoint runs of K, so no two share a slot);
+//     5. one thread per (pixel, group of 1-8 channels) walks the 4 cells that touch its pixel in a
+//        fixed order (as se, sw, ne, nw corner) and, in each, adds the full chunks' sums in chunk
+//        order, then the tail's terms weight * grad_output in sorted order, in double, one running
+//        sum per channel, written once.
 // Why deterministic, whatever the launch configuration: every grad_input element is one running
-// sum whose terms and their order are functions of (grid, grad_output) alone. Threads, blocks,
-// the channel grouping and the 4-point load unrolling change who computes a sum and when its
-// loads are issued, never the order of its additions. That order is v1's
-// (grid_sample_backward_v1.cu), so v2 matches v1 to rounding (the same formulas, compiled again).
+// sum of chunk sums and terms, each chunk sum a running sum of its own terms, and which terms go
+// where and in what order is a function of each cell's sorted point list (so of the sample's grid)
+// alone: the chunks start at the segment's own start, not at positions in the batch's sorted array,
+// so another batch around a sample does not move them. Threads, blocks, the channel grouping and
+// the load unrolling change who computes a sum and when its loads are issued, never the order of
+// its additions. Segments shorter than K (the usual case) are summed exactly in v1's order
+// (grid_sample_backward_v1.cu); longer ones are grouped by chunks, so v2 matches v1 to rounding only.
 //
 // What v2 changes against v1, for speed (v1: 0.28-0.50 ms against PyTorch's 0.16-0.34 ms on an
 // H200 for benchmarks/bench_refused_ops.py):
@@ -35,7 +43,13 @@
 //     once per channel (C x fewer threads for C <= 8), a point's 8 values are one 32-byte read,
 //     and 4 points' loads are in flight together, so long segments (heavy overlap) cost a quarter
 //     of the dependent-load latency;
-//   - the sort runs on a cub::DoubleBuffer: no extra key/value copies in its temp storage.
+//   - the sort runs on a cub::DoubleBuffer: no extra key/value copies in its temp storage;
+//   - long segments (heavy overlap: a grid that samples a small region, ~1600 points per cell) are
+//     pre-summed in chunks of K by many threads (step 4), so a pixel's thread adds L / K + L % K
+//     values per cell instead of L: without it the few threads of covered pixels walked thousands
+//     of entries each while the rest of the GPU idled (1.59x PyTorch's atomics on the H200 for
+//     N 8, C 32, 32x32 -> 128x128, grid x 0.2). The chunk pass costs one launch (P / K x C threads,
+//     most of which exit after 2-4 cached reads when segments are short); no scan, no host sync.
 // All work is on the current stream, nothing synchronises.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -77,6 +91,7 @@ constexpr int kThreads = 256;
 constexpr int kMaxChannelsPerThread = 8;  // float: one 32-byte read per point visit
 constexpr int kUnroll = 4;             // points of a segment whose loads are issued together
 constexpr size_t kScratchAlignment = 256;
+constexpr int kChunk = 32;             // sorted entries per pre-summed chunk of a long segment
 
 template <typename scalar_t>
 __global__ void grid_sample_point_kernel(
@@ -174,6 +189,60 @@ __global__ void segment_start_kernel(const int32_t num_entries, const uint32_t n
   segment_start[q] = low;
 }
 
+// A cell's segment [s, e) is split into its full chunks [s + m K, s + (m + 1) K), m < (e - s) / K,
+// and a tail [s + (e - s) / K * K, e) of fewer than K entries (K = kChunk). Full chunks are disjoint
+// runs of K entries, so no two start in the same slot [b K, (b + 1) K) of the sorted array: the
+// chunk starting in slot b keeps its 4 corner sums at partials[b] (P / K slots, no scan, no
+// host sync). One thread per (slot, channel), channel fastest; it finds the chunk starting in its
+// slot, if any: it belongs either to the cell of the slot's first entry (a segment starting at or
+// before b K) or, starting later in the slot, to the cell of the slot's last entry (a full chunk
+// starting inside the slot covers its last entry). It sums the chunk's K terms per corner in sorted
+// order, in double, from zero. Slots without a chunk are left unwritten; the gather never reads them.
+template <typename scalar_t>
+__global__ void grid_sample_chunk_kernel(
+    const int64_t num_items, const int channels, const uint32_t num_cells,
+    const uint32_t* __restrict__ sorted_keys,               // [P]
+    const int32_t* __restrict__ segment_start,              // [num_cells + 1]
+    const int32_t* __restrict__ order,                      // [P] point ids sorted by cell
+    const at::opmath_type<scalar_t>* __restrict__ weights,  // [P, 4]
+    const scalar_t* __restrict__ grad_rows,                 // [P, C]
+    double* __restrict__ partials) {                        // [P / K, 4, C]
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t index = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (index >= num_items) return;
+  const int64_t slot = index / channels;
+  const int channel = static_cast<int>(index - slot * channels);
+  const int32_t slot_begin = static_cast<int32_t>(slot * kChunk);  // slot < P / K: the whole slot is in [0, P)
+  int32_t chunk = -1;
+  const uint32_t first_key = sorted_keys[slot_begin];
+  if (first_key < num_cells) {  // segment start s <= slot_begin: its first chunk start at or after slot_begin
+    const int32_t s = segment_start[first_key];
+    const int32_t j = s + (slot_begin - s + kChunk - 1) / kChunk * kChunk;
+    if (j + kChunk <= segment_start[first_key + 1]) chunk = j;
+  }
+  if (chunk < 0) {
+    const uint32_t last_key = sorted_keys[slot_begin + kChunk - 1];
+    if (last_key < num_cells) {
+      const int32_t s = segment_start[last_key];
+      if (s > slot_begin && s + kChunk <= segment_start[last_key + 1]) chunk = s;
+    }
+  }
+  if (chunk < 0) return;
+  double acc[4] = {0, 0, 0, 0};
+#pragma unroll 8
+  for (int i = 0; i < kChunk; ++i) {
+    const int64_t point = order[chunk + i];
+    const opmath_t g = static_cast<opmath_t>(grad_rows[point * channels + channel]);
+#pragma unroll
+    for (int corner = 0; corner < 4; ++corner) {
+      acc[corner] += static_cast<double>(weights[4 * point + corner] * g);
+    }
+  }
+  double* out = partials + slot * 4 * channels + channel;
+#pragma unroll
+  for (int corner = 0; corner < 4; ++corner) out[corner * channels] = acc[corner];
+}
+
 // kChannels: channels per thread (1, 2, 4 or 8; the sums do not depend on it).
 template <typename scalar_t, int kChannels>
 __global__ void grid_sample_gather_kernel(
@@ -182,6 +251,7 @@ __global__ void grid_sample_gather_kernel(
     const int32_t* __restrict__ order,                      // [P] point ids sorted by cell
     const at::opmath_type<scalar_t>* __restrict__ weights,  // [P, 4]
     const scalar_t* __restrict__ grad_rows,                 // [P, C]: grad_output as [N, H_out, W_out, C]
+    const double* __restrict__ partials,                    // [P / K, 4, C]: full chunks' sums
     scalar_t* __restrict__ grad_input) {                    // [N, C, H_in, W_in]
   using opmath_t = at::opmath_type<scalar_t>;
   // Pixel fastest: a warp holds 32 neighbouring pixels of one channel group, so its grad_input
@@ -215,7 +285,34 @@ __global__ void grid_sample_gather_kernel(
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const int corner = 3 - s;
-    int32_t j = begin[s];
+    // The segment's full chunks, pre-summed (chunk m starts in slot begin / K + m), in chunk order,
+    // then its tail entry by entry.
+    const int32_t full_chunks = (end[s] - begin[s]) / kChunk;
+    const double* chunk_sums = partials + ((begin[s] / kChunk) * int64_t{4} + corner) * channels + channel_begin;
+    const int64_t slot_stride = int64_t{4} * channels;
+    int32_t m = 0;
+    for (; m + kUnroll <= full_chunks; m += kUnroll) {
+      double sums[kUnroll][kChannels];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < kChannels; ++k) sums[u][k] = k < count ? chunk_sums[(m + u) * slot_stride + k] : 0.0;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int k = 0; k < kChannels; ++k) {
+          if (k < count) acc[k] += sums[u][k];
+        }
+      }
+    }
+    for (; m < full_chunks; ++m) {
+#pragma unroll
+      for (int k = 0; k < kChannels; ++k) {
+        if (k < count) acc[k] += chunk_sums[m * slot_stride + k];
+      }
+    }
+    int32_t j = begin[s] + full_chunks * kChunk;
     for (; j + kUnroll <= end[s]; j += kUnroll) {
       // All loads of kUnroll points first, then the additions in segment order.
       int64_t point[kUnroll];
@@ -313,6 +410,8 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, con
     const size_t weights_at = layout.add(sizeof(opmath_t) * 4 * num_points);
     const size_t starts_at = layout.add(sizeof(int32_t) * (num_cells + 1));
     const size_t rows_at = layout.add(copy_rows ? sizeof(scalar_t) * num_points * channels : 0);
+    const int64_t num_slots = num_points / kChunk;
+    const size_t partials_at = layout.add(sizeof(double) * 4 * num_slots * channels);
     const size_t sort_at = layout.add(sort_bytes);
     const at::Tensor scratch = empty_unfilled({static_cast<int64_t>(layout.total)}, at::kByte, input.device());
     auto* base = static_cast<unsigned char*>(scratch.data_ptr());
@@ -321,6 +420,7 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, con
     auto* weights = reinterpret_cast<opmath_t*>(base + weights_at);
     auto* segment_start = reinterpret_cast<int32_t*>(base + starts_at);
     scalar_t* grad_rows = copy_rows ? reinterpret_cast<scalar_t*>(base + rows_at) : nullptr;
+    auto* partials = reinterpret_cast<double*>(base + partials_at);
 
     grid_sample_point_kernel<scalar_t><<<blocks_for(num_points), kThreads, 0, stream>>>(
         num_points, static_cast<int>(channels), static_cast<int>(in_h), static_cast<int>(in_w), out_hw,
@@ -337,6 +437,14 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, con
     segment_start_kernel<<<blocks_for(num_cells + 1), kThreads, 0, stream>>>(
         num_entries, static_cast<uint32_t>(num_cells), key_buffers.Current(), segment_start);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const scalar_t* rows = copy_rows ? grad_rows : grad_data;
+    if (num_slots > 0) {
+      const int64_t chunk_items = num_slots * channels;
+      grid_sample_chunk_kernel<scalar_t><<<blocks_for(chunk_items), kThreads, 0, stream>>>(
+          chunk_items, static_cast<int>(channels), static_cast<uint32_t>(num_cells), key_buffers.Current(),
+          segment_start, id_buffers.Current(), weights, rows, partials);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
     // Channels per thread: 8 (one 32-byte read per point visit) while that still gives the GPU a full
     // wave of threads; fewer when the input is small, so the serial walks of long segments (a grid
     // that samples a small region heavily) spread over more threads. Few channels: at most 4.
@@ -356,8 +464,8 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, con
                                                    : grid_sample_gather_kernel<scalar_t, kMaxChannelsPerThread>;
     gather<<<blocks_for(num_items), kThreads, 0, stream>>>(
         num_items, static_cast<int>(channels), static_cast<int>(channel_groups), static_cast<int>(in_h),
-        static_cast<int>(in_w), segment_start, id_buffers.Current(), weights,
-        copy_rows ? grad_rows : grad_data, grad_input.data_ptr<scalar_t>());
+        static_cast<int>(in_w), segment_start, id_buffers.Current(), weights, rows, partials,
+        grad_input.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
