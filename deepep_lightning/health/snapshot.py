@@ -5,7 +5,9 @@ bit: model and optimizer tensors, LR schedulers, the AMP scaler, every RNG, the
 loop's optimizer-step counters, the module's rollout state
 (``rollout_state_dict()``/``load_rollout_state_dict(d)``, a duck-typed protocol
 any LightningModule may implement for state that lives outside parameters),
-the health callback's state (spike window) and the LR scale applied by rollback.
+the health callback's state (spike window), the LR scale applied by rollback and the accumulated
+states of the module's torchmetrics metrics, so replayed steps are not counted twice
+(:mod:`._metric_state`).
 
 Restoring is **in place**: parameters, buffers, optimizer state and the rollout
 state are copied into the live tensors, never replaced, because a captured CUDA
@@ -32,6 +34,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import Tensor
+
+from deepep_lightning.health._metric_state import capture_metric_states, restore_metric_states
 
 __all__ = [
     "CorruptSnapshotError", "Snapshot", "SnapshotRing", "clone_update_state", "load_snapshot_file", "restore_update_state",
@@ -210,6 +214,7 @@ class Snapshot:
     rollout: Any
     callback_state: dict[str, Any]
     lr_scale: float
+    metrics: dict = field(default_factory=dict)  # accumulated metric states (absent in older files)
     _cuda_devices: list = field(default_factory=list, repr=False)
     _events: list = field(default_factory=list, repr=False)
 
@@ -233,6 +238,7 @@ class Snapshot:
             rollout=_to_host(rollout, devices) if rollout is not None else None,
             callback_state=copy.deepcopy(callback_state),
             lr_scale=float(lr_scale),
+            metrics=_to_host(capture_metric_states(pl_module), devices),
         )
         for device in sorted({str(d) for d in devices}):
             event = torch.cuda.Event()
@@ -261,6 +267,8 @@ class Snapshot:
         _set_rng_states(copy.deepcopy(self.rng))
         if self.rollout is not None and hasattr(pl_module, "load_rollout_state_dict"):
             pl_module.load_rollout_state_dict(_to_device(self.rollout))
+        if self.epoch == trainer.current_epoch:  # replayed steps must not be counted twice in epoch metrics
+            restore_metric_states(pl_module, _to_device(self.metrics))
         if restore_progress:
             automatic, manual = _loops(trainer)
             automatic.load_state_dict(copy.deepcopy(self.progress["automatic"]))
