@@ -4,7 +4,8 @@ Every ``extensions/csrc/*.cpp`` and, when CUDA is usable (a CUDA build of torch,
 ``nvcc``), every ``extensions/csrc/cuda/*.cu`` is compiled into one library with
 :func:`torch.utils.cpp_extension.load` and loaded with ``torch.ops.load_library`` semantics, so
 adding an op is adding files: its C++ sources here, a Python module that calls
-:func:`on_extension_loaded` to register its ``register_fake`` / ``register_autograd``.
+:func:`register_op_python_side` (built on :func:`on_extension_loaded`) for its ``register_fake`` /
+``register_autograd``.
 
 The build is cached by torch under ``TORCH_EXTENSIONS_DIR`` (default
 ``~/.cache/torch_extensions``); later processes only re-link when a source changed. CUDA code is
@@ -24,7 +25,10 @@ from typing import Callable, List, Optional
 
 import torch
 
-__all__ = ["extension_available", "cuda_kernels_available", "extension_error", "on_extension_loaded", "csrc_dir"]
+__all__ = [
+    "extension_available", "cuda_kernels_available", "extension_error", "on_extension_loaded", "register_op_python_side",
+    "csrc_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -171,3 +175,22 @@ def on_extension_loaded(hook: Callable[[], None]) -> None:
         _hooks.append(hook)
         if _loaded:
             hook()
+
+
+def register_op_python_side(
+    op: str, fake_forward: Callable, fake_backward: Callable, backward: Callable, setup_context: Callable
+) -> None:
+    """Once the library is loaded: ``register_fake`` for ``deepep::<op>`` and ``deepep::<op>_backward``,
+    and ``register_autograd`` for ``deepep::<op>`` (exactly once)."""
+    registered = False
+
+    def register() -> None:
+        nonlocal registered
+        if registered:
+            return
+        torch.library.register_fake(f"deepep::{op}")(fake_forward)
+        torch.library.register_fake(f"deepep::{op}_backward")(fake_backward)
+        torch.library.register_autograd(f"deepep::{op}", backward, setup_context=setup_context)
+        registered = True
+
+    on_extension_loaded(register)

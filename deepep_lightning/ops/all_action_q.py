@@ -11,7 +11,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, register_op_python_side
 from deepep_lightning.ops.reference import all_action_q_reference
 
 __all__ = ["all_action_q"]
@@ -134,17 +134,4 @@ def _backward(ctx, grad_q: Tensor):
     return dz, d_embedding, dw, db.reshape(ctx.bias_shape), None
 
 
-_registered = False
-
-
-def _register_python_side() -> None:
-    global _registered
-    if _registered:
-        return
-    torch.library.register_fake("deepep::all_action_q")(_fake_forward)
-    torch.library.register_fake("deepep::all_action_q_backward")(_fake_backward)
-    torch.library.register_autograd("deepep::all_action_q", _backward, setup_context=_setup_context)
-    _registered = True
-
-
-on_extension_loaded(_register_python_side)
+register_op_python_side("all_action_q", _fake_forward, _fake_backward, _backward, _setup_context)

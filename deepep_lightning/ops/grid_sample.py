@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, register_op_python_side
 
 __all__ = ["grid_sample", "grid_sample_unsupported_reason"]
 
@@ -148,17 +148,4 @@ def _backward(ctx, grad_output: Tensor):
     )
 
 
-_registered = False
-
-
-def _register_python_side() -> None:
-    global _registered
-    if _registered:
-        return
-    torch.library.register_fake("deepep::grid_sample_bilinear2d")(_fake_forward)
-    torch.library.register_fake("deepep::grid_sample_bilinear2d_backward")(_fake_backward)
-    torch.library.register_autograd("deepep::grid_sample_bilinear2d", _backward, setup_context=_setup_context)
-    _registered = True
-
-
-on_extension_loaded(_register_python_side)
+register_op_python_side("grid_sample_bilinear2d", _fake_forward, _fake_backward, _backward, _setup_context)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, register_op_python_side
 
 __all__ = ["interpolate", "interpolate_unsupported_reason"]
 
@@ -185,17 +185,4 @@ def _backward(ctx, grad_output: Tensor):
     return grad_input, None, None, None, None
 
 
-_registered = False
-
-
-def _register_python_side() -> None:
-    global _registered
-    if _registered:
-        return
-    torch.library.register_fake("deepep::upsample_bilinear2d")(_fake_forward)
-    torch.library.register_fake("deepep::upsample_bilinear2d_backward")(_fake_backward)
-    torch.library.register_autograd("deepep::upsample_bilinear2d", _backward, setup_context=_setup_context)
-    _registered = True
-
-
-on_extension_loaded(_register_python_side)
+register_op_python_side("upsample_bilinear2d", _fake_forward, _fake_backward, _backward, _setup_context)
