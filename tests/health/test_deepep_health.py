@@ -14,34 +14,31 @@ def _make():
     return DeepEPModule(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False)
 
 
-def _callbacks(health):
-    return [health, NaNRollbackCallback(snapshot_every_n_steps=4)]
-
-
-def test_deepep_transient_gradient_fault_is_invisible(tmp_path):
-    _, clean = fit(tmp_path, _callbacks(NumericalHealthCallback(check_every_n_steps=2)), max_steps=10, module=_make)
-    health = NumericalHealthCallback(check_every_n_steps=2)
-    _, faulty = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[5]), *_callbacks(health)], max_steps=10,
-                    module=_make)
-    assert [(e["kind"], e["step"]) for e in health.events.events] == [("detected", 5), ("rollback", 4), ("transient", 5)]
-    assert state_equal(clean.state_dict(), faulty.state_dict())
-    a, b = clean.rollout_state_dict(), faulty.rollout_state_dict()
-    assert a["rollout_step"] == b["rollout_step"] == 10
-    assert torch.equal(a["hidden"], b["hidden"]) and all(torch.equal(a["env"][k], b["env"][k]) for k in a["env"])
-
-
-def test_deepep_rollback_to_the_train_start_snapshot_is_bitwise(tmp_path):
-    # snapshots only at train start (step 0): the rollout state must already exist there
+@pytest.mark.parametrize(
+    "snapshot_every, check_every, fault_step, max_steps, rollback_to",
+    [
+        (4, 2, 5, 10, 4),
+        # snapshots only at train start (step 0): the rollout state must already exist there
+        (100, 1, 3, 6, 0),
+    ],
+    ids=["latest_snapshot", "train_start_snapshot"],
+)
+def test_deepep_transient_gradient_fault_is_invisible(tmp_path, snapshot_every, check_every, fault_step, max_steps,
+                                                      rollback_to):
     def callbacks(health):
-        return [health, NaNRollbackCallback(snapshot_every_n_steps=100)]
+        return [health, NaNRollbackCallback(snapshot_every_n_steps=snapshot_every)]
 
-    _, clean = fit(tmp_path, callbacks(NumericalHealthCallback(check_every_n_steps=1)), max_steps=6, module=_make)
-    health = NumericalHealthCallback(check_every_n_steps=1)
-    _, faulty = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[3]), *callbacks(health)], max_steps=6,
-                    module=_make)
-    assert [(e["kind"], e["step"]) for e in health.events.events] == [("detected", 3), ("rollback", 0), ("transient", 3)]
+    _, clean = fit(tmp_path, callbacks(NumericalHealthCallback(check_every_n_steps=check_every)), max_steps=max_steps,
+                   module=_make)
+    health = NumericalHealthCallback(check_every_n_steps=check_every)
+    _, faulty = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[fault_step]), *callbacks(health)],
+                    max_steps=max_steps, module=_make)
+    assert [(e["kind"], e["step"]) for e in health.events.events] == [
+        ("detected", fault_step), ("rollback", rollback_to), ("transient", fault_step)
+    ]
     assert state_equal(clean.state_dict(), faulty.state_dict())
     a, b = clean.rollout_state_dict(), faulty.rollout_state_dict()
+    assert a["rollout_step"] == b["rollout_step"] == max_steps
     assert torch.equal(a["hidden"], b["hidden"]) and all(torch.equal(a["env"][k], b["env"][k]) for k in a["env"])
 
 
