@@ -134,18 +134,8 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------ driver
-def _launch(args: argparse.Namespace, name: str, devices: int, strategy: str, fault: bool = False) -> dict:
-    out = os.path.join(args.out, name)
-    os.makedirs(out, exist_ok=True)
-    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--devices", str(devices),
-               "--strategy", strategy, "--out", args.out, "--num-envs", str(args.num_envs),
-               "--rollout-length", str(args.rollout_length), "--hidden-size", str(args.hidden_size),
-               "--warmup", str(args.warmup), "--steps", str(args.steps), "--fault-step", str(args.fault_step)]
-    command += ["--accelerator", args.accelerator]
-    command += ["--fault"] if fault else []
-    command += ["--configure"] if args.configure else []
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    started = time.perf_counter()
+def _run_process_group(command: list[str], env: dict, out: str) -> tuple[str, str]:
+    """Run ``command`` in its own process group (its ranks die with it), log to ``out/log.txt``."""
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -162,6 +152,22 @@ def _launch(args: argparse.Namespace, name: str, devices: int, strategy: str, fa
             pass
     with open(os.path.join(out, "log.txt"), "w") as handle:
         handle.write(output)
+    return status, output
+
+
+def _launch(args: argparse.Namespace, name: str, devices: int, strategy: str, fault: bool = False) -> dict:
+    out = os.path.join(args.out, name)
+    os.makedirs(out, exist_ok=True)
+    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--devices", str(devices),
+               "--strategy", strategy, "--out", args.out, "--num-envs", str(args.num_envs),
+               "--rollout-length", str(args.rollout_length), "--hidden-size", str(args.hidden_size),
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--fault-step", str(args.fault_step)]
+    command += ["--accelerator", args.accelerator]
+    command += ["--fault"] if fault else []
+    command += ["--configure"] if args.configure else []
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    started = time.perf_counter()
+    status, output = _run_process_group(command, env, out)
     ranks = []
     for rank in range(devices):
         path = os.path.join(out, f"rank{rank}.json")
@@ -183,17 +189,7 @@ def _launch_invariance(args: argparse.Namespace, name: str, devices: int) -> dic
                "--no-health", "--accumulate", str(2 // devices), "--strategy-kwargs", '{"virtual_world_size": 2}']
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-        status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        status = f"timeout after {RUN_TIMEOUT_S} s"
-    with open(os.path.join(out, "log.txt"), "w") as handle:
-        handle.write(output)
+    status, output = _run_process_group(command, env, out)
     print(f"[bench_ddp] {name}: {status}", flush=True)
     path = os.path.join(out, "weights_rank0.pt")
     if status != "ok" or not os.path.exists(path):
