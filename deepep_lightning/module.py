@@ -10,13 +10,13 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
-from torchmetrics.aggregation import MeanMetric
 from typing_extensions import override
 
 from deepep_lightning.agent import DeepEPAgent, collect_rollout, deepep_loss
 from deepep_lightning.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.envs import ENVIRONMENTS, make_env
+from deepep_lightning.episode_return_metric import EpisodeReturnMean
 
 __all__ = ["DeepEPModule"]
 
@@ -169,7 +169,7 @@ class DeepEPModule(pl.LightningModule):
                 probe.obs_dim, probe.num_actions, hidden_size, value_hidden_size, detach_feedback,
                 bool(fused_value_head),
             )
-        self.episode_return = MeanMetric(nan_strategy="disable")
+        self.episode_return = EpisodeReturnMean()
         self._agent_step = torch.compile(self.agent.step) if compile_step else self.agent.step
         self._env = None
         self._hidden: torch.Tensor | None = None
@@ -288,8 +288,7 @@ class DeepEPModule(pl.LightningModule):
         for name in ("loss", "policy_loss", "value_loss", "entropy"):
             self.log(f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False,
                      prog_bar=name == "loss")
-        self.episode_return.update(outputs["episode_return_sum"] / outputs["episodes"].clamp(min=1),
-                                   weight=outputs["episodes"].float())
+        self.episode_return.update(outputs["episode_return_sum"], outputs["episodes"])
         self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
         if self.hparams.cuda_graph:
             # The graph's outputs are overwritten by the next replay: hand on clones. Manual optimisation

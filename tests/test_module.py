@@ -101,3 +101,35 @@ def test_bad_arguments_fail_before_training(kwargs, message):
 def test_cuda_graph_on_cpu_is_refused_with_a_hint():
     with pytest.raises(MisconfigurationException, match="cuda_graph=True.*needs a CUDA device.*HINT"):
         _fit(1, cuda_graph=True)
+
+
+class _AllFinishedReturns(pl.Callback):
+    def __init__(self):
+        self.returns = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        rollout = pl_module.last_rollout
+        self.returns += rollout.episode_returns[rollout.dones].tolist()
+
+
+def test_epoch_episode_return_is_the_mean_over_finished_episodes():
+    # Negative control: a mean of per-step means (what MeanMetric(nan_strategy="disable") gives, since it
+    # drops the weights, torchmetrics#3434) differs from the per-episode mean on this run.
+    finished = _AllFinishedReturns()
+    model = DeepEPModule(num_envs=8, rollout_length=16, hidden_size=16, steps_per_epoch=6, seed=0)
+    step_means = []
+    original_update = model.episode_return.update
+
+    def update(return_sum, episodes):
+        if episodes > 0:
+            step_means.append((return_sum / episodes).item())
+        original_update(return_sum, episodes)
+
+    model.episode_return.update = update
+    trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[finished])
+    trainer.fit(model)
+    per_episode = sum(finished.returns) / len(finished.returns)
+    logged = trainer.callback_metrics["train/episode_return"].item()
+    assert logged == pytest.approx(per_episode, rel=1e-6)
+    assert abs(sum(step_means) / len(step_means) - per_episode) > 1e-3 * per_episode
