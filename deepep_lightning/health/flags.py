@@ -1,14 +1,22 @@
-"""Per-step finiteness flags kept on the device, read by the host only at a check.
+"""Per-step health values kept on the device, read by the host only at a check.
 
-Writing a flag is a device op (``copy_``/``logical_and_`` into a preallocated
-slot), so a training step adds no host synchronisation. The host reads all slots
-written since the last check in **one** transfer (:func:`_read_to_host`), every
-``check_every_n_steps`` steps. One slot per step (not one AND-ed bool) so a
-check names the first bad step, not only the interval.
+Each optimizer step owns one row of a small device table: the loss, the gradients' largest
+absolute element and L2 norm, and (at a check) the parameters' largest absolute element.
+Recording is a device write into the preallocated row (no host synchronisation); opening a step
+is host bookkeeping only. The host reads every row written since the last check in **one**
+transfer (:func:`_read_to_host`), every ``check_every_n_steps`` steps, and decides finiteness
+there from the values: a NaN or Inf anywhere in a tensor makes its largest absolute element
+non-finite, and a max-norm cannot overflow, so a huge but finite gradient whose sum of squares
+exceeds float32 is not reported as non-finite (its L2 norm may read as inf). One row per step
+(not one AND-ed flag) so a check names the first bad step, not only the interval.
+
+A step costs one kernel for the loss and one for a precomputed gradient norm (the CUDA-graph
+path hands one over); opening a step costs none.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
@@ -17,11 +25,13 @@ from torch import Tensor
 
 __all__ = ["StepRecord", "StepFlags"]
 
-_LOSS, _GRADS, _PARAMS = 0, 1, 2
+# columns of the device table
+_LOSS, _GRAD_MAX, _GRAD_L2, _PARAM_MAX = 0, 1, 2, 3
+_COLUMNS = 4
 
 
 def _read_to_host(packed: Tensor) -> Tensor:
-    """The only place the flags cross to the host (tests count calls to prove there is no per-step read)."""
+    """The only place the values cross to the host (tests count calls to prove there is no per-step read)."""
     return packed.to("cpu")
 
 
@@ -51,34 +61,29 @@ class StepRecord:
         return None
 
 
-def _finite_and_norm(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """(all elements finite, total L2 norm) as device scalars, without a host read.
-
-    Finiteness comes from the max-norm, which cannot overflow: a huge but finite gradient whose
-    sum of squares exceeds float32 is not reported as non-finite (its L2 norm may log as inf).
-    """
-    tensors = list(tensors)
-    max_abs = torch.stack([n.float() for n in torch._foreach_norm(tensors, ord=float("inf"))])
+def _max_abs_and_norm(tensors: Sequence[Tensor]) -> Tensor:
+    """[largest absolute element, total L2 norm] of ``tensors`` as one float32 device tensor, no host read."""
+    max_abs = torch.stack([n.float() for n in torch._foreach_norm(tensors, ord=float("inf"))]).max()
     l2 = torch.stack([n.float() for n in torch._foreach_norm(tensors)]).norm()
-    return torch.isfinite(max_abs).all(), l2
+    return torch.stack([max_abs, l2])
 
 
 class StepFlags:
-    """A ring of per-step slots on ``device``: finite flags, loss value, gradient norm.
+    """A ring of per-step rows on ``device``: loss, gradient max-abs and norm, parameter max-abs.
 
     Args:
         capacity: how many steps may be written between two reads (``check_every_n_steps``).
-        device: where the slots live (the module's device).
+        device: where the rows live (the module's device).
     """
 
     def __init__(self, capacity: int, device: torch.device | str = "cpu") -> None:
         self.capacity = int(capacity)
         self.device = torch.device(device)
-        self._ok = torch.ones(self.capacity, 3, dtype=torch.bool, device=self.device)
-        self._loss = torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
-        self._loss_valid = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        self._grad_sq = torch.zeros(self.capacity, dtype=torch.float32, device=self.device)
+        self._rows = torch.zeros(self.capacity, _COLUMNS, dtype=torch.float32, device=self.device)
         self._steps: list[Optional[int]] = [None] * self.capacity
+        # which columns of each row the current step wrote (host bookkeeping: unwritten columns hold
+        # an older step's values and are ignored at the read)
+        self._written: list[set[int]] = [set() for _ in range(self.capacity)]
 
     def _slot(self, step: int) -> int:
         slot = step % self.capacity
@@ -87,69 +92,71 @@ class StepFlags:
         return slot
 
     def begin(self, step: int) -> None:
-        """Reset the slot of ``step`` (all flags healthy, no loss yet)."""
+        """Open the row of ``step``: nothing recorded yet (healthy, no loss). Host only, no kernel."""
         slot = step % self.capacity
         self._steps[slot] = step
-        self._ok[slot].fill_(True)
-        self._loss_valid[slot].fill_(False)
-        self._grad_sq[slot].zero_()
+        self._written[slot].clear()
 
     def record_loss(self, step: int, loss: Tensor) -> None:
         slot = self._slot(step)
-        value = loss.detach().float().sum().to(self.device)
-        self._loss[slot].copy_(value)
-        self._loss_valid[slot].fill_(True)
-        self._ok[slot, _LOSS].logical_and_(torch.isfinite(value))
+        value = loss.detach()
+        value = value.reshape(()) if value.numel() == 1 else value.float().sum()
+        self._rows[slot, _LOSS].copy_(value)
+        self._written[slot].add(_LOSS)
 
     def record_grads(self, step: int, grads: Iterable[Tensor]) -> None:
-        grads = [g for g in grads if g is not None]
-        if not grads:
-            return
+        """Record the gradients of ``step`` (several calls in one step combine)."""
+        grads = [g.detach() for g in grads if g is not None]
+        if grads:
+            self._write_grads(step, _max_abs_and_norm(grads))
+
+    def record_grad_norm(self, step: int, norm: Tensor) -> None:
+        """Record a precomputed total gradient norm (one element) in place of the gradients: one kernel."""
+        self._write_grads(step, norm.detach().reshape(1).expand(2))  # a norm (>= 0) is its own max-abs
+
+    def _write_grads(self, step: int, values: Tensor) -> None:
         slot = self._slot(step)
-        finite, total = _finite_and_norm(grads)
-        self._ok[slot, _GRADS].logical_and_(finite.to(self.device))
-        self._grad_sq[slot].add_((total * total).to(self.device))
+        row = self._rows[slot, _GRAD_MAX : _GRAD_L2 + 1]
+        if _GRAD_MAX in self._written[slot]:  # a second record in the same step (several optimizers)
+            values = torch.stack([torch.maximum(row[0], values[0]), torch.hypot(row[1], values[1])])
+        row.copy_(values)
+        self._written[slot].update((_GRAD_MAX, _GRAD_L2))
 
     def record_params(self, step: int, params: Iterable[Tensor]) -> Optional[Tensor]:
-        """Flag the parameters' finiteness at ``step``; return their total norm (a device tensor)."""
+        """Record the parameters' largest absolute element at ``step``; return their total norm (a device tensor)."""
         params = [p.detach() for p in params]
         if not params:
             return None
         slot = self._slot(step)
-        finite, total = _finite_and_norm(params)
-        self._ok[slot, _PARAMS].logical_and_(finite.to(self.device))
-        return total.to(self.device)
+        values = _max_abs_and_norm(params)
+        self._rows[slot, _PARAM_MAX].copy_(values[0])
+        self._written[slot].add(_PARAM_MAX)
+        return values[1]
 
     def read(self, steps: Sequence[int], extra: Optional[Tensor] = None) -> tuple[list[StepRecord], Optional[Tensor]]:
-        """Read the slots of ``steps`` (and an optional small ``extra`` tensor) in one host transfer."""
+        """Read the rows of ``steps`` (and an optional small ``extra`` tensor) in one host transfer."""
         if len(steps) > self.capacity:
             raise RuntimeError(f"cannot read {len(steps)} steps from a ring of {self.capacity}")
         slots = [self._slot(s) for s in steps]
         index = torch.tensor(slots, dtype=torch.long, device=self.device)
-        parts = [
-            self._ok.index_select(0, index).float().flatten(),
-            self._loss.index_select(0, index),
-            self._loss_valid.index_select(0, index).float(),
-            self._grad_sq.index_select(0, index).sqrt(),
-        ]
+        parts = [self._rows.index_select(0, index).flatten()]
         n_extra = 0
         if extra is not None:
             extra = extra.detach().float().flatten().to(self.device)
             n_extra = extra.numel()
             parts.append(extra)
         host = _read_to_host(torch.cat(parts)).tolist()
-        n = len(steps)
-        ok, loss, valid, gnorm = host[: 3 * n], host[3 * n : 4 * n], host[4 * n : 5 * n], host[5 * n : 6 * n]
-        records = [
-            StepRecord(
+        records = []
+        for i, (step, slot) in enumerate(zip(steps, slots)):
+            row, written = host[_COLUMNS * i : _COLUMNS * (i + 1)], self._written[slot]
+            loss = row[_LOSS] if _LOSS in written else None
+            records.append(StepRecord(
                 step=int(step),
-                loss_finite=bool(ok[3 * i + _LOSS]),
-                grads_finite=bool(ok[3 * i + _GRADS]),
-                params_finite=bool(ok[3 * i + _PARAMS]),
-                loss=float(loss[i]) if valid[i] else None,
-                grad_norm=float(gnorm[i]),
-            )
-            for i, step in enumerate(steps)
-        ]
-        extra_host = torch.tensor(host[6 * n :]) if n_extra else None
+                loss_finite=loss is None or math.isfinite(loss),
+                grads_finite=_GRAD_MAX not in written or math.isfinite(row[_GRAD_MAX]),
+                params_finite=_PARAM_MAX not in written or math.isfinite(row[_PARAM_MAX]),
+                loss=loss,
+                grad_norm=row[_GRAD_L2] if _GRAD_L2 in written else 0.0,
+            ))
+        extra_host = torch.tensor(host[_COLUMNS * len(steps) :]) if n_extra else None
         return records, extra_host

@@ -187,7 +187,7 @@ class NumericalHealthCallback(Callback):
         grad_norm = outputs.get("grad_norm") if isinstance(outputs, Mapping) else None
         if self._grad_checks_enabled and self._grads_recorded != step and isinstance(grad_norm, Tensor):
             assert self.flags is not None
-            self.flags.record_grads(step, [grad_norm.detach().reshape(1)])
+            self.flags.record_grad_norm(step, grad_norm)
 
     @override
     def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
