@@ -16,10 +16,8 @@ The issue's target: ``deepep_deterministic`` <= 1.5x ``pytorch_atomic``. Writes
 
     PYTHONPATH=$PWD python benchmarks/bench_refused_ops.py --out benchmarks/results/refused_ops
 
-``--compare-v1`` adds ``deepep_v1``, the previous CUDA kernels (``*_v1.cu``, selected per call by
-``DEEPEP_REFUSED_OPS_KERNEL=v1``), to the same round-robin, while ``deepep_deterministic`` runs v2;
-per shape it also checks v2 against v1 (relative max difference <= 1e-5), whether they are bitwise
-equal (informative: v2 interpolate sums in a different order) and that v2 repeats bitwise.
+Per shape it also checks that ``deepep_deterministic`` repeats bitwise (``repeat_bitwise``; the
+script exits non-zero when a shape does not).
 ``--profile`` writes ``DIR/refused_ops_profile.txt``: per shape and method, torch.profiler's
 kernel table (where the time goes: launches, sort, gather, fills, CPU overhead).
 
@@ -28,7 +26,6 @@ kernel table (where the time goes: launches, sort, gather, fills, CPU overhead).
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -55,8 +52,6 @@ INTERPOLATE_SHAPES = [
 ]
 QUICK_GRID = [(2, 3, 8, 8, 8, 8, 1.0)]
 QUICK_INTERPOLATE = [(2, 3, 8, 8, dict(scale_factor=2.0))]
-KERNEL_ENV = "DEEPEP_REFUSED_OPS_KERNEL"  # read by the C++ side on every call
-V2_VS_V1_RTOL = 1e-5
 
 
 class Timer:
@@ -78,22 +73,12 @@ class Timer:
         return (time.perf_counter() - begin) * 1e3
 
 
-def backward_call(output, leaves, grad_output, deterministic, use_v1=False):
-    """A closure running the backward of one retained forward graph, in the given mode; returns the grads.
-
-    ``use_v1`` sets ``DEEPEP_REFUSED_OPS_KERNEL=v1`` for the call (the C++ side reads it per call);
-    otherwise the variable stays unset, the default (v2) path exactly as users get it.
-    """
+def backward_call(output, leaves, grad_output, deterministic):
+    """A closure running the backward of one retained forward graph, in the given mode; returns the grads."""
 
     def run():
         torch.use_deterministic_algorithms(deterministic)
-        if not use_v1:
-            return torch.autograd.grad(output, leaves, grad_output, retain_graph=True)
-        os.environ[KERNEL_ENV] = "v1"
-        try:
-            return torch.autograd.grad(output, leaves, grad_output, retain_graph=True)
-        finally:
-            del os.environ[KERNEL_ENV]
+        return torch.autograd.grad(output, leaves, grad_output, retain_graph=True)
 
     return run
 
@@ -114,29 +99,13 @@ def measure(methods, timer, warmup, repeats):
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def check_v2_against_v1(methods):
-    """v2 vs v1 (relative max difference, bitwise equality) and v2 run twice, per gradient."""
-    v1, v2, v2_again = methods["deepep_v1"](), methods["deepep_deterministic"](), methods["deepep_deterministic"]()
-    relative = max(
-        ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-        for a, b in zip(v2, v1)
-    )
-    return {
-        "v2_vs_v1_max_rel_diff": relative,
-        "v2_matches_v1": relative <= V2_VS_V1_RTOL,
-        "v2_equals_v1_bitwise": all(torch.equal(a, b) for a, b in zip(v2, v1)),
-        "v2_bitwise_repeat": all(torch.equal(a, b) for a, b in zip(v2, v2_again)),
-    }
+def repeats_bitwise(methods):
+    """Whether deepep_deterministic run twice gives bitwise equal gradients."""
+    first, again = methods["deepep_deterministic"](), methods["deepep_deterministic"]()
+    return all(torch.equal(a, b) for a, b in zip(first, again))
 
 
-def deepep_methods(output, leaves, grad_output, compare_v1):
-    """deepep_deterministic (the default kernels, v2) and, with compare_v1, deepep_v1 on the same graph."""
-    methods = {"deepep_v1": backward_call(output, leaves, grad_output, True, use_v1=True)} if compare_v1 else {}
-    methods["deepep_deterministic"] = backward_call(output, leaves, grad_output, True)
-    return methods
-
-
-def grid_sample_methods(shape, device, compare_v1):
+def grid_sample_methods(shape, device):
     from deepep_lightning.ops import grid_sample
 
     n, c, h, w, ho, wo, half_width = shape
@@ -146,12 +115,12 @@ def grid_sample_methods(shape, device, compare_v1):
     ours = forward_graph(lambda: grid_sample(x, grid, align_corners=False), True)
     theirs = forward_graph(lambda: F.grid_sample(x, grid, align_corners=False), False)
     grad_output = torch.randn_like(ours)
-    methods = deepep_methods(ours, leaves, grad_output, compare_v1)
+    methods = {"deepep_deterministic": backward_call(ours, leaves, grad_output, True)}
     methods["pytorch_atomic"] = backward_call(theirs, leaves, grad_output, False)
     return methods
 
 
-def interpolate_methods(shape, device, compare_v1):
+def interpolate_methods(shape, device):
     from deepep_lightning.ops import interpolate
 
     n, c, h, w, kwargs = shape
@@ -159,7 +128,7 @@ def interpolate_methods(shape, device, compare_v1):
     kwargs = dict(kwargs, mode="bilinear", align_corners=False)
     ours = forward_graph(lambda: interpolate(x, **kwargs), True)
     grad_output = torch.randn_like(ours)
-    methods = deepep_methods(ours, (x,), grad_output, compare_v1)
+    methods = {"deepep_deterministic": backward_call(ours, (x,), grad_output, True)}
     methods["pytorch_atomic"] = backward_call(forward_graph(lambda: F.interpolate(x, **kwargs), False), (x,),
                                               grad_output, False)
     methods["pytorch_deterministic_decomposition"] = backward_call(
@@ -195,12 +164,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions (smoke run)")
     parser.add_argument("--repeats", type=int, default=25)
-    parser.add_argument("--compare-v1", action="store_true",
-                        help=f"also time the v1 kernels ({KERNEL_ENV}=v1) and check v2 against them")
     parser.add_argument("--profile", action="store_true", help="write refused_ops_profile.txt (torch.profiler)")
     args = parser.parse_args(argv)
-    if os.environ.get(KERNEL_ENV):
-        parser.error(f"unset {KERNEL_ENV} (={os.environ[KERNEL_ENV]!r}): the methods choose the kernel themselves")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU (use --device cpu --quick for a smoke run)")
     from deepep_lightning.ops import cuda_kernels_available, extension_available, extension_error
@@ -218,22 +183,14 @@ def main(argv=None):
     ):
         for shape in shapes:
             label = [s for s in shape if not isinstance(s, dict)] + [d for d in shape if isinstance(d, dict)]
-            methods = make_methods(shape, args.device, args.compare_v1)
-            checks = check_v2_against_v1(methods) if args.compare_v1 else {}
+            methods = make_methods(shape, args.device)
+            repeat_bitwise = repeats_bitwise(methods)
             times = measure(methods, timer, warmup, repeats)
             ratio = times["deepep_deterministic"] / times["pytorch_atomic"]
             row = {"op": op, "shape": label, "median_ms": times, "ratio_vs_atomic": ratio,
-                   "meets_1_5x_target": ratio <= 1.5}
-            if args.compare_v1:
-                row["ratio_v1_vs_atomic"] = times["deepep_v1"] / times["pytorch_atomic"]
-                row["speedup_v2_over_v1"] = times["deepep_v1"] / times["deepep_deterministic"]
-                row.update(checks)
+                   "meets_1_5x_target": ratio <= 1.5, "repeat_bitwise": repeat_bitwise}
             rows.append(row)
-            summary = f"  ratio={ratio:.2f}"
-            if args.compare_v1:
-                summary += (f" v1_ratio={row['ratio_v1_vs_atomic']:.2f}"
-                            f" v2/v1_rel_diff={checks['v2_vs_v1_max_rel_diff']:.1e}"
-                            f" v2_repeat_bitwise={checks['v2_bitwise_repeat']}")
+            summary = f"  ratio={ratio:.2f} repeat_bitwise={repeat_bitwise}"
             print(f"{op:22s} {str(label):60s} " + " ".join(f"{k}={v:.3f}ms" for k, v in times.items()) + summary,
                   flush=True)
             if args.profile:
@@ -243,24 +200,21 @@ def main(argv=None):
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "command": " ".join([sys.executable] + sys.argv),
-        "what": "backward only, median ms over round-robin repetitions after warm-up, float32, align_corners=False"
-        + ("; deepep_deterministic = v2 kernels, deepep_v1 = DEEPEP_REFUSED_OPS_KERNEL=v1" if args.compare_v1 else ""),
+        "what": "backward only, median ms over round-robin repetitions after warm-up, float32, align_corners=False",
         "warmup": warmup,
         "repeats": repeats,
         "wall_s": time.time() - started,
         "rows": rows,
+        "all_repeat_bitwise": all(row["repeat_bitwise"] for row in rows),
     }
-    if args.compare_v1:
-        report["all_v2_match_v1"] = all(row["v2_matches_v1"] for row in rows)
-        report["all_v2_bitwise_repeat"] = all(row["v2_bitwise_repeat"] for row in rows)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "refused_ops.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out / 'refused_ops.json'} in {report['wall_s']:.1f}s")
     if args.profile:
         (args.out / "refused_ops_profile.txt").write_text("\n\n".join(profiles) + "\n")
         print(f"wrote {args.out / 'refused_ops_profile.txt'}")
-    if args.compare_v1 and not (report["all_v2_match_v1"] and report["all_v2_bitwise_repeat"]):
-        sys.exit("v2 does not match v1 or does not repeat bitwise on some shape (see refused_ops.json)")
+    if not report["all_repeat_bitwise"]:
+        sys.exit("deepep_deterministic does not repeat bitwise on some shape (see refused_ops.json)")
 
 
 if __name__ == "__main__":

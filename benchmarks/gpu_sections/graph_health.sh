@@ -17,4 +17,4 @@ pack
 while pgrep -f "benchmarks/bench_ddp.py" > /dev/null; do sleep 2; done  # time nothing while bench_ddp runs
 run bench_health_overhead_graph 80 python3 benchmarks/bench_health_overhead.py --out "$R/health_graph" \
   --num-envs 256 --rollout-length 32 --hidden-size 256 --fused-value-head --cuda-graph --steps 100 --warmup 10
-run bench_refused_ops 40 python3 benchmarks/bench_refused_ops.py --out "$R" --compare-v1
+run bench_refused_ops 40 python3 benchmarks/bench_refused_ops.py --out "$R"

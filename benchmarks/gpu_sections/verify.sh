@@ -22,7 +22,7 @@ for round in 1 2; do
 done
 run train_py_gpu_yaml 90 python3 train.py fit --config configs/gpu.yaml --trainer.max_steps=300 \
   --trainer.logger.init_args.save_dir=/tmp/runs
-run bench_refused_ops 120 python3 benchmarks/bench_refused_ops.py --out "$R" --compare-v1
+run bench_refused_ops 120 python3 benchmarks/bench_refused_ops.py --out "$R"
 # Why the cuBLAS variable costs on the eager path: per-GEMM host time with/without it, toggled in-process.
 run bench_determinism_tax 150 python3 benchmarks/bench_determinism_tax.py --out "$R/determinism_tax" --fused \
   --T 16 --rounds 3 --steps 3 --children plain,env4096,primed

@@ -1,4 +1,4 @@
-// Deterministic CUDA backward of bilinear 2-D grid_sample (forward: PyTorch's own kernel), v2.
+// Deterministic CUDA backward of bilinear 2-D grid_sample (forward: PyTorch's own kernel).
 //
 // PyTorch's grid_sampler_2d_backward scatters weight * grad_output into grad_input with float
 // atomicAdd, so the summation order (and the last bits) change from run to run; under
@@ -29,20 +29,22 @@
 // alone: the chunks start at the segment's own start, not at positions in the batch's sorted array,
 // so another batch around a sample does not move them. Threads, blocks, the channel grouping and
 // the load unrolling change who computes a sum and when its loads are issued, never the order of
-// its additions. Segments shorter than K (the usual case) are summed exactly in v1's order
-// (grid_sample_backward_v1.cu); longer ones are grouped by chunks, so v2 matches v1 to rounding only.
+// its additions. Segments shorter than K (the usual case) are summed term by term in sorted order;
+// longer ones are grouped by chunks (step 4), which rounds differently from a term-by-term sum
+// but is just as fixed.
 //
-// What v2 changes against v1, for speed (v1: 0.28-0.50 ms against PyTorch's 0.16-0.34 ms on an
-// H200 for benchmarks/bench_refused_ops.py):
+// For speed (an earlier version without these measures took 0.28-0.50 ms against PyTorch's
+// 0.16-0.34 ms on an H200 for benchmarks/bench_refused_ops.py):
 //   - outputs and scratch come from at::detail::empty_cuda: at::empty runs a NaN-fill kernel over
 //     every new tensor while torch.use_deterministic_algorithms(True) is on (PyTorch's
-//     fill_uninitialized_memory), v1 paid 7 of them a call; every byte here is written before it
-//     is read. One scratch allocation instead of six;
-//   - no separate permute copy of grad_output (one launch and 2 x |grad_output| of traffic less);
-//   - the gather reads the segment bounds, point ids and weights once per 8 channels instead of
-//     once per channel (C x fewer threads for C <= 8), a point's 8 values are one 32-byte read,
-//     and 4 points' loads are in flight together, so long segments (heavy overlap) cost a quarter
-//     of the dependent-load latency;
+//     fill_uninitialized_memory), 7 fills a call with at::empty; every byte here is written before
+//     it is read. All scratch buffers share one allocation;
+//   - grad_output's NHWC rows are written by the point kernel, which reads those channels anyway:
+//     no separate permute copy (one launch and 2 x |grad_output| of traffic saved);
+//   - the gather reads the segment bounds, point ids and weights once per group of up to 8
+//     channels, not once per channel (C x fewer threads for C <= 8), a point's 8 values are one
+//     32-byte read, and 4 points' loads are in flight together, so long segments (heavy overlap)
+//     cost a quarter of the dependent-load latency;
 //   - the sort runs on a cub::DoubleBuffer: no extra key/value copies in its temp storage;
 //   - long segments (heavy overlap: a grid that samples a small region, ~1600 points per cell) are
 //     pre-summed in chunks of K by many threads (step 4), so a pixel's thread adds L / K + L % K
@@ -75,13 +77,6 @@ namespace deepep {
 void check_grid_sample_args(const at::Tensor& input, const at::Tensor& grid, int64_t padding_mode);
 at::Tensor grid_sample_bilinear2d_forward(const at::Tensor& input, const at::Tensor& grid,
                                           int64_t padding_mode, bool align_corners);
-// Defined in refused_ops_kernel_version.cu.
-int refused_ops_kernel_version();
-namespace v1 {  // grid_sample_backward_v1.cu
-std::tuple<at::Tensor, at::Tensor> grid_sample_bilinear2d_backward_cuda(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& grid,
-    int64_t padding_mode, bool align_corners, bool input_requires_grad);
-}  // namespace v1
 
 namespace {
 
@@ -473,10 +468,6 @@ void launch_backward(const at::Tensor& grad_output, const at::Tensor& input, con
 std::tuple<at::Tensor, at::Tensor> grid_sample_bilinear2d_backward_cuda(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& grid,
     int64_t padding_mode, bool align_corners, bool input_requires_grad) {
-  if (refused_ops_kernel_version() == 1) {
-    return v1::grid_sample_bilinear2d_backward_cuda(grad_output, input, grid, padding_mode, align_corners,
-                                                    input_requires_grad);
-  }
   check_grid_sample_args(input, grid, padding_mode);
   TORCH_CHECK(input.is_cuda(), "grid_sample_bilinear2d_backward: input must be a CUDA tensor, got ",
               input.device());

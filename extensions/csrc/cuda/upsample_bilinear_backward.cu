@@ -1,5 +1,5 @@
 // Deterministic CUDA backward of bilinear upsampling (F.interpolate(mode="bilinear"), 4-D input,
-// antialias=False), v2; the forward is PyTorch's own kernel.
+// antialias=False); the forward is PyTorch's own kernel.
 //
 // PyTorch's upsample_bilinear2d_backward scatters every grad_output element into its 4 source
 // pixels with float atomicAdd (nondeterministic order; refused under
@@ -25,14 +25,15 @@
 // Sums are in accscalar_t (float for float/half/bfloat16, double for double): every sum has the
 // few taps of one axis (2-3 for scale <= 1.5x, ~2s for scale s), not the s^2 of a 2-D window.
 //
-// What v2 changes against v1 (upsample_bilinear_backward_v1.cu; 0.39-0.88 ms against PyTorch's
-// 0.20-0.65 ms on an H200 for benchmarks/bench_refused_ops.py):
-//   - 1 launch instead of 5 (v1: 4 index-table kernels, then the gather); the indices are computed
-//     where they are used, segment starts once per block into shared memory;
-//   - grad_output is read once, coalesced (v1: every grad_input element re-read its whole 2-D
-//     window from L1/L2, 64-bit index arithmetic per element, double adds);
+// For speed (an earlier version, 4 index-table kernels and then one thread per grad_input element
+// summing its whole 2-D window, took 0.39-0.88 ms against PyTorch's 0.20-0.65 ms on an H200 for
+// benchmarks/bench_refused_ops.py):
+//   - 1 launch, not 5: the indices are computed where they are used, segment starts once per block
+//     into shared memory;
+//   - grad_output is read once, coalesced (the earlier version re-read each grad_input element's
+//     whole 2-D window from L1/L2, with 64-bit index arithmetic and double adds per element);
 //   - grad_input from at::detail::empty_cuda: at::empty's deterministic-mode NaN fill would write
-//     it once more (v1: 4 fills a call); every element is written by the kernel.
+//     it once more; every element is written by the kernel.
 // All work is on the current stream, nothing synchronises.
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
@@ -54,13 +55,6 @@ void check_upsample_args(const at::Tensor& grad_output, at::IntArrayRef input_si
 at::Tensor upsample_bilinear2d_forward(const at::Tensor& input, at::IntArrayRef output_size,
                                        bool align_corners, std::optional<double> scale_h,
                                        std::optional<double> scale_w);
-// Defined in refused_ops_kernel_version.cu.
-int refused_ops_kernel_version();
-namespace v1 {  // upsample_bilinear_backward_v1.cu
-at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_output, at::IntArrayRef input_size,
-                                             bool align_corners, std::optional<double> scale_h,
-                                             std::optional<double> scale_w);
-}  // namespace v1
 
 namespace {
 
@@ -88,7 +82,8 @@ struct AxisMap {
     return truncated < in_size - 1 ? truncated : in_size - 1;
   }
 
-  // Weight with which output o reads source i (0 when it does not), formed as v1 formed it.
+  // Weight with which output o reads source i (0 when it does not): 1 - lambda for i0, lambda for
+  // i0 + p, both when they coincide (the last row/column).
   __device__ __forceinline__ accscalar_t weight(int o, int i) const {
     const accscalar_t real = source(o);
     const int truncated = static_cast<int>(real);
@@ -190,9 +185,6 @@ __global__ void __launch_bounds__(kTileWidth * kWarps) upsample_bilinear_backwar
 at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_output, at::IntArrayRef input_size,
                                              bool align_corners, std::optional<double> scale_h,
                                              std::optional<double> scale_w) {
-  if (refused_ops_kernel_version() == 1) {
-    return v1::upsample_bilinear2d_backward_cuda(grad_output, input_size, align_corners, scale_h, scale_w);
-  }
   check_upsample_args(grad_output, input_size);
   TORCH_CHECK(grad_output.is_cuda(), "upsample_bilinear2d_backward: grad_output must be a CUDA tensor, got ",
               grad_output.device());
