@@ -1,8 +1,10 @@
 """Benchmark the deterministic grid_sample / bilinear interpolate backward against PyTorch's.
 
 Side by side in one process, per shape, the backward pass only (``torch.autograd.grad`` of a
-retained graph w.r.t. input and grid), median of CUDA-event-timed repetitions after warm-up,
-interleaved round-robin so drift hits every method alike:
+retained graph w.r.t. input and grid): the median over repetitions, after warm-up, of the wall time
+per call of a burst of ``--burst`` back-to-back calls between CUDA events (the steady-state cost in a
+training loop, see :class:`Timer`), interleaved round-robin so drift hits every method alike, with the
+host time per call beside it:
 
 * ``deepep_deterministic``: ``deepep_lightning.ops.grid_sample`` / ``.interpolate`` (sort +
   segmented gather / windowed gather kernels, bitwise reproducible);
@@ -19,7 +21,8 @@ The issue's target: ``deepep_deterministic`` <= 1.5x ``pytorch_atomic``. Writes
 Per shape it also checks that ``deepep_deterministic`` repeats bitwise (``repeat_bitwise``; the
 script exits non-zero when a shape does not).
 ``--profile`` writes ``DIR/refused_ops_profile.txt``: per shape and method, torch.profiler's
-kernel table (where the time goes: launches, sort, gather, fills, CPU overhead).
+kernel table (where the time goes: launches, sort, gather, fills, CPU overhead), and adds each
+method's GPU kernel time per call to the JSON (``kernel_ms``, ``kernel_ratio_vs_atomic``).
 
 ``--device cpu --quick`` is a smoke run of this script without a GPU.
 """
@@ -55,22 +58,31 @@ QUICK_INTERPOLATE = [(2, 3, 8, 8, dict(scale_factor=2.0))]
 
 
 class Timer:
-    """Milliseconds of one call: CUDA events on a GPU, perf_counter on CPU."""
+    """Milliseconds per call of a burst of ``burst`` back-to-back calls: (wall between CUDA events, host).
 
-    def __init__(self, device):
-        self.cuda = device == "cuda"
+    One call alone would time the host's dispatch plus the kernels run after it (the GPU idles while
+    the host launches). A burst keeps the GPU queue full, so the wall time per call is the steady-state
+    cost a training loop pays: the kernels' time when they take longer than the dispatch, the dispatch
+    when it does. The host time per call (``perf_counter`` around the launches, before the sync) says
+    which. On CPU both are ``perf_counter``.
+    """
+
+    def __init__(self, device, burst):
+        self.cuda, self.burst = device == "cuda", burst
 
     def __call__(self, fn):
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
         begin = time.perf_counter()
-        fn()
-        return (time.perf_counter() - begin) * 1e3
+        for _ in range(self.burst):
+            fn()
+        host = (time.perf_counter() - begin) * 1e3 / self.burst
+        if not self.cuda:
+            return host, host
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / self.burst, host
 
 
 def backward_call(output, leaves, grad_output, deterministic):
@@ -89,6 +101,7 @@ def forward_graph(forward, deterministic):
 
 
 def measure(methods, timer, warmup, repeats):
+    """Per method: (median wall ms per call, median host ms per call), round-robin over ``repeats`` bursts."""
     for run in methods.values():
         for _ in range(warmup):
             run()
@@ -96,7 +109,8 @@ def measure(methods, timer, warmup, repeats):
     for _ in range(repeats):
         for name, run in methods.items():  # round-robin
             samples[name].append(timer(run))
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return {name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+            for name, values in samples.items()}
 
 
 def repeats_bitwise(methods):
@@ -138,12 +152,14 @@ def interpolate_methods(shape, device):
 
 
 def profile_table(methods, label, device, iterations=5):
-    """torch.profiler's kernel table of each method, ``iterations`` calls after one warm-up."""
+    """torch.profiler's kernel table of each method, ``iterations`` calls after one warm-up, and the
+    methods' GPU kernel time per call (ms; the sum of the CUDA kernels' own times, no launch gaps)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sort_by = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    sections = []
+    sections, kernel_ms = [], {}
     for name, run in methods.items():
         if name == "pytorch_deterministic_decomposition":
             continue  # hundreds of small kernels, known to be 10-50x slower
@@ -153,9 +169,12 @@ def profile_table(methods, label, device, iterations=5):
                 run()
             if device == "cuda":
                 torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by=sort_by, row_limit=14, max_name_column_width=70)
+        averages = prof.key_averages()
+        kernel_ms[name] = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) \
+            / iterations / 1e3
+        table = averages.table(sort_by=sort_by, row_limit=14, max_name_column_width=70)
         sections.append(f"##### {label} {name} ({iterations} calls)\n{table}")
-    return "\n".join(sections)
+    return "\n".join(sections), kernel_ms
 
 
 def main(argv=None):
@@ -164,7 +183,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions (smoke run)")
     parser.add_argument("--repeats", type=int, default=25)
-    parser.add_argument("--profile", action="store_true", help="write refused_ops_profile.txt (torch.profiler)")
+    parser.add_argument("--burst", type=int, default=20, help="back-to-back calls per timed sample")
+    parser.add_argument("--profile", action="store_true",
+                        help="write refused_ops_profile.txt (torch.profiler) and add each method's GPU kernel ms")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU (use --device cpu --quick for a smoke run)")
@@ -172,7 +193,7 @@ def main(argv=None):
 
     if not extension_available() or (args.device == "cuda" and not cuda_kernels_available()):
         parser.error(f"the deepep kernels are not available: {extension_error()}")
-    timer = Timer(args.device)
+    timer = Timer(args.device, 1 if args.quick else args.burst)
     warmup, repeats = (1, 3) if args.quick else (5, args.repeats)
     started = time.time()
     rows = []
@@ -185,22 +206,34 @@ def main(argv=None):
             label = [s for s in shape if not isinstance(s, dict)] + [d for d in shape if isinstance(d, dict)]
             methods = make_methods(shape, args.device)
             repeat_bitwise = repeats_bitwise(methods)
-            times = measure(methods, timer, warmup, repeats)
+            measured = measure(methods, timer, warmup, repeats)
+            times = {name: wall for name, (wall, _) in measured.items()}
             ratio = times["deepep_deterministic"] / times["pytorch_atomic"]
-            row = {"op": op, "shape": label, "median_ms": times, "ratio_vs_atomic": ratio,
-                   "meets_1_5x_target": ratio <= 1.5, "repeat_bitwise": repeat_bitwise}
+            row = {"op": op, "shape": label, "median_ms": times,
+                   "host_ms": {name: host for name, (_, host) in measured.items()},
+                   "ratio_vs_atomic": ratio, "meets_1_5x_target": ratio <= 1.5, "repeat_bitwise": repeat_bitwise}
+            if args.profile:
+                table, kernel_ms = profile_table(methods, f"{op} {label}", args.device)
+                profiles.append(table)
+                row["kernel_ms"] = kernel_ms
+                row["kernel_ratio_vs_atomic"] = kernel_ms["deepep_deterministic"] / kernel_ms["pytorch_atomic"] \
+                    if kernel_ms["pytorch_atomic"] > 0 else None
             rows.append(row)
             summary = f"  ratio={ratio:.2f} repeat_bitwise={repeat_bitwise}"
-            print(f"{op:22s} {str(label):60s} " + " ".join(f"{k}={v:.3f}ms" for k, v in times.items()) + summary,
+            if row.get("kernel_ratio_vs_atomic") is not None:
+                summary += f" kernel_ratio={row['kernel_ratio_vs_atomic']:.2f}"
+            print(f"{op:22s} {str(label):60s} "
+                  + " ".join(f"{k}={v:.3f}ms(host {row['host_ms'][k]:.3f})" for k, v in times.items()) + summary,
                   flush=True)
-            if args.profile:
-                profiles.append(profile_table(methods, f"{op} {label}", args.device))
     torch.use_deterministic_algorithms(False)
     report = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "command": " ".join([sys.executable] + sys.argv),
-        "what": "backward only, median ms over round-robin repetitions after warm-up, float32, align_corners=False",
+        "what": "backward only, float32, align_corners=False; median_ms: wall ms per call over bursts of back-to-back"
+                " calls (round-robin, after warm-up); host_ms: host ms per call; kernel_ms (--profile): GPU kernel"
+                " ms per call",
+        "burst": timer.burst,
         "warmup": warmup,
         "repeats": repeats,
         "wall_s": time.time() - started,
