@@ -178,10 +178,15 @@ def on_extension_loaded(hook: Callable[[], None]) -> None:
 
 
 def register_op_python_side(
-    op: str, fake_forward: Callable, fake_backward: Callable, backward: Callable, setup_context: Callable
+    op: str,
+    fake_forward: Callable,
+    fake_backward: Callable,
+    backward: Optional[Callable] = None,
+    setup_context: Optional[Callable] = None,
 ) -> None:
     """Once the library is loaded: ``register_fake`` for ``deepep::<op>`` and ``deepep::<op>_backward``,
-    and ``register_autograd`` for ``deepep::<op>`` (exactly once)."""
+    and, when ``backward`` is given, ``register_autograd`` for ``deepep::<op>`` (exactly once). Ops whose
+    autograd is registered in C++ (``refused_ops.cpp``) pass no ``backward``."""
     registered = False
 
     def register() -> None:
@@ -190,7 +195,8 @@ def register_op_python_side(
             return
         torch.library.register_fake(f"deepep::{op}")(fake_forward)
         torch.library.register_fake(f"deepep::{op}_backward")(fake_backward)
-        torch.library.register_autograd(f"deepep::{op}", backward, setup_context=setup_context)
+        if backward is not None:
+            torch.library.register_autograd(f"deepep::{op}", backward, setup_context=setup_context)
         registered = True
 
     on_extension_loaded(register)

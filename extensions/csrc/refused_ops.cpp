@@ -12,8 +12,16 @@
 // they replace PyTorch's float atomicAdd scatter by a fixed-order gather.
 //
 // grid_sample_bilinear2d_backward returns a 0-element grad_input when input_requires_grad is
-// false (the Python layer turns it into None): a schema output cannot be undefined.
+// false (the autograd kernel turns it into an undefined gradient): a schema output cannot be undefined.
+//
+// Autograd is registered here, in C++ (torch::autograd::Function at the Autograd key), not with
+// torch.library.register_autograd from Python: the backward then runs without the Python layer,
+// which cost ~40-60 us of host time per call on the H200 machine, more than the upsample kernel
+// itself on small shapes (benchmarks/results/h200_session3_refused_bench/). The fake (meta)
+// kernels stay in Python (deepep_lightning/ops/grid_sample.py, interpolate.py).
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -90,7 +98,106 @@ at::Tensor upsample_bilinear2d_backward_cpu(const at::Tensor& grad_output, at::I
                                           align_corners, scale_h, scale_w);
 }
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The ops' device kernels, called from below the Autograd key.
+at::Tensor call_grid_sample(const at::Tensor& input, const at::Tensor& grid, int64_t padding_mode,
+                            bool align_corners) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deepep::grid_sample_bilinear2d", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool)>();
+  return op.call(input, grid, padding_mode, align_corners);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_grid_sample_backward(const at::Tensor& grad_output, const at::Tensor& input,
+                                                             const at::Tensor& grid, int64_t padding_mode,
+                                                             bool align_corners, bool input_requires_grad) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("deepep::grid_sample_bilinear2d_backward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                    bool, bool)>();
+  return op.call(grad_output, input, grid, padding_mode, align_corners, input_requires_grad);
+}
+
+at::Tensor call_upsample(const at::Tensor& input, at::IntArrayRef output_size, bool align_corners,
+                         std::optional<double> scale_h, std::optional<double> scale_w) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deepep::upsample_bilinear2d", "")
+                             .typed<at::Tensor(const at::Tensor&, at::IntArrayRef, bool, std::optional<double>,
+                                               std::optional<double>)>();
+  return op.call(input, output_size, align_corners, scale_h, scale_w);
+}
+
+at::Tensor call_upsample_backward(const at::Tensor& grad_output, at::IntArrayRef input_size, bool align_corners,
+                                  std::optional<double> scale_h, std::optional<double> scale_w) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deepep::upsample_bilinear2d_backward", "")
+                             .typed<at::Tensor(const at::Tensor&, at::IntArrayRef, bool, std::optional<double>,
+                                               std::optional<double>)>();
+  return op.call(grad_output, input_size, align_corners, scale_h, scale_w);
+}
+
+std::optional<double> optional_double(const c10::IValue& value) {
+  return value.isNone() ? std::nullopt : std::optional<double>(value.toDouble());
+}
+
 }  // namespace
+
+// Outside the anonymous namespace so that grad_fn.name() reads "...CppNode<deepep::GridSampleBilinear2d>".
+class GridSampleBilinear2d : public torch::autograd::Function<GridSampleBilinear2d> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& grid,
+                            int64_t padding_mode, bool align_corners) {
+    ctx->saved_data["padding_mode"] = padding_mode;
+    ctx->saved_data["align_corners"] = align_corners;
+    ctx->save_for_backward({input, grid});
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_grid_sample(input, grid, padding_mode, align_corners);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const variable_list saved = ctx->get_saved_variables();
+    const bool input_requires_grad = ctx->needs_input_grad(0), grid_requires_grad = ctx->needs_input_grad(1);
+    auto [grad_input, grad_grid] = call_grid_sample_backward(
+        grad_outputs[0], saved[0], saved[1], ctx->saved_data["padding_mode"].toInt(),
+        ctx->saved_data["align_corners"].toBool(), input_requires_grad);
+    return {input_requires_grad ? grad_input : at::Tensor(), grid_requires_grad ? grad_grid : at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+
+class UpsampleBilinear2d : public torch::autograd::Function<UpsampleBilinear2d> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, at::IntArrayRef output_size,
+                            bool align_corners, std::optional<double> scale_h, std::optional<double> scale_w) {
+    ctx->saved_data["input_size"] = input.sizes().vec();
+    ctx->saved_data["align_corners"] = align_corners;
+    ctx->saved_data["scale_h"] = scale_h;
+    ctx->saved_data["scale_w"] = scale_w;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_upsample(input, output_size, align_corners, scale_h, scale_w);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const std::vector<int64_t> input_size = ctx->saved_data["input_size"].toIntVector();
+    at::Tensor grad_input = call_upsample_backward(
+        grad_outputs[0], input_size, ctx->saved_data["align_corners"].toBool(),
+        optional_double(ctx->saved_data["scale_h"]), optional_double(ctx->saved_data["scale_w"]));
+    return {grad_input, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor grid_sample_bilinear2d_autograd(const at::Tensor& input, const at::Tensor& grid, int64_t padding_mode,
+                                           bool align_corners) {
+  return GridSampleBilinear2d::apply(input, grid, padding_mode, align_corners);
+}
+
+at::Tensor upsample_bilinear2d_autograd(const at::Tensor& input, at::IntArrayRef output_size, bool align_corners,
+                                        std::optional<double> scale_h, std::optional<double> scale_w) {
+  return UpsampleBilinear2d::apply(input, output_size, align_corners, scale_h, scale_w);
+}
 
 TORCH_LIBRARY_FRAGMENT(deepep, m) {
   m.def("grid_sample_bilinear2d(Tensor input, Tensor grid, int padding_mode, bool align_corners) -> Tensor");
@@ -110,6 +217,11 @@ TORCH_LIBRARY_IMPL(deepep, CPU, m) {
   m.impl("grid_sample_bilinear2d_backward", &grid_sample_bilinear2d_backward_cpu);
   m.impl("upsample_bilinear2d", &upsample_bilinear2d_forward);
   m.impl("upsample_bilinear2d_backward", &upsample_bilinear2d_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(deepep, Autograd, m) {
+  m.impl("grid_sample_bilinear2d", &grid_sample_bilinear2d_autograd);
+  m.impl("upsample_bilinear2d", &upsample_bilinear2d_autograd);
 }
 
 }  // namespace deepep

@@ -11,7 +11,7 @@
 // source i are one contiguous range [start(i - 1), start(i + 1)), start(i) = the first o with
 // i0(o) >= i (a binary search over PyTorch's formula).
 //
-// One kernel, one block per (plane, 32 x 32 tile of grad_input), 32 x 8 threads:
+// One kernel, one block per (group of 1-8 planes, 32 x 32 tile of grad_input), 32 x 8 threads; per plane:
 //   1. column pass: for every output row oh the tile reads (its window), lane x sums its output
 //      columns, column_sum(oh, x) = sum over ow in [start_w(x - 1), start_w(x + 1)) of
 //      A_w(ow, x) * grad_output(oh, ow), in increasing ow, into shared memory (coalesced along W);
@@ -45,6 +45,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <climits>
 #include <optional>
 
@@ -111,15 +112,16 @@ struct AxisMap {
 
 template <typename scalar_t, typename accscalar_t>
 __global__ void __launch_bounds__(kTileWidth * kWarps) upsample_bilinear_backward_kernel(
-    const int tiles_x, const int tiles_per_plane, const AxisMap<accscalar_t> rows, const AxisMap<accscalar_t> columns,
+    const int tiles_x, const int tiles_per_plane, const int64_t planes, const int planes_per_block,
+    const AxisMap<accscalar_t> rows, const AxisMap<accscalar_t> columns,
     const scalar_t* __restrict__ grad_output,  // [N * C, H_out, W_out]
     scalar_t* __restrict__ grad_input) {       // [N * C, H_in, W_in]
   __shared__ accscalar_t column_sums[kChunkRows][kTileWidth];  // [output row - chunk begin, tile column]
   __shared__ int row_start[kTileHeight + 2];                   // start_h(y0 - 1 + k)
   __shared__ int column_start[kTileWidth + 2];                 // start_w(x0 - 1 + k)
   const int lane = threadIdx.x, warp = threadIdx.y;
-  const int64_t plane = blockIdx.x / tiles_per_plane;
-  const int tile = static_cast<int>(blockIdx.x - plane * tiles_per_plane);
+  const int64_t plane_group = blockIdx.x / tiles_per_plane;
+  const int tile = static_cast<int>(blockIdx.x - plane_group * tiles_per_plane);
   const int y0 = (tile / tiles_x) * kTileHeight;
   const int x0 = (tile % tiles_x) * kTileWidth;
   const int in_h = rows.in_size, in_w = columns.in_size;
@@ -137,48 +139,55 @@ __global__ void __launch_bounds__(kTileWidth * kWarps) upsample_bilinear_backwar
   const int x = x0 + lane;
   const bool column_inside = x < in_w;
   const int column_begin = column_start[lane], column_end = column_start[lane + 2];
-  const scalar_t* grad_plane = grad_output + plane * out_h * out_w;
   int row_begin[kRowsPerThread], row_end[kRowsPerThread];
-  accscalar_t acc[kRowsPerThread];
 #pragma unroll
   for (int r = 0; r < kRowsPerThread; ++r) {
     const int t = warp + kWarps * r;  // this thread's input rows: y0 + t (none past the last row)
     row_begin[r] = row_start[t];
     row_end[r] = y0 + t < in_h ? row_start[t + 2] : row_start[t];
-    acc[r] = 0;
   }
   // Output rows read by the tile: [start_h(y0 - 1), start_h(y0 + kTileHeight)).
   const int window_end = row_start[kTileHeight + 1];
-  for (int chunk_begin = row_start[0]; chunk_begin < window_end; chunk_begin += kChunkRows) {
-    const int chunk_end = min(chunk_begin + kChunkRows, window_end);
-    if (column_inside) {
-      for (int oh = chunk_begin + warp; oh < chunk_end; oh += kWarps) {
-        const scalar_t* grad_row = grad_plane + static_cast<int64_t>(oh) * out_w;
-        accscalar_t sum = 0;
-        for (int ow = column_begin; ow < column_end; ++ow) {
-          sum += columns.weight(ow, x) * static_cast<accscalar_t>(grad_row[ow]);
+  // The segment starts depend on the tile only: one block does the same tile of several planes.
+  const int64_t group_end = (plane_group + 1) * planes_per_block;
+  const int64_t plane_end = group_end < planes ? group_end : planes;
+  for (int64_t plane = plane_group * planes_per_block; plane < plane_end; ++plane) {
+    const scalar_t* grad_plane = grad_output + plane * out_h * out_w;
+    accscalar_t acc[kRowsPerThread];
+#pragma unroll
+    for (int r = 0; r < kRowsPerThread; ++r) acc[r] = 0;
+    for (int chunk_begin = row_start[0]; chunk_begin < window_end; chunk_begin += kChunkRows) {
+      const int chunk_end = min(chunk_begin + kChunkRows, window_end);
+      if (column_inside) {
+        for (int oh = chunk_begin + warp; oh < chunk_end; oh += kWarps) {
+          const scalar_t* grad_row = grad_plane + static_cast<int64_t>(oh) * out_w;
+          accscalar_t sum = 0;
+          for (int ow = column_begin; ow < column_end; ++ow) {
+            sum += columns.weight(ow, x) * static_cast<accscalar_t>(grad_row[ow]);
+          }
+          column_sums[oh - chunk_begin][lane] = sum;
         }
-        column_sums[oh - chunk_begin][lane] = sum;
       }
+      __syncthreads();
+      if (column_inside) {
+#pragma unroll
+        for (int r = 0; r < kRowsPerThread; ++r) {
+          const int y = y0 + warp + kWarps * r;
+          const int begin = max(row_begin[r], chunk_begin), end = min(row_end[r], chunk_end);
+          for (int oh = begin; oh < end; ++oh) {
+            acc[r] += rows.weight(oh, y) * column_sums[oh - chunk_begin][lane];
+          }
+        }
+      }
+      __syncthreads();  // before the next chunk (or plane) overwrites column_sums
     }
-    __syncthreads();
     if (column_inside) {
 #pragma unroll
       for (int r = 0; r < kRowsPerThread; ++r) {
         const int y = y0 + warp + kWarps * r;
-        const int begin = max(row_begin[r], chunk_begin), end = min(row_end[r], chunk_end);
-        for (int oh = begin; oh < end; ++oh) {
-          acc[r] += rows.weight(oh, y) * column_sums[oh - chunk_begin][lane];
-        }
+        if (y < in_h) grad_input[(plane * in_h + y) * in_w + x] = static_cast<scalar_t>(acc[r]);
       }
     }
-    __syncthreads();  // before the next chunk overwrites column_sums
-  }
-  if (!column_inside) return;
-#pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) {
-    const int y = y0 + warp + kWarps * r;
-    if (y < in_h) grad_input[(plane * in_h + y) * in_w + x] = static_cast<scalar_t>(acc[r]);
   }
 }
 
@@ -209,6 +218,14 @@ at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_output, at::
               "upsample_bilinear2d_backward: at most 2^31 - 1 tiles of ", kTileHeight, " x ", kTileWidth,
               " input pixels, got input_size ", input_size);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // Several planes per block when there are blocks to spare (small planes, e.g. downsampling): the
+  // segment starts (binary searches) and block set-up are paid once per tile instead of per plane.
+  // Keep at least ~2 full waves of blocks; at most 8 planes per block.
+  const int64_t wave = static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->multiProcessorCount) *
+                       (2048 / (kTileWidth * kWarps));
+  const int planes_per_block =
+      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(8, planes * tiles_per_plane / (2 * wave))));
+  const int64_t plane_groups = (planes + planes_per_block - 1) / planes_per_block;
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_c.scalar_type(), "upsample_bilinear2d_backward_cuda", [&] {
     using accscalar_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
@@ -221,8 +238,8 @@ at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_output, at::
                                                           align_corners, scale_w),
         static_cast<int>(in_w), static_cast<int>(out_w), align_corners};
     upsample_bilinear_backward_kernel<scalar_t, accscalar_t>
-        <<<static_cast<unsigned int>(planes * tiles_per_plane), dim3(kTileWidth, kWarps), 0, stream>>>(
-            static_cast<int>(tiles_x), static_cast<int>(tiles_per_plane), rows, columns,
+        <<<static_cast<unsigned int>(plane_groups * tiles_per_plane), dim3(kTileWidth, kWarps), 0, stream>>>(
+            static_cast<int>(tiles_x), static_cast<int>(tiles_per_plane), planes, planes_per_block, rows, columns,
             grad_c.data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
