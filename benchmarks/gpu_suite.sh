@@ -3,7 +3,7 @@
 # under /tmp/r and packed into $OUT/results.tar.gz after every run (only a few files come back from the
 # device machine, and a run killed at the time limit must still return what finished).
 # Sections: setup foundation ops sanitize learning determinism health audit refused ddp ddp_ablation verify
-# graph_checks graph_health health_bench ddp_test refused_bench refused_verify
+# graph_checks graph_health health_bench ddp_test refused_bench refused_verify refused_tests
 set -u
 OUT=${OUT:-/tmp/out}
 R=/tmp/r
