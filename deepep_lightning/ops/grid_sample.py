@@ -50,6 +50,11 @@ def grid_sample_unsupported_reason(
         return f"only 4-D input/grid are covered, got {input.dim()}-D input and {grid.dim()}-D grid"
     if input.dtype not in _DTYPES or grid.dtype != input.dtype:
         return f"dtype {input.dtype} (grid {grid.dtype}) is not covered, only one of {list(_DTYPES)}"
+    if grid.shape[3] != 2 or grid.shape[0] != input.shape[0] or input.shape[2] == 0 or input.shape[3] == 0:
+        # PyTorch raises its own error for these; an exception from inside the compiled op crashed
+        # torch 2.11 on the GPU machine (BENCHMARKS.md, "Known problem"), so they never reach it.
+        return (f"grid of shape {tuple(grid.shape)} is not [N, H_out, W_out, 2] for input of shape "
+                f"{tuple(input.shape)} with non-empty H_in, W_in")
     if input.device != grid.device:
         return "input and grid are on different devices"
     if input.device.type not in ("cpu", "cuda"):

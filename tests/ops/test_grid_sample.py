@@ -113,8 +113,14 @@ def test_bad_arguments_raise_pytorch_errors():
         grid_sample(x, grid, mode="area", align_corners=False)
     with pytest.raises(RuntimeError):  # mixed dtypes: PyTorch's own check
         grid_sample(x, grid.float(), align_corners=False)
-    with pytest.raises(RuntimeError, match="grid"):  # batch mismatch, from our kernel's check
+    # Shape errors are PyTorch's own, raised before the compiled op (an exception from inside it
+    # crashed torch 2.11 on the GPU machine, BENCHMARKS.md "Known problem").
+    with pytest.raises(RuntimeError, match="grid_sampler.*same batch size"):
         grid_sample(x, grid[:1], align_corners=False)
+    with pytest.raises(RuntimeError, match="grid_sampler.*size 2 in last dimension"):
+        grid_sample(x, torch.cat([grid, grid[..., :1]], dim=-1), align_corners=False)
+    with pytest.raises(RuntimeError, match="grid_sampler.*non-empty spatial dimensions"):
+        grid_sample(x[:, :, :0], grid, align_corners=False)
     int_input = torch.zeros(1, 1, 2, 2, dtype=torch.int64)
     assert "dtype" in grid_sample_unsupported_reason(int_input, torch.zeros(1, 1, 1, 2, dtype=torch.int64))
 
