@@ -143,25 +143,18 @@ std::optional<double> optional_double(const c10::IValue& value) {
   return value.isNone() ? std::nullopt : std::optional<double>(value.toDouble());
 }
 
-// The forward's output, computed before Function::apply and handed in as a non-tensor argument (not
-// an input of the autograd node). Computing it inside forward() would let a failed argument check
-// throw inside Function::apply, which crashed the process (SIGSEGV) with torch 2.11's
-// custom_function.h instead of raising (h200_session3_refused_verify/pytest_refused_registration.txt).
-struct Computed {
-  at::Tensor output;
-};
-
 }  // namespace
 
 // Outside the anonymous namespace so that grad_fn.name() reads "...CppNode<deepep::GridSampleBilinear2d>".
 class GridSampleBilinear2d : public torch::autograd::Function<GridSampleBilinear2d> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& grid,
-                            int64_t padding_mode, bool align_corners, const Computed& computed) {
+                            int64_t padding_mode, bool align_corners) {
     ctx->saved_data["padding_mode"] = padding_mode;
     ctx->saved_data["align_corners"] = align_corners;
     ctx->save_for_backward({input, grid});
-    return computed.output;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_grid_sample(input, grid, padding_mode, align_corners);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -171,19 +164,20 @@ class GridSampleBilinear2d : public torch::autograd::Function<GridSampleBilinear
         grad_outputs[0], saved[0], saved[1], ctx->saved_data["padding_mode"].toInt(),
         ctx->saved_data["align_corners"].toBool(), input_requires_grad);
     return {input_requires_grad ? grad_input : at::Tensor(), grid_requires_grad ? grad_grid : at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(), at::Tensor()};
   }
 };
 
 class UpsampleBilinear2d : public torch::autograd::Function<UpsampleBilinear2d> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, bool align_corners,
-                            std::optional<double> scale_h, std::optional<double> scale_w, const Computed& computed) {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, at::IntArrayRef output_size,
+                            bool align_corners, std::optional<double> scale_h, std::optional<double> scale_w) {
     ctx->saved_data["input_size"] = input.sizes().vec();
     ctx->saved_data["align_corners"] = align_corners;
     ctx->saved_data["scale_h"] = scale_h;
     ctx->saved_data["scale_w"] = scale_w;
-    return computed.output;
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return call_upsample(input, output_size, align_corners, scale_h, scale_w);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -197,22 +191,12 @@ class UpsampleBilinear2d : public torch::autograd::Function<UpsampleBilinear2d> 
 
 at::Tensor grid_sample_bilinear2d_autograd(const at::Tensor& input, const at::Tensor& grid, int64_t padding_mode,
                                            bool align_corners) {
-  Computed computed;
-  {
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    computed.output = call_grid_sample(input, grid, padding_mode, align_corners);
-  }
-  return GridSampleBilinear2d::apply(input, grid, padding_mode, align_corners, computed);
+  return GridSampleBilinear2d::apply(input, grid, padding_mode, align_corners);
 }
 
 at::Tensor upsample_bilinear2d_autograd(const at::Tensor& input, at::IntArrayRef output_size, bool align_corners,
                                         std::optional<double> scale_h, std::optional<double> scale_w) {
-  Computed computed;
-  {
-    const at::AutoDispatchBelowADInplaceOrView below_autograd;
-    computed.output = call_upsample(input, output_size, align_corners, scale_h, scale_w);
-  }
-  return UpsampleBilinear2d::apply(input, align_corners, scale_h, scale_w, computed);
+  return UpsampleBilinear2d::apply(input, output_size, align_corners, scale_h, scale_w);
 }
 
 TORCH_LIBRARY_FRAGMENT(deepep, m) {
