@@ -80,3 +80,30 @@ def test_reading_a_step_that_was_not_begun_or_too_many_steps_is_refused():
         flags.read([1])
     with pytest.raises(RuntimeError, match="cannot read 3 steps from a ring of 2"):
         flags.read([0, 1, 2])
+
+
+def test_a_graph_path_step_writes_two_tensors_and_computes_nothing():
+    """The CUDA-graph path records a scalar loss and grad norm every step: that must stay two copies, with
+    no reduction, no finiteness kernel and nothing to open the step (the old flags ran ~18 ops)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    flags = StepFlags(10)
+    loss, grad_norm = torch.tensor(1.5), torch.tensor(2.0)
+    flags.begin(0)
+    with _Ops() as mode:
+        flags.begin(1)
+        flags.record_loss(1, loss)
+        flags.record_grad_norm(1, grad_norm)
+    computing = [op for op in mode.ops if op.split(".")[1] not in {"select", "slice", "view", "expand", "alias", "detach"}]
+    assert computing == ["aten.copy_.default", "aten.copy_.default"], mode.ops
+    record = _read(flags, [1])[1]
+    assert record.loss == 1.5 and record.grad_norm == 2.0 and record.finite
