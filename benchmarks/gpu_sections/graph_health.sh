@@ -8,7 +8,7 @@ verify_tests() {
 step "graph_health: GPU tests in parallel"
 verify_tests pytest_determinism_gpu 150 tests/determinism
 verify_tests pytest_foundation_health_gpu 120 tests/test_module_gpu.py tests/health
-verify_tests pytest_refused_gpu 120 tests/ops/test_refused_ops_cuda.py
+verify_tests pytest_refused_gpu 120 tests/ops/test_refused_ops_cuda.py tests/ops/test_interpolate_cuda.py
 wait
 for name in pytest_determinism_gpu pytest_foundation_health_gpu pytest_refused_gpu; do
   echo "--- $name"; tail -n 2 "$R/$name.txt"

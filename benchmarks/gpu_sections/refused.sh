@@ -1,7 +1,7 @@
 # Deterministic backward kernels for ops PyTorch refuses (issue 9): tests, the refused-ops list, the benchmark
 # (the deterministic kernels against PyTorch's atomic kernels in one process, with a bitwise-repeat check and a
 # torch.profiler table per shape), then compute-sanitizer memcheck over the kernels on small odd shapes.
-run pytest_refused_gpu 240 python3 -m pytest -q -rs -m gpu tests/ops/test_refused_ops_cuda.py
+run pytest_refused_gpu 240 python3 -m pytest -q -rs -m gpu tests/ops/test_refused_ops_cuda.py tests/ops/test_interpolate_cuda.py
 run bench_refused_ops 150 python3 benchmarks/bench_refused_ops.py --out "$R" --profile
 run list_refused_ops 120 python3 benchmarks/list_refused_ops.py --out "$R"
 PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck_refused 150 compute-sanitizer --tool memcheck --error-exitcode 1 \

@@ -1,4 +1,5 @@
-"""GPU tests of the deterministic grid_sample / bilinear interpolate backward kernels.
+"""GPU tests of the deterministic grid_sample backward kernel, the routing and a model trained with both ops
+(the bilinear interpolate kernel: test_interpolate_cuda.py).
 
 Run on the GPU machine: ``python -m pytest tests/ops/test_refused_ops_cuda.py -q``.
 """
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _refused_cuda import _assert_close_relative, _atomic_backward, _grid_inputs, cuda_kernels  # noqa: F401
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 
 REPO = Path(__file__).resolve().parents[2]
 PADDINGS = ("zeros", "border", "reflection")
@@ -26,30 +28,6 @@ GRID_SHAPES = [
     (1, 4, 4, 4, 128, 128, 0.3, 0.3),  # 16k identical points
     (3, 5, 64, 64, 8, 8, -1.0, 1.0),  # sparse: most pixels get nothing
 ]
-
-
-@pytest.fixture(autouse=True)
-def _cuda_kernels():
-    from deepep_lightning.ops import cuda_kernels_available
-
-    if not torch.cuda.is_available() or not cuda_kernels_available():
-        pytest.skip("needs CUDA and the compiled deepep CUDA kernels")
-    was = torch.are_deterministic_algorithms_enabled()
-    yield
-    torch.use_deterministic_algorithms(was)
-
-
-def _grid_inputs(shape, seed=0, dtype=torch.float32):
-    n, c, h, w, ho, wo, low, high = shape
-    generator = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(n, c, h, w, device="cuda", dtype=dtype, generator=generator).requires_grad_()
-    grid = torch.rand(n, ho, wo, 2, device="cuda", dtype=dtype, generator=generator) * (high - low) + low
-    return x, grid.requires_grad_()
-
-
-def _assert_close_relative(actual, expected, rtol=1e-5):
-    scale = expected.abs().max().clamp_min(1e-30)
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale.item())
 
 
 def _grads(fn, leaves, grad_output):
@@ -105,32 +83,6 @@ def test_bitwise_repeat_100_runs():
         again = torch.autograd.grad(out, (x, grid), g_out, retain_graph=True)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
         assert torch.equal(torch.autograd.grad(up, x, g_up, retain_graph=True)[0], first_up)
-
-
-INTERPOLATE_CASES = [  # (N, C, H, W, kwargs)
-    (2, 3, 16, 16, dict(scale_factor=2.0)),
-    (4, 8, 33, 47, dict(size=(100, 70))),
-    (2, 4, 64, 64, dict(size=(21, 30))),  # downsampling
-    (2, 4, 17, 19, dict(scale_factor=2.3)),  # kernel scale 1/2.3, not H_out / H
-    (2, 4, 17, 19, dict(scale_factor=2.3, recompute_scale_factor=True)),
-    (1, 2, 8, 8, dict(size=(256, 256))),  # heavy overlap: 32x32 outputs per input pixel
-]
-
-
-@pytest.mark.parametrize("case", INTERPOLATE_CASES)
-@pytest.mark.parametrize("align_corners", [False, True])
-def test_interpolate_matches_pytorch_atomic_backward(case, align_corners):
-    from deepep_lightning.ops import interpolate
-
-    n, c, h, w, kwargs = case
-    x = torch.randn(n, c, h, w, device="cuda", requires_grad=True)
-    kwargs = dict(kwargs, mode="bilinear", align_corners=align_corners)
-    ours = interpolate(x, **kwargs)
-    torch.use_deterministic_algorithms(False)  # PyTorch's native (atomic) kernels
-    theirs = F.interpolate(x, **kwargs)
-    assert torch.equal(ours, theirs)
-    grad_output = torch.randn_like(ours)
-    _assert_close_relative(torch.autograd.grad(ours, x, grad_output)[0], torch.autograd.grad(theirs, x, grad_output)[0])
 
 
 def test_deterministic_mode_routing_and_negative_controls():
@@ -224,17 +176,6 @@ def test_model_trains_bitwise_reproducibly_in_two_processes(tmp_path):
     assert digests[0] != hashlib.sha256(b"").hexdigest()  # something was hashed
 
 
-def _atomic_backward(fn, leaves, grad_output):
-    """PyTorch's own (atomic) backward of ``fn`` on detached copies of ``leaves``, outside deterministic mode."""
-    copies = tuple(leaf.detach().clone().requires_grad_() for leaf in leaves)
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(False)
-    try:
-        return torch.autograd.grad(fn(*copies), copies, grad_output)
-    finally:
-        torch.use_deterministic_algorithms(was)
-
-
 @pytest.mark.parametrize("shape", GRID_SHAPES)
 @pytest.mark.parametrize("padding_mode", PADDINGS)
 @pytest.mark.parametrize("align_corners", [False, True])
@@ -313,62 +254,6 @@ def test_grid_sample_chunked_result_does_not_depend_on_the_batch_around_it():
         single = torch.autograd.grad(grid_sample(x2, grid2, align_corners=False), (x2, grid2),
                                      grad_output[i:i + 1])
         assert torch.equal(batch[0][i:i + 1], single[0]) and torch.equal(batch[1][i:i + 1], single[1])
-
-
-@pytest.mark.parametrize("case", INTERPOLATE_CASES + [
-    (2, 3, 33, 65, dict(size=(70, 129))),  # partial 32 x 32 tiles in both directions
-    (1, 2, 5, 40, dict(size=(600, 41))),  # > 128 output rows per tile: the row pass goes in chunks
-    (2, 3, 100, 90, dict(size=(7, 11))),  # strong downsampling
-    (3, 2, 1, 1, dict(size=(5, 4))),  # one input pixel
-    (1, 4301, 8, 8, dict(scale_factor=0.5)),  # many small planes: 2 planes per block on an H200, one left over
-    (1, 33797, 4, 4, dict(size=(2, 3))),  # 8 planes per block, 5 left over
-])
-@pytest.mark.parametrize("align_corners", [False, True])
-def test_interpolate_repeats_bitwise_and_matches_atomic_and_oracle(case, align_corners):
-    from deepep_lightning.ops import interpolate
-
-    n, c, h, w, kwargs = case
-    x = torch.randn(n, c, h, w, device="cuda", requires_grad=True)
-    kwargs = dict(kwargs, mode="bilinear", align_corners=align_corners)
-    out = interpolate(x, **kwargs)
-    grad_output = torch.randn_like(out)
-    (ours,) = torch.autograd.grad(out, x, grad_output, retain_graph=True)
-    (again,) = torch.autograd.grad(out, x, grad_output)
-    assert torch.equal(again, ours)
-    (theirs,) = _atomic_backward(lambda x_: F.interpolate(x_, **kwargs), (x,), grad_output)
-    _assert_close_relative(ours, theirs)
-    x64 = x.detach().double().cpu().requires_grad_()
-    oracle = torch.autograd.grad(F.interpolate(x64, **kwargs), x64, grad_output.double().cpu())[0]
-    # float32 source indices carry ~ulp(H) absolute error in lambda, as PyTorch's float32 kernel does.
-    _assert_close_relative(ours.double().cpu(), oracle, rtol=1e-4)
-
-
-def test_interpolate_planes_per_block_do_not_change_a_bit():
-    """A block does the same tile of 1-8 planes (more when there are many small planes): a plane's
-    gradient must be the same bits whether it is computed among 33797 planes or among 5."""
-    from deepep_lightning.ops import interpolate
-
-    x = torch.randn(1, 33797, 4, 4, device="cuda", requires_grad=True)
-    grad_output = torch.randn(1, 33797, 6, 7, device="cuda")
-    (many,) = torch.autograd.grad(interpolate(x, size=(6, 7), mode="bilinear", align_corners=False), x, grad_output)
-    few_x = x.detach()[:, 100:105].clone().requires_grad_()
-    (few,) = torch.autograd.grad(interpolate(few_x, size=(6, 7), mode="bilinear", align_corners=False), few_x,
-                                 grad_output[:, 100:105])
-    assert torch.equal(many[:, 100:105], few)
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-def test_interpolate_other_dtypes(dtype):
-    from deepep_lightning.ops import interpolate
-
-    x = torch.randn(2, 3, 17, 40, device="cuda", dtype=dtype, requires_grad=True)
-    out = interpolate(x, scale_factor=2.3, mode="bilinear", align_corners=False)
-    grad_output = torch.randn_like(out)
-    ours = torch.autograd.grad(out, x, grad_output)[0].double()
-    x64 = x.detach().double().requires_grad_()
-    oracle = torch.autograd.grad(F.interpolate(x64, scale_factor=2.3, mode="bilinear", align_corners=False), x64,
-                                 grad_output.double())[0]
-    _assert_close_relative(ours, oracle, rtol=1e-12 if dtype == torch.float64 else 2e-2)
 
 
 def test_result_does_not_depend_on_the_batch_around_it():
