@@ -39,7 +39,7 @@ setup(
     entry_points={
         "console_scripts": [
             "deepep-audit=deepep_lightning.audit.cli:main",
-            "deepep-compare=deepep_lightning.compare:main",
+            "deepep-compare=deepep_lightning.compare.cli:main",
         ],
     },
 )

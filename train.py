@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from deepep_lightning import DeepEPModule, configure
+from deepep_lightning import configure
+from deepep_lightning.deepep import DeepEPModule
 
 
 class DeepEPCLI(LightningCLI):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

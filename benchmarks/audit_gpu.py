@@ -58,17 +58,24 @@ def locator_overhead(repeats: int) -> dict:
             with OpHashMode(module, keep_bytes=keep_bytes) as log:
                 prepared.run(module)
             run.ops = len(log.records)
+
         return run
 
     plain()  # warm-up (allocator, cuBLAS handles)
     hash_only, keeping = hashed(0), hashed(256 * 2**20)
     hash_only()
-    rows = {"plain": _timed(plain, repeats), "hash_only": _timed(hash_only, repeats),
-            "hash_and_keep_256MiB": _timed(keeping, repeats)}
+    rows = {
+        "plain": _timed(plain, repeats),
+        "hash_only": _timed(hash_only, repeats),
+        "hash_and_keep_256MiB": _timed(keeping, repeats),
+    }
     medians = {k: statistics.median(v) for k, v in rows.items()}
     return {
-        "config": DEEPEP, "repeats": repeats, "ops_logged_per_run": getattr(hash_only, "ops", None),
-        "seconds": rows, "median_seconds": medians,
+        "config": DEEPEP,
+        "repeats": repeats,
+        "ops_logged_per_run": getattr(hash_only, "ops", None),
+        "seconds": rows,
+        "median_seconds": medians,
         "slowdown_hash_only": medians["hash_only"] / medians["plain"],
         "slowdown_hash_and_keep": medians["hash_and_keep_256MiB"] / medians["plain"],
     }
@@ -88,8 +95,7 @@ def main() -> int:
     command = " ".join([os.path.basename(sys.executable)] + sys.argv)
 
     table = audit_catalogue(device="cuda", repeats=args.repeats)
-    table.update({"environment": environment_summary(), "command": command,
-                  "seconds": time.perf_counter() - started})
+    table.update({"environment": environment_summary(), "command": command, "seconds": time.perf_counter() - started})
     with open(os.path.join(args.out, "audit_catalogue_h200.json"), "w") as handle:
         json.dump(table, handle, indent=2, default=str)
     markdown = format_catalogue_table(table)

@@ -44,8 +44,12 @@ METHODS = ("eager_reference", "compiled_reference", "fused_deterministic", "fuse
 
 def make_inputs(n, a, h, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    host = [torch.randn(n, h, generator=gen), torch.randn(a, h, generator=gen),
-            torch.randn(h, generator=gen) / h**0.5, torch.randn(1, generator=gen)]
+    host = [
+        torch.randn(n, h, generator=gen),
+        torch.randn(a, h, generator=gen),
+        torch.randn(h, generator=gen) / h**0.5,
+        torch.randn(1, generator=gen),
+    ]
     leaves = [t.to(device).requires_grad_() for t in host]
     return leaves, torch.randn(n, a, generator=gen).to(device)
 
@@ -129,9 +133,17 @@ def bench_shape(args, shape, timer, copy_rate):
         rel_err = max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(outputs, reference))
         del outputs
         times = timer.measure(step, warmup=args.warmup, max_seconds=args.max_seconds)
-        row = {"N": n, "A": a, "H": h, "method": name, "median_ms": statistics.median(times),
-               "min_ms": min(times), "reps": len(times), "peak_extra_bytes": peak_extra_bytes(step, args.device),
-               "max_rel_err_vs_eager": rel_err}
+        row = {
+            "N": n,
+            "A": a,
+            "H": h,
+            "method": name,
+            "median_ms": statistics.median(times),
+            "min_ms": min(times),
+            "reps": len(times),
+            "peak_extra_bytes": peak_extra_bytes(step, args.device),
+            "max_rel_err_vs_eager": rel_err,
+        }
         if name.startswith("fused"):
             compulsory = 4 * (3 * n * h + 2 * n * a)  # fwd: z, q; bwd: grad_q, z, dz (float32)
             row["bandwidth_bytes_per_s"] = compulsory / (row["median_ms"] * 1e-3)
@@ -189,10 +201,14 @@ def main(argv=None):
     for shape in shapes:
         rows += bench_shape(args, shape, timer, copy_rate)
     result = {
-        "command": " ".join(sys.argv), "torch": torch.__version__,
+        "command": " ".join(sys.argv),
+        "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu",
-        "dtype": "float32", "compiled_mode": args.compiled, "copy_rate_bytes_per_s": copy_rate,
-        "target": summarise_target(rows, args.target), "results": rows,
+        "dtype": "float32",
+        "compiled_mode": args.compiled,
+        "copy_rate_bytes_per_s": copy_rate,
+        "target": summarise_target(rows, args.target),
+        "results": rows,
         "wall_seconds": time.perf_counter() - start,
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,7 @@ def _worker(args: argparse.Namespace) -> None:
     import lightning.pytorch as pl
     import torch
 
-    from deepep_lightning.module import DeepEPModule
+    from deepep_lightning.deepep import DeepEPModule
 
     class StepTimer(pl.Callback):
         def __init__(self) -> None:
@@ -107,12 +107,28 @@ def _worker(args: argparse.Namespace) -> None:
         if rank == args.devices - 1:
             callbacks.append(FaultInjectionCallback("gradient", steps=[args.fault_step], mode="once"))
     total = args.warmup + args.steps
-    model = DeepEPModule(num_envs=args.num_envs, rollout_length=args.rollout_length, hidden_size=args.hidden_size,
-                         steps_per_epoch=total * args.devices + args.devices, seed=0, fused_value_head=False)
+    model = DeepEPModule(
+        num_envs=args.num_envs,
+        rollout_length=args.rollout_length,
+        hidden_size=args.hidden_size,
+        steps_per_epoch=total * args.devices + args.devices,
+        seed=0,
+        fused_value_head=False,
+    )
     out = os.path.join(args.out, args.worker)
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, max_steps=total,
-                         callbacks=callbacks, logger=False, default_root_dir=out, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, gradient_clip_val=1.0)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=args.strategy,
+        max_steps=total,
+        callbacks=callbacks,
+        logger=False,
+        default_root_dir=out,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        gradient_clip_val=1.0,
+    )
     trainer.fit(model)
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -120,14 +136,21 @@ def _worker(args: argparse.Namespace) -> None:
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     strategy = trainer.strategy
     record = {
-        "run": args.worker, "rank": trainer.global_rank, "world_size": trainer.world_size, "strategy": args.strategy,
-        "median_step_s": statistics.median(timer.times[args.warmup:]) if len(timer.times) > args.warmup else None,
-        "step_times_s": timer.times, "weights_sha256": digest.hexdigest(), "global_step": trainer.global_step,
+        "run": args.worker,
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "strategy": args.strategy,
+        "median_step_s": statistics.median(timer.times[args.warmup :]) if len(timer.times) > args.warmup else None,
+        "step_times_s": timer.times,
+        "weights_sha256": digest.hexdigest(),
+        "global_step": trainer.global_step,
         "incidents": [{k: v for k, v in i.items() if k in ("step", "reason", "outcome")} for i in rollback.incidents]
-        if rollback is not None else [],
+        if rollback is not None
+        else [],
         "fingerprint": strategy.fingerprint() if hasattr(strategy, "fingerprint") else {},
         "env": {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "TORCH_SYMM", "NVSHMEM"))},
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none", "torch": str(torch.__version__),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+        "torch": str(torch.__version__),
     }
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as handle:
         json.dump(record, handle, indent=1)
@@ -136,8 +159,9 @@ def _worker(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------------------ driver
 def _run_process_group(command: list[str], env: dict, out: str) -> tuple[str, str]:
     """Run ``command`` in its own process group (its ranks die with it), log to ``out/log.txt``."""
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
         status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
@@ -158,10 +182,30 @@ def _run_process_group(command: list[str], env: dict, out: str) -> tuple[str, st
 def _launch(args: argparse.Namespace, name: str, devices: int, strategy: str, fault: bool = False) -> dict:
     out = os.path.join(args.out, name)
     os.makedirs(out, exist_ok=True)
-    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--devices", str(devices),
-               "--strategy", strategy, "--out", args.out, "--num-envs", str(args.num_envs),
-               "--rollout-length", str(args.rollout_length), "--hidden-size", str(args.hidden_size),
-               "--warmup", str(args.warmup), "--steps", str(args.steps), "--fault-step", str(args.fault_step)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        name,
+        "--devices",
+        str(devices),
+        "--strategy",
+        strategy,
+        "--out",
+        args.out,
+        "--num-envs",
+        str(args.num_envs),
+        "--rollout-length",
+        str(args.rollout_length),
+        "--hidden-size",
+        str(args.hidden_size),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--fault-step",
+        str(args.fault_step),
+    ]
     command += ["--accelerator", args.accelerator]
     command += ["--fault"] if fault else []
     command += ["--configure"] if args.configure else []
@@ -184,11 +228,28 @@ def _launch_invariance(args: argparse.Namespace, name: str, devices: int) -> dic
 
     out = os.path.join(args.out, name)
     os.makedirs(out, exist_ok=True)
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "strategies", "_ddp_run.py")
-    command = [sys.executable, script, "--out", out, "--devices", str(devices), "--accelerator", args.accelerator,
-               "--no-health", "--accumulate", str(2 // devices), "--strategy-kwargs", '{"virtual_world_size": 2}']
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "strategies", "_ddp_run.py"
+    )
+    command = [
+        sys.executable,
+        script,
+        "--out",
+        out,
+        "--devices",
+        str(devices),
+        "--accelerator",
+        args.accelerator,
+        "--no-health",
+        "--accumulate",
+        str(2 // devices),
+        "--strategy-kwargs",
+        '{"virtual_world_size": 2}',
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), env.get("PYTHONPATH", "")]
+    )
     status, output = _run_process_group(command, env, out)
     print(f"[bench_ddp] {name}: {status}", flush=True)
     path = os.path.join(out, "weights_rank0.pt")
@@ -218,17 +279,25 @@ def main() -> None:
         return
     os.makedirs(args.out, exist_ok=True)
     wanted = args.runs.split(",")
-    plan = {"det_a": (args.gpus, "ddp_deterministic", False), "det_b": (args.gpus, "ddp_deterministic", False),
-            "fault": (args.gpus, "ddp_deterministic", True), "det_1": (1, "ddp_deterministic", False),
-            "plain": (args.gpus, "ddp", False)}
+    plan = {
+        "det_a": (args.gpus, "ddp_deterministic", False),
+        "det_b": (args.gpus, "ddp_deterministic", False),
+        "fault": (args.gpus, "ddp_deterministic", True),
+        "det_1": (1, "ddp_deterministic", False),
+        "plain": (args.gpus, "ddp", False),
+    }
     runs = {name: _launch(args, name, *plan[name]) for name in wanted if name in plan}
     for name, devices in (("inv_1", 1), ("inv_2", 2)):
         if name in wanted:
             runs[name] = _launch_invariance(args, name, devices)
     summary: dict = {"command": " ".join(sys.argv), "gpus": args.gpus, "config": vars(args), "runs": {}}
     for name, run in runs.items():
-        summary["runs"][name] = {"status": run["status"], "median_step_s": _median(run), "weights_sha256": _hashes(run),
-                                 "incidents": [r["incidents"] if r else None for r in run["ranks"]]}
+        summary["runs"][name] = {
+            "status": run["status"],
+            "median_step_s": _median(run),
+            "weights_sha256": _hashes(run),
+            "incidents": [r["incidents"] if r else None for r in run["ranks"]],
+        }
     det_a, det_b = runs.get("det_a"), runs.get("det_b")
     if det_a and det_b:
         hashes = _hashes(det_a) + _hashes(det_b)

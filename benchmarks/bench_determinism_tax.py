@@ -88,10 +88,16 @@ def _build_step(args, device):
 
     torch.manual_seed(0)
     try:
-        from deepep_lightning.module import DeepEPModule
+        from deepep_lightning.deepep import DeepEPModule
 
-        model_args = {"num_envs": args.B, "rollout_length": args.T, "hidden_size": args.H, "seed": 0,
-                      "fused_value_head": args.fused, **json.loads(args.model_args)}
+        model_args = {
+            "num_envs": args.B,
+            "rollout_length": args.T,
+            "hidden_size": args.H,
+            "seed": 0,
+            "fused_value_head": args.fused,
+            **json.loads(args.model_args),
+        }
         module = DeepEPModule(**model_args).to(device)
         optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
 
@@ -167,16 +173,24 @@ def _time_steps(args, device, variants):
         if variant in errors:
             summary[variant] = {"error": errors[variant]}
             continue
-        summary[variant] = {"median_s_per_step": statistics.median(r["s_per_step"]), "s_per_step": r["s_per_step"],
-                            "param_hashes": sorted(r["hashes"])}
+        summary[variant] = {
+            "median_s_per_step": statistics.median(r["s_per_step"]),
+            "s_per_step": r["s_per_step"],
+            "param_hashes": sorted(r["hashes"]),
+        }
     return workload, summary
 
 
 def _gemm_shapes(args):
     B, H = args.B, args.H
     # (name, M, K, N, bias): the loop's linear layers, forward and the two backward GEMMs
-    return [("policy_in", B, 64 + H, 256, True), ("policy_out", B, 256, 8, True), ("gru_hh", B, H, 3 * H, True),
-            ("grad_input", B, 256, 64 + H, False), ("grad_weight", 256, B, 64 + H, False)]
+    return [
+        ("policy_in", B, 64 + H, 256, True),
+        ("policy_out", B, 256, 8, True),
+        ("gru_hh", B, H, 3 * H, True),
+        ("grad_input", B, 256, 64 + H, False),
+        ("grad_weight", 256, B, 64 + H, False),
+    ]
 
 
 def _gemm_probe(args, device):
@@ -189,7 +203,7 @@ def _gemm_probe(args, device):
         a = torch.randn(m, k, device=device)
         w = torch.randn(n, k, device=device)
         b = torch.randn(n, device=device) if bias else None
-        fn = (lambda: torch.nn.functional.linear(a, w, b))
+        fn = lambda: torch.nn.functional.linear(a, w, b)
         for _ in range(20):
             fn()
         _sync(device)
@@ -315,9 +329,11 @@ def _det_mode_kernels(args, device):
             _sync(device)
             gather[f"{name}_{'det' if det else 'default'}_us"] = (time.perf_counter() - start) / 200 * 1e6
     torch.use_deterministic_algorithms(False)
-    return {"kernel_count_delta_det_minus_default": dict(sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:25]),
-            "total_kernels": {"default": sum(counts[False].values()), "det": sum(counts[True].values())},
-            "gather_vs_one_hot_fwd_bwd": gather}
+    return {
+        "kernel_count_delta_det_minus_default": dict(sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:25]),
+        "total_kernels": {"default": sum(counts[False].values()), "det": sum(counts[True].values())},
+        "gather_vs_one_hot_fwd_bwd": gather,
+    }
 
 
 def child_main(args) -> None:
@@ -356,7 +372,7 @@ def _run_child(name: str, args) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith("@@RESULT ")]
     if not lines:
         return {"child": name, "error": proc.stderr[-3000:], "returncode": proc.returncode}
-    result = json.loads(lines[-1][len("@@RESULT "):])
+    result = json.loads(lines[-1][len("@@RESULT ") :])
     result["wall_s"] = time.perf_counter() - start
     return result
 
@@ -383,8 +399,10 @@ def _summarise(children: list[dict]) -> tuple[dict, str]:
     for child in children:
         if "det_mode" in child:
             det = child["det_mode"]
-            lines.append(f"[{child['child']}] kernels per T=16 step {det['total_kernels']};"
-                         f" gather vs one-hot fwd+bwd us {det['gather_vs_one_hot_fwd_bwd']}")
+            lines.append(
+                f"[{child['child']}] kernels per T=16 step {det['total_kernels']};"
+                f" gather vs one-hot fwd+bwd us {det['gather_vs_one_hot_fwd_bwd']}"
+            )
             lines.append(f"[{child['child']}] det-mode kernel delta {det['kernel_count_delta_det_minus_default']}")
         if "error" in child:
             lines.append(f"[{child['child']}] ERROR {child['error'][-400:]}")
@@ -392,8 +410,10 @@ def _summarise(children: list[dict]) -> tuple[dict, str]:
         gemm = child.get("gemm", {})
         host = {k: round(v.get("host_us_per_call", 0), 1) for k, v in gemm.items() if isinstance(v, dict)}
         gpu = {k: round(v.get("gpu_us_per_call", 0), 2) for k, v in gemm.items() if isinstance(v, dict)}
-        lines.append(f"[{child['child']}] GEMM host us/call {host}; GPU us/call {gpu};"
-                     f" add host us {gemm.get('non_blas_add_host_us_per_call', 0):.1f}")
+        lines.append(
+            f"[{child['child']}] GEMM host us/call {host}; GPU us/call {gpu};"
+            f" add host us {gemm.get('non_blas_add_host_us_per_call', 0):.1f}"
+        )
         if "toggle" in child:
             lines.append(f"[{child['child']}] in-process toggle host us/mm {child['toggle']['host_us_per_mm']}")
     return {"table": table, "all_bitwise_equal": len(hashes) == 1}, "\n".join(lines)
@@ -420,9 +440,16 @@ def main() -> None:
         return
     if not args.out:
         parser.error("--out DIR is required")
-    args.passthrough = [f"--device={args.device}", f"--B={args.B}", f"--T={args.T}", f"--H={args.H}",
-                        f"--model-args={args.model_args}", f"--rounds={args.rounds}", f"--steps={args.steps}",
-                        f"--gemm-calls={args.gemm_calls}"] + (["--fused"] if args.fused else [])
+    args.passthrough = [
+        f"--device={args.device}",
+        f"--B={args.B}",
+        f"--T={args.T}",
+        f"--H={args.H}",
+        f"--model-args={args.model_args}",
+        f"--rounds={args.rounds}",
+        f"--steps={args.steps}",
+        f"--gemm-calls={args.gemm_calls}",
+    ] + (["--fused"] if args.fused else [])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     children = []
@@ -431,13 +458,20 @@ def main() -> None:
         children.append(result)
         print(json.dumps({k: v for k, v in result.items() if k in ("child", "steps", "error", "wall_s")}), flush=True)
     summary, text = _summarise(children)
-    record = {"command": " ".join([sys.executable, *sys.argv]), "args": {k: v for k, v in vars(args).items()},
-              "children": children, "summary": summary}
+    record = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "args": {k: v for k, v in vars(args).items()},
+        "children": children,
+        "summary": summary,
+    }
     try:
         import torch
 
-        record["stack"] = {"torch": str(torch.__version__), "cuda": str(torch.version.cuda),
-                           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
+        record["stack"] = {
+            "torch": str(torch.__version__),
+            "cuda": str(torch.version.cuda),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+        }
     except Exception:  # noqa: BLE001
         pass
     (out / "determinism_tax.json").write_text(json.dumps(record, indent=1, default=str))

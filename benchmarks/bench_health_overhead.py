@@ -50,11 +50,17 @@ class _Timer(pl.Callback):
 
 
 def _module(args: argparse.Namespace) -> pl.LightningModule:
-    from deepep_lightning.module import DeepEPModule
+    from deepep_lightning.deepep import DeepEPModule
 
-    return DeepEPModule(num_envs=args.num_envs, rollout_length=args.rollout_length, hidden_size=args.hidden_size,
-                        steps_per_epoch=args.warmup + args.steps + 1, seed=0, fused_value_head=args.fused_value_head,
-                        cuda_graph=args.cuda_graph)
+    return DeepEPModule(
+        num_envs=args.num_envs,
+        rollout_length=args.rollout_length,
+        hidden_size=args.hidden_size,
+        steps_per_epoch=args.warmup + args.steps + 1,
+        seed=0,
+        fused_value_head=args.fused_value_head,
+        cuda_graph=args.cuda_graph,
+    )
 
 
 def _run(config: str, args: argparse.Namespace, accelerator: str) -> float:
@@ -67,9 +73,17 @@ def _run(config: str, args: argparse.Namespace, accelerator: str) -> float:
     pl.seed_everything(0, verbose=False)
     module = _module(args)
     with tempfile.TemporaryDirectory() as root:
-        trainer = pl.Trainer(accelerator=accelerator, devices=1, max_steps=args.warmup + args.steps, logger=False,
-                             callbacks=[timer, *callbacks], default_root_dir=root, enable_progress_bar=False,
-                             enable_model_summary=False, enable_checkpointing=False)
+        trainer = pl.Trainer(
+            accelerator=accelerator,
+            devices=1,
+            max_steps=args.warmup + args.steps,
+            logger=False,
+            callbacks=[timer, *callbacks],
+            default_root_dir=root,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         trainer.fit(module)
     return (timer.end - timer.start) / args.steps
 
@@ -77,7 +91,9 @@ def _run(config: str, args: argparse.Namespace, accelerator: str) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="directory for health_overhead.json")
-    parser.add_argument("--steps", type=int, default=200, help="timed optimizer steps per fit (>= 2 snapshot intervals)")
+    parser.add_argument(
+        "--steps", type=int, default=200, help="timed optimizer steps per fit (>= 2 snapshot intervals)"
+    )
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-envs", type=int, default=64)
@@ -85,9 +101,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--fused-value-head", action="store_true", help="use the compiled deepep::all_action_q op")
     parser.add_argument("--cpu", action="store_true", help="run on CPU (smoke test only)")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="the whole step as one CUDA graph (configs/gpu.yaml: --num-envs 256 --rollout-length 32"
-                             " --hidden-size 256 --fused-value-head --cuda-graph)")
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="the whole step as one CUDA graph (configs/gpu.yaml: --num-envs 256 --rollout-length 32"
+        " --hidden-size 256 --fused-value-head --cuda-graph)",
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     accelerator = "cpu" if args.cpu or not torch.cuda.is_available() else "gpu"
@@ -95,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     times: dict[str, list[float]] = {c: [] for c in configs}
     started = time.perf_counter()
     for repeat in range(args.repeats):
-        order = configs[repeat % 3:] + configs[: repeat % 3]  # rotate so no config always runs first
+        order = configs[repeat % 3 :] + configs[: repeat % 3]  # rotate so no config always runs first
         for config in order:
             times[config].append(_run(config, args, accelerator))
             print(f"repeat {repeat} {config}: {times[config][-1] * 1e3:.2f} ms/step", flush=True)
@@ -105,11 +124,20 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name() if accelerator == "gpu" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "lightning": pl.__version__,
-        "workload": {"num_envs": args.num_envs, "rollout_length": args.rollout_length, "hidden_size": args.hidden_size,
-                     "fused_value_head": args.fused_value_head, "cuda_graph": args.cuda_graph,
-                     "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats},
-        "defaults": {"check_every_n_steps": NumericalHealthCallback().check_every_n_steps,
-                     "snapshot_every_n_steps": NaNRollbackCallback().snapshot_every_n_steps},
+        "workload": {
+            "num_envs": args.num_envs,
+            "rollout_length": args.rollout_length,
+            "hidden_size": args.hidden_size,
+            "fused_value_head": args.fused_value_head,
+            "cuda_graph": args.cuda_graph,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+        },
+        "defaults": {
+            "check_every_n_steps": NumericalHealthCallback().check_every_n_steps,
+            "snapshot_every_n_steps": NaNRollbackCallback().snapshot_every_n_steps,
+        },
         "seconds_per_step": times,
         "median_seconds_per_step": medians,
         "ratio_vs_off": {c: medians[c] / medians["off"] for c in configs},

@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 import time
 from collections import deque
+from pathlib import Path
 
 import yaml
-
-
 from _timing import write_json
-from deepep_lightning import DeepEPModule
-from deepep_lightning.agent.graphed_step import GraphedTrainStep
+
+from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 
 CONFIG_FILE = Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"
 
@@ -43,6 +42,7 @@ def _graphed(model):
     if model.hparams.cuda_graph:
         graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator)
     else:
+
         def graphed():
             return model._whole_step(optimizer)
 
@@ -79,8 +79,15 @@ def cartpole_run(seed: int, budget_s: float, threshold: float, config: dict, dev
             break
     wall = time.perf_counter() - start
     env_steps = steps * config["num_envs"] * config["rollout_length"]
-    return {"seed": seed, "reached": mean >= threshold, "final_100_episode_mean": mean, "train_steps": steps,
-            "env_steps": env_steps, "wall_s": wall, "curve_every_10_steps": curve}
+    return {
+        "seed": seed,
+        "reached": mean >= threshold,
+        "final_100_episode_mean": mean,
+        "train_steps": steps,
+        "env_steps": env_steps,
+        "wall_s": wall,
+        "curve_every_10_steps": curve,
+    }
 
 
 def memory_run(seed: int, horizon: int, budget_s: float, config: dict, device: str) -> dict:
@@ -101,9 +108,16 @@ def memory_run(seed: int, horizon: int, budget_s: float, config: dict, device: s
             solved_at = len(successes)
             break
     last = successes[-20:]
-    return {"seed": seed, "horizon": horizon, "train_steps": len(successes), "wall_s": time.perf_counter() - start,
-            "success_rate_last_20_steps": sum(last) / len(last), "chance": 0.5, "solved_at_step": solved_at,
-            "success_curve_every_10": successes[::10]}
+    return {
+        "seed": seed,
+        "horizon": horizon,
+        "train_steps": len(successes),
+        "wall_s": time.perf_counter() - start,
+        "success_rate_last_20_steps": sum(last) / len(last),
+        "chance": 0.5,
+        "solved_at_step": solved_at,
+        "success_curve_every_10": successes[::10],
+    }
 
 
 def main() -> None:
@@ -112,12 +126,22 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
     parser.add_argument("--budget-s", type=float, default=120.0)
     parser.add_argument("--threshold", type=float, default=475.0)
-    parser.add_argument("--memory-horizons", type=int, nargs="*", default=[256],
-                        help="cue-recall horizons to train (none: skip the memory task)")
+    parser.add_argument(
+        "--memory-horizons",
+        type=int,
+        nargs="*",
+        default=[256],
+        help="cue-recall horizons to train (none: skip the memory task)",
+    )
     parser.add_argument("--memory-budget-s", type=float, default=120.0, help="wall-time budget per horizon")
     parser.add_argument("--device", default="cuda", help="cuda (CUDA-graph step) or cpu (eager step)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="override a DeepEPModule argument, e.g. --set rollout_length=32 hidden_size=128")
+    parser.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a DeepEPModule argument, e.g. --set rollout_length=32 hidden_size=128",
+    )
     args = parser.parse_args()
     config = {**gpu_config(), "cuda_graph": args.device == "cuda"}
     for item in args.set:
@@ -131,8 +155,9 @@ def main() -> None:
     memory = [memory_run(0, horizon, args.memory_budget_s, config, args.device) for horizon in args.memory_horizons]
     for run in memory:
         print({k: v for k, v in run.items() if k != "success_curve_every_10"}, flush=True)
-    write_json(f"{args.out}/learning.json", {"config": {**config, **vars(args)}, "cartpole": cartpole,
-                                             "memory": memory})
+    write_json(
+        f"{args.out}/learning.json", {"config": {**config, **vars(args)}, "cartpole": cartpole, "memory": memory}
+    )
 
 
 if __name__ == "__main__":

@@ -109,8 +109,10 @@ def measure(methods, timer, warmup, repeats):
     for _ in range(repeats):
         for name, run in methods.items():  # round-robin
             samples[name].append(timer(run))
-    return {name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
-            for name, values in samples.items()}
+    return {
+        name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+        for name, values in samples.items()
+    }
 
 
 def repeats_bitwise(methods):
@@ -143,8 +145,9 @@ def interpolate_methods(shape, device):
     ours = forward_graph(lambda: interpolate(x, **kwargs), True)
     grad_output = torch.randn_like(ours)
     methods = {"deepep_deterministic": backward_call(ours, (x,), grad_output, True)}
-    methods["pytorch_atomic"] = backward_call(forward_graph(lambda: F.interpolate(x, **kwargs), False), (x,),
-                                              grad_output, False)
+    methods["pytorch_atomic"] = backward_call(
+        forward_graph(lambda: F.interpolate(x, **kwargs), False), (x,), grad_output, False
+    )
     methods["pytorch_deterministic_decomposition"] = backward_call(
         forward_graph(lambda: F.interpolate(x, **kwargs), True), (x,), grad_output, True
     )
@@ -170,8 +173,9 @@ def profile_table(methods, label, device, iterations=5):
             if device == "cuda":
                 torch.cuda.synchronize()
         averages = prof.key_averages()
-        kernel_ms[name] = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) \
-            / iterations / 1e3
+        kernel_ms[name] = (
+            sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / iterations / 1e3
+        )
         table = averages.table(sort_by=sort_by, row_limit=14, max_name_column_width=70)
         sections.append(f"##### {label} {name} ({iterations} calls)\n{table}")
     return "\n".join(sections), kernel_ms
@@ -184,8 +188,11 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions (smoke run)")
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--burst", type=int, default=20, help="back-to-back calls per timed sample")
-    parser.add_argument("--profile", action="store_true",
-                        help="write refused_ops_profile.txt (torch.profiler) and add each method's GPU kernel ms")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="write refused_ops_profile.txt (torch.profiler) and add each method's GPU kernel ms",
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU (use --device cpu --quick for a smoke run)")
@@ -209,30 +216,42 @@ def main(argv=None):
             measured = measure(methods, timer, warmup, repeats)
             times = {name: wall for name, (wall, _) in measured.items()}
             ratio = times["deepep_deterministic"] / times["pytorch_atomic"]
-            row = {"op": op, "shape": label, "median_ms": times,
-                   "host_ms": {name: host for name, (_, host) in measured.items()},
-                   "ratio_vs_atomic": ratio, "meets_1_5x_target": ratio <= 1.5, "repeat_bitwise": repeat_bitwise}
+            row = {
+                "op": op,
+                "shape": label,
+                "median_ms": times,
+                "host_ms": {name: host for name, (_, host) in measured.items()},
+                "ratio_vs_atomic": ratio,
+                "meets_1_5x_target": ratio <= 1.5,
+                "repeat_bitwise": repeat_bitwise,
+            }
             if args.profile:
                 table, kernel_ms = profile_table(methods, f"{op} {label}", args.device)
                 profiles.append(table)
                 row["kernel_ms"] = kernel_ms
-                row["kernel_ratio_vs_atomic"] = kernel_ms["deepep_deterministic"] / kernel_ms["pytorch_atomic"] \
-                    if kernel_ms["pytorch_atomic"] > 0 else None
+                row["kernel_ratio_vs_atomic"] = (
+                    kernel_ms["deepep_deterministic"] / kernel_ms["pytorch_atomic"]
+                    if kernel_ms["pytorch_atomic"] > 0
+                    else None
+                )
             rows.append(row)
             summary = f"  ratio={ratio:.2f} repeat_bitwise={repeat_bitwise}"
             if row.get("kernel_ratio_vs_atomic") is not None:
                 summary += f" kernel_ratio={row['kernel_ratio_vs_atomic']:.2f}"
-            print(f"{op:22s} {str(label):60s} "
-                  + " ".join(f"{k}={v:.3f}ms(host {row['host_ms'][k]:.3f})" for k, v in times.items()) + summary,
-                  flush=True)
+            print(
+                f"{op:22s} {str(label):60s} "
+                + " ".join(f"{k}={v:.3f}ms(host {row['host_ms'][k]:.3f})" for k, v in times.items())
+                + summary,
+                flush=True,
+            )
     torch.use_deterministic_algorithms(False)
     report = {
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "command": " ".join([sys.executable] + sys.argv),
         "what": "backward only, float32, align_corners=False; median_ms: wall ms per call over bursts of back-to-back"
-                " calls (round-robin, after warm-up); host_ms: host ms per call; kernel_ms (--profile): GPU kernel"
-                " ms per call",
+        " calls (round-robin, after warm-up); host_ms: host ms per call; kernel_ms (--profile): GPU kernel"
+        " ms per call",
         "burst": timer.burst,
         "warmup": warmup,
         "repeats": repeats,

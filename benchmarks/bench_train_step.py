@@ -18,15 +18,16 @@ if "--deterministic" in sys.argv:  # configure() must run before anything touche
     configure(0)
 
 import torch
-
 from _timing import median_ms, write_json
-from deepep_lightning import DeepEPModule
-from deepep_lightning.agent.graphed_step import GraphedTrainStep
+
+from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 
 
 def build(args, **overrides):
-    kwargs = dict(num_envs=args.batch, rollout_length=args.horizon, hidden_size=args.hidden, seed=0,
-                  fused_value_head=True)
+    kwargs = dict(
+        num_envs=args.batch, rollout_length=args.horizon, hidden_size=args.hidden, seed=0, fused_value_head=True
+    )
     kwargs.update(overrides)
     model = DeepEPModule(**kwargs).cuda()
     model._ensure_rollout_state()
@@ -42,6 +43,7 @@ def eager_step(model, optimizer):
         terms.loss.backward()
         optimizer.step()
         model._rollout_step += 1
+
     return step
 
 
@@ -54,8 +56,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--skip-compile", action="store_true")
     parser.add_argument("--graph-only", action="store_true", help="only the CUDA-graph step")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="run under deepep_lightning.configure(0) (DeterminismCallback's defaults)")
+    parser.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="run under deepep_lightning.configure(0) (DeterminismCallback's defaults)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = parser.parse_args()
     results = {}
@@ -89,13 +94,21 @@ def main() -> None:
         results["compile_first_step_s"] = time.perf_counter() - t0
         results["torch_compile_step"] = median_ms(step, args.repeats)[0]
 
-    ratios = {f"eager_fused_over_{k}": results["eager_fused"] / results[k]
-              for k in ("cuda_graph", "torch_compile_step") if k in results and "eager_fused" in results}
+    ratios = {
+        f"eager_fused_over_{k}": results["eager_fused"] / results[k]
+        for k in ("cuda_graph", "torch_compile_step")
+        if k in results and "eager_fused" in results
+    }
     results["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
-    write_json(f"{args.out}/train_step{args.tag}.json", {
-        "config": vars(args), "median_ms_per_step": results, "speedup_vs_eager": ratios,
-        "target": {"cuda_graph_ms_max": 90, "met": results["cuda_graph"] <= 90},
-    })
+    write_json(
+        f"{args.out}/train_step{args.tag}.json",
+        {
+            "config": vars(args),
+            "median_ms_per_step": results,
+            "speedup_vs_eager": ratios,
+            "target": {"cuda_graph_ms_max": 90, "met": results["cuda_graph"] <= 90},
+        },
+    )
     print(results, ratios)
 
 

@@ -51,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -64,7 +64,15 @@ _PROFILE_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_COLLNET_ENABL
 #: Variables a variant may set; removed from the inherited environment unless the variant sets them.
 _CONTROLLED_ENV = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_COLLNET_ENABLE", "CUBLAS_WORKSPACE_CONFIG")
 #: Recorded from every rank's environment after the run (what was really in effect).
-_RECORDED_ENV_PREFIXES = ("NCCL_", "TORCH_SYMM", "NVSHMEM", "CUBLAS_", "OMP_NUM_THREADS", "PL_GLOBAL_SEED", "PYTHONHASHSEED")
+_RECORDED_ENV_PREFIXES = (
+    "NCCL_",
+    "TORCH_SYMM",
+    "NVSHMEM",
+    "CUBLAS_",
+    "OMP_NUM_THREADS",
+    "PL_GLOBAL_SEED",
+    "PYTHONHASHSEED",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,29 +94,53 @@ VARIANTS: dict[str, Variant] = {
     "det": Variant("ddp_deterministic", 0, "ddp_deterministic, defaults (bench_ddp's 'det_a')"),
     "ddp_1gpu": Variant("ddp", 1, "plain ddp on 1 GPU (weak-scaling baseline)"),
     "det_1gpu": Variant("ddp_deterministic", 1, "ddp_deterministic on 1 GPU (bench_ddp's 'det_1')"),
-    "ddp_nccl_profile": Variant("ddp", 0, "plain ddp + NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_COLLNET_ENABLE=0",
-                                env=_PROFILE_ENV),
-    "det_no_nccl_profile": Variant("ddp_deterministic", 0, "det with apply_nccl_profile patched out (NCCL tuner)",
-                                   no_nccl_profile=True),
-    "det_no_reseed": Variant("ddp_deterministic", 0, "det, reseed_every_step=False",
-                             strategy_kwargs={"reseed_every_step": False}),
-    "det_no_bucket_view": Variant("ddp_deterministic", 0, "det, gradient_as_bucket_view=False",
-                                  strategy_kwargs={"gradient_as_bucket_view": False}),
+    "ddp_nccl_profile": Variant(
+        "ddp", 0, "plain ddp + NCCL_ALGO=Ring NCCL_PROTO=Simple NCCL_COLLNET_ENABLE=0", env=_PROFILE_ENV
+    ),
+    "det_no_nccl_profile": Variant(
+        "ddp_deterministic", 0, "det with apply_nccl_profile patched out (NCCL tuner)", no_nccl_profile=True
+    ),
+    "det_no_reseed": Variant(
+        "ddp_deterministic", 0, "det, reseed_every_step=False", strategy_kwargs={"reseed_every_step": False}
+    ),
+    "det_no_bucket_view": Variant(
+        "ddp_deterministic", 0, "det, gradient_as_bucket_view=False", strategy_kwargs={"gradient_as_bucket_view": False}
+    ),
     "det_repeat": Variant("ddp_deterministic", 0, "det again (drift check)"),
     "ddp_repeat": Variant("ddp", 0, "plain ddp again (drift check)"),
-    "ddp_configure": Variant("ddp", 0, "plain ddp after configure(0) (deterministic algorithms, CUBLAS_WORKSPACE_CONFIG)",
-                             configure=True),
+    "ddp_configure": Variant(
+        "ddp", 0, "plain ddp after configure(0) (deterministic algorithms, CUBLAS_WORKSPACE_CONFIG)", configure=True
+    ),
     "det_nccl_ll": Variant("ddp_deterministic", 0, "det, nccl_protocol='LL'", strategy_kwargs={"nccl_protocol": "LL"}),
     # optional
-    "det_nccl_ll128": Variant("ddp_deterministic", 0, "det, nccl_protocol='LL128'",
-                              strategy_kwargs={"nccl_protocol": "LL128"}),
-    "det_static_graph": Variant("ddp_deterministic", 0, "det, static_graph=True", strategy_kwargs={"static_graph": True}),
+    "det_nccl_ll128": Variant(
+        "ddp_deterministic", 0, "det, nccl_protocol='LL128'", strategy_kwargs={"nccl_protocol": "LL128"}
+    ),
+    "det_static_graph": Variant(
+        "ddp_deterministic", 0, "det, static_graph=True", strategy_kwargs={"static_graph": True}
+    ),
     "det_configure": Variant("ddp_deterministic", 0, "det after configure(0)", configure=True),
-    "det_manual_seed_reseed": Variant("ddp_deterministic", 0, "det, per-step reseed via seed_everything_from (torch.manual_seed)",
-                                      manual_seed_reseed=True),
+    "det_manual_seed_reseed": Variant(
+        "ddp_deterministic",
+        0,
+        "det, per-step reseed via seed_everything_from (torch.manual_seed)",
+        manual_seed_reseed=True,
+    ),
 }
-DEFAULT_VARIANTS = ("ddp", "det", "ddp_1gpu", "det_1gpu", "ddp_nccl_profile", "det_no_nccl_profile", "det_no_reseed",
-                    "det_no_bucket_view", "det_repeat", "ddp_repeat", "ddp_configure", "det_nccl_ll")
+DEFAULT_VARIANTS = (
+    "ddp",
+    "det",
+    "ddp_1gpu",
+    "det_1gpu",
+    "ddp_nccl_profile",
+    "det_no_nccl_profile",
+    "det_no_reseed",
+    "det_no_bucket_view",
+    "det_repeat",
+    "ddp_repeat",
+    "ddp_configure",
+    "det_nccl_ll",
+)
 #: (numerator, denominator, meaning) of the ratios in the summary.
 RATIOS = (
     ("det", "ddp", "det / plain (issue #7: 1.32)"),
@@ -132,7 +164,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--gpus", type=int, default=2, help="processes of the multi-device variants")
-    parser.add_argument("--cpu", action="store_true", help="dry run on CPU with gloo (small model unless sizes are given)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="dry run on CPU with gloo (small model unless sizes are given)"
+    )
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma list of {sorted(VARIANTS)}")
     parser.add_argument("--num-envs", type=int, default=None, help="per GPU (default 256; 16 with --cpu)")
     parser.add_argument("--rollout-length", type=int, default=None, help="default 64; 8 with --cpu")
@@ -147,13 +181,18 @@ def _parser() -> argparse.ArgumentParser:
 
 def _resolve_sizes(args: argparse.Namespace) -> None:
     small = args.cpu
-    for name, gpu, cpu in (("num_envs", 256, 16), ("rollout_length", 64, 8), ("hidden_size", 256, 32), ("warmup", 10, 2)):
+    for name, gpu, cpu in (
+        ("num_envs", 256, 16),
+        ("rollout_length", 64, 8),
+        ("hidden_size", 256, 32),
+        ("warmup", 10, 2),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, cpu if small else gpu)
 
 
 # ------------------------------------------------------------------------------------------ worker
-def _percentile(values: list[float], q: float) -> Optional[float]:
+def _percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -199,11 +238,11 @@ def _worker(args: argparse.Namespace) -> None:
         from deepep_lightning.determinism import configure
 
         configure(0)  # before anything starts CUDA; NCCL variables stay as the variant set them
-    import deepep_lightning.strategies  # noqa: F401  (registers "ddp_deterministic")
     import lightning.pytorch as pl
     import torch
 
-    from deepep_lightning.module import DeepEPModule
+    import deepep_lightning.strategies  # noqa: F401  (registers "ddp_deterministic")
+    from deepep_lightning.deepep import DeepEPModule
 
     own_times: list[float] = []
     strategy: Any = variant.strategy
@@ -213,7 +252,8 @@ def _worker(args: argparse.Namespace) -> None:
 
         if variant.no_nccl_profile:
             deterministic_ddp.apply_nccl_profile = lambda algorithm, protocol: (
-                {key: os.environ.get(key, "<unset>") for key in NCCL_RECORDED_ENV}, []
+                {key: os.environ.get(key, "<unset>") for key in NCCL_RECORDED_ENV},
+                [],
             )
         if variant.manual_seed_reseed:
             from deepep_lightning.determinism import rng
@@ -230,7 +270,7 @@ def _worker(args: argparse.Namespace) -> None:
             self.steps: list[dict[str, float]] = []
             self._host: dict[str, float] = {}
             self._events: dict[str, Any] = {}
-            self._last_start: Optional[float] = None
+            self._last_start: float | None = None
 
         def _mark(self, pl_module: pl.LightningModule, point: str) -> None:
             self._host[point] = time.perf_counter()
@@ -261,8 +301,11 @@ def _worker(args: argparse.Namespace) -> None:
                 torch.cuda.synchronize(pl_module.device)
             end = time.perf_counter()
             record = {"step_s": end - self._host["start"]}
-            phases = (("forward", "start", "before_backward"), ("backward", "before_backward", "after_backward"),
-                      ("optimizer", "after_backward", "end"))
+            phases = (
+                ("forward", "start", "before_backward"),
+                ("backward", "before_backward", "after_backward"),
+                ("optimizer", "after_backward", "end"),
+            )
             for phase, first, last in phases:
                 if first in self._host and last in self._host:
                     record[f"{phase}_host_s"] = self._host[last] - self._host[first]
@@ -275,29 +318,52 @@ def _worker(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)  # two ranks on a small CPU box
     total = args.warmup + args.steps
     timer = PhaseTimer()
-    model = DeepEPModule(num_envs=args.num_envs, rollout_length=args.rollout_length, hidden_size=args.hidden_size,
-                         steps_per_epoch=total * devices + devices, seed=0, fused_value_head=False)
+    model = DeepEPModule(
+        num_envs=args.num_envs,
+        rollout_length=args.rollout_length,
+        hidden_size=args.hidden_size,
+        steps_per_epoch=total * devices + devices,
+        seed=0,
+        fused_value_head=False,
+    )
     out = os.path.join(args.out, name)
-    trainer = pl.Trainer(accelerator="cpu" if args.cpu else "gpu", devices=devices, strategy=strategy, max_steps=total,
-                         callbacks=[timer], logger=False, default_root_dir=out, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, gradient_clip_val=1.0)
+    trainer = pl.Trainer(
+        accelerator="cpu" if args.cpu else "gpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=total,
+        callbacks=[timer],
+        logger=False,
+        default_root_dir=out,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        gradient_clip_val=1.0,
+    )
     trainer.fit(model)
     active = trainer.strategy
     record = {
-        "variant": name, "rank": trainer.global_rank, "world_size": trainer.world_size,
-        "strategy": type(active).__name__, "strategy_kwargs": variant.strategy_kwargs,
+        "variant": name,
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "strategy": type(active).__name__,
+        "strategy_kwargs": variant.strategy_kwargs,
         "ddp_kwargs": {k: repr(v) for k, v in getattr(active, "_ddp_kwargs", {}).items()},
         "process_group_backend": str(getattr(active, "_process_group_backend", None)),
-        "no_nccl_profile_patch": variant.no_nccl_profile, "configure": variant.configure,
+        "no_nccl_profile_patch": variant.no_nccl_profile,
+        "configure": variant.configure,
         "manual_seed_reseed_patch": variant.manual_seed_reseed,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "torch_threads": torch.get_num_threads(),
         "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_RECORDED_ENV_PREFIXES)},
         "fingerprint": active.fingerprint() if hasattr(active, "fingerprint") else {},
-        "warmup": args.warmup, "steps": timer.steps, "strategy_own_host_s": own_times,
+        "warmup": args.warmup,
+        "steps": timer.steps,
+        "strategy_own_host_s": own_times,
         "global_step": trainer.global_step,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.cpu else "cpu",
-        "torch": str(torch.__version__), "lightning": pl.__version__,
+        "torch": str(torch.__version__),
+        "lightning": pl.__version__,
     }
     with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as handle:
         json.dump(record, handle, indent=1)
@@ -311,23 +377,43 @@ def _free_port() -> int:
 
 
 def _child_env(variant: Variant, devices: int) -> dict[str, str]:
-    dropped = ("LOCAL_RANK", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "NODE_RANK", "MASTER_PORT",
-               "MASTER_ADDR", "TORCHELASTIC_RUN_ID") + _CONTROLLED_ENV
+    dropped = (
+        "LOCAL_RANK",
+        "RANK",
+        "GROUP_RANK",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "NODE_RANK",
+        "MASTER_PORT",
+        "MASTER_ADDR",
+        "TORCHELASTIC_RUN_ID",
+    ) + _CONTROLLED_ENV
     env = {k: v for k, v in os.environ.items() if k not in dropped and not k.startswith("SLURM_")}
     env.update(variant.env)
-    env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "NODE_RANK": "0",
-                "WORLD_SIZE": str(devices), "PYTHONPATH": os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p)})
+    env.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "NODE_RANK": "0",
+            "WORLD_SIZE": str(devices),
+            "PYTHONPATH": os.pathsep.join(p for p in (_REPO, env.get("PYTHONPATH")) if p),
+        }
+    )
     return env
 
 
 def _machine_state() -> dict[str, Any]:
     """Load and GPU state just before a launch: a busy host or a leftover GPU process shows up here."""
     state: dict[str, Any] = {"loadavg": list(os.getloadavg()), "cpus": len(os.sched_getaffinity(0))}
-    queries = {"gpus": ["--query-gpu=index,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,memory.used"],
-               "gpu_processes": ["--query-compute-apps=gpu_uuid,pid,process_name,used_memory"]}
+    queries = {
+        "gpus": ["--query-gpu=index,clocks.sm,clocks.mem,temperature.gpu,power.draw,utilization.gpu,memory.used"],
+        "gpu_processes": ["--query-compute-apps=gpu_uuid,pid,process_name,used_memory"],
+    }
     for key, query in queries.items():
         try:
-            done = subprocess.run(["nvidia-smi", *query, "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+            done = subprocess.run(
+                ["nvidia-smi", *query, "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+            )
             state[key] = done.stdout.strip().splitlines()
         except (OSError, subprocess.SubprocessError):
             pass
@@ -363,9 +449,26 @@ def _launch(args: argparse.Namespace, name: str, timeout_s: float) -> dict[str, 
             if os.path.exists(path):
                 os.remove(path)
     env = _child_env(variant, devices)
-    command = [sys.executable, os.path.abspath(__file__), "--worker", name, "--out", args.out, "--gpus", str(args.gpus),
-               "--num-envs", str(args.num_envs), "--rollout-length", str(args.rollout_length),
-               "--hidden-size", str(args.hidden_size), "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    command = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        name,
+        "--out",
+        args.out,
+        "--gpus",
+        str(args.gpus),
+        "--num-envs",
+        str(args.num_envs),
+        "--rollout-length",
+        str(args.rollout_length),
+        "--hidden-size",
+        str(args.hidden_size),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+    ]
     command += ["--cpu"] if args.cpu else []
     machine = _machine_state()
     started = time.perf_counter()
@@ -375,8 +478,15 @@ def _launch(args: argparse.Namespace, name: str, timeout_s: float) -> dict[str, 
         for rank in range(devices):
             log = open(os.path.join(out, f"rank{rank}.log"), "w")
             logs.append(log)
-            procs.append(subprocess.Popen(command, env={**env, "LOCAL_RANK": str(rank)}, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    command,
+                    env={**env, "LOCAL_RANK": str(rank)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
             _RUNNING[:] = procs
         deadline = started + timeout_s
         while any(proc.poll() is None for proc in procs):
@@ -417,19 +527,31 @@ def _launch(args: argparse.Namespace, name: str, timeout_s: float) -> dict[str, 
             if os.path.exists(path):
                 tails.append(f"--- rank {rank}\n" + open(path, errors="replace").read()[-1500:])
         error_tail = "\n".join(tails)
-    return {"status": status, "duration_s": duration, "devices": devices, "ranks": ranks, "error_tail": error_tail,
-            "machine_before": machine,
-            "env_set": dict(variant.env),
-            "env_removed": [k for k in _CONTROLLED_ENV if k in os.environ and k not in variant.env]}
+    return {
+        "status": status,
+        "duration_s": duration,
+        "devices": devices,
+        "ranks": ranks,
+        "error_tail": error_tail,
+        "machine_before": machine,
+        "env_set": dict(variant.env),
+        "env_removed": [k for k in _CONTROLLED_ENV if k in os.environ and k not in variant.env],
+    }
 
 
 def _summarise(name: str, run: dict[str, Any]) -> dict[str, Any]:
     variant = VARIANTS[name]
     summary: dict[str, Any] = {
-        "what": variant.what, "status": run["status"], "duration_s": round(run["duration_s"], 1),
-        "world_size": run["devices"], "strategy": variant.strategy, "strategy_kwargs": variant.strategy_kwargs,
-        "no_nccl_profile_patch": variant.no_nccl_profile, "configure": variant.configure,
-        "manual_seed_reseed_patch": variant.manual_seed_reseed, "env_set": run["env_set"],
+        "what": variant.what,
+        "status": run["status"],
+        "duration_s": round(run["duration_s"], 1),
+        "world_size": run["devices"],
+        "strategy": variant.strategy,
+        "strategy_kwargs": variant.strategy_kwargs,
+        "no_nccl_profile_patch": variant.no_nccl_profile,
+        "configure": variant.configure,
+        "manual_seed_reseed_patch": variant.manual_seed_reseed,
+        "env_set": run["env_set"],
         "env_removed_from_inherited": run["env_removed"],
         "machine_before": run["machine_before"],
     }
@@ -489,21 +611,28 @@ def _ratios(variants: dict[str, Any]) -> dict[str, Any]:
 
 
 def _table(variants: dict[str, Any]) -> str:
-    header = (f"{'variant':<22}{'ws':>3}{'median':>9}{'p10':>8}{'p90':>8}{'period':>9}{'fwd':>8}{'bwd':>8}{'opt':>8}"
-              f"{'own us':>8}  status")
+    header = (
+        f"{'variant':<22}{'ws':>3}{'median':>9}{'p10':>8}{'p90':>8}{'period':>9}{'fwd':>8}{'bwd':>8}{'opt':>8}"
+        f"{'own us':>8}  status"
+    )
     lines = [header, "-" * len(header)]
     for name, s in variants.items():
+
         def fmt(value: Any, width: int) -> str:
             return f"{value:>{width}.4f}" if isinstance(value, float) else f"{'-':>{width}}"
 
         phases = s.get("phase_medians_per_rank_s", {})
-        fwd, bwd, opt = (max(phases[f"{p}_host_s"]) if f"{p}_host_s" in phases else None
-                         for p in ("forward", "backward", "optimizer"))
+        fwd, bwd, opt = (
+            max(phases[f"{p}_host_s"]) if f"{p}_host_s" in phases else None
+            for p in ("forward", "backward", "optimizer")
+        )
         own = s.get("strategy_own_training_step_host_us", {}).get("median_per_rank")
         own_text = f"{max(own):>8.0f}" if own else f"{'-':>8}"
-        lines.append(f"{name:<22}{s['world_size']:>3}{fmt(s.get('median_step_s'), 9)}{fmt(s.get('p10_step_s'), 8)}"
-                     f"{fmt(s.get('p90_step_s'), 8)}{fmt(s.get('median_period_s'), 9)}{fmt(fwd, 8)}{fmt(bwd, 8)}{fmt(opt, 8)}"
-                     f"{own_text}  {s['status']}")
+        lines.append(
+            f"{name:<22}{s['world_size']:>3}{fmt(s.get('median_step_s'), 9)}{fmt(s.get('p10_step_s'), 8)}"
+            f"{fmt(s.get('p90_step_s'), 8)}{fmt(s.get('median_period_s'), 9)}{fmt(fwd, 8)}{fmt(bwd, 8)}{fmt(opt, 8)}"
+            f"{own_text}  {s['status']}"
+        )
     return "\n".join(lines)
 
 
@@ -520,8 +649,12 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     signal.signal(signal.SIGTERM, _on_termination)
     config = {k: v for k, v in vars(args).items() if k != "worker"}
-    result: dict[str, Any] = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "config": config,
-                              "variants": {}, "ratios": {}}
+    result: dict[str, Any] = {
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "config": config,
+        "variants": {},
+        "ratios": {},
+    }
     started = time.perf_counter()
     durations: dict[int, float] = {}
     for name in wanted:
@@ -529,8 +662,12 @@ def main() -> None:
         elapsed = time.perf_counter() - started
         expected = durations.get(devices, max(durations.values(), default=45.0))
         if elapsed + expected > args.budget_s:
-            result["variants"][name] = {"what": VARIANTS[name].what, "status": f"skipped: budget ({elapsed:.0f} s elapsed,"
-                                        f" ~{expected:.0f} s needed, --budget-s {args.budget_s:.0f})", "world_size": devices}
+            result["variants"][name] = {
+                "what": VARIANTS[name].what,
+                "status": f"skipped: budget ({elapsed:.0f} s elapsed,"
+                f" ~{expected:.0f} s needed, --budget-s {args.budget_s:.0f})",
+                "world_size": devices,
+            }
             print(f"[ddp_ablation] {name}: skipped (budget)", flush=True)
             continue
         timeout = args.variant_timeout_s
@@ -540,15 +677,20 @@ def main() -> None:
         result["ratios"] = _ratios(result["variants"])
         result["elapsed_s"] = round(time.perf_counter() - started, 1)
         median = result["variants"][name].get("median_step_s")
-        print(f"[ddp_ablation] {name}: {run['status']} in {run['duration_s']:.1f} s"
-              + (f", median step {median:.4f} s" if median else ""), flush=True)
+        print(
+            f"[ddp_ablation] {name}: {run['status']} in {run['duration_s']:.1f} s"
+            + (f", median step {median:.4f} s" if median else ""),
+            flush=True,
+        )
         if run["status"] != "ok":
             print(run["error_tail"][-2000:], flush=True)
         with open(os.path.join(args.out, "ddp_ablation.json"), "w") as handle:
             json.dump(result, handle, indent=1)
     print(_table(result["variants"]))
     print(json.dumps(result["ratios"], indent=1))
-    print(f"[ddp_ablation] total {time.perf_counter() - started:.1f} s; wrote {os.path.join(args.out, 'ddp_ablation.json')}")
+    print(
+        f"[ddp_ablation] total {time.perf_counter() - started:.1f} s; wrote {os.path.join(args.out, 'ddp_ablation.json')}"
+    )
 
 
 if __name__ == "__main__":

@@ -62,12 +62,14 @@ def candidates(device):
         "grid_sample_2d_bilinear_border": sample(padding_mode="border", align_corners=True),
         "grid_sample_2d_bilinear_reflection": sample(padding_mode="reflection", align_corners=False),
         "grid_sample_2d_bilinear_zeros_align_corners_cudnn": sample(align_corners=True),
-        "grid_sample_2d_bilinear_grid_grad_only":
-            lambda: F.grid_sample(image().detach(), grid(), align_corners=False).sum(),
+        "grid_sample_2d_bilinear_grid_grad_only": lambda: F.grid_sample(
+            image().detach(), grid(), align_corners=False
+        ).sum(),
         "grid_sample_2d_nearest": sample(mode="nearest", align_corners=False),
         "grid_sample_2d_bicubic": sample(mode="bicubic", align_corners=False),
-        "grid_sample_3d_bilinear":
-            lambda: F.grid_sample(volume(), _grid(1, 3, 3, 3, 3, **d), align_corners=False).sum(),
+        "grid_sample_3d_bilinear": lambda: F.grid_sample(
+            volume(), _grid(1, 3, 3, 3, 3, **d), align_corners=False
+        ).sum(),
         "interpolate_bilinear": resize(image, scale_factor=2, mode="bilinear"),
         "interpolate_bilinear_antialias": resize(image, scale_factor=0.5, mode="bilinear", antialias=True),
         "interpolate_bicubic": resize(image, scale_factor=2, mode="bicubic"),
@@ -90,14 +92,20 @@ def candidates(device):
         "embedding_bag_max": lambda: F.embedding_bag(_index(10, 4, 3, **d), _leaf(10, 4, **d), mode="max").sum(),
         "embedding_bag_sum": lambda: F.embedding_bag(_index(10, 4, 3, **d), _leaf(10, 4, **d), mode="sum").sum(),
         "nll_loss2d": lambda: F.nll_loss(F.log_softmax(_leaf(2, 4, 5, 5, **d), 1), _index(4, 2, 5, 5, **d)),
-        "ctc_loss": lambda: F.ctc_loss(F.log_softmax(_leaf(12, 2, 5, **d), 2), _index(4, 2, 4, **d) + 1,
-                                       torch.full((2,), 12, **d), torch.full((2,), 4, **d)),
+        "ctc_loss": lambda: F.ctc_loss(
+            F.log_softmax(_leaf(12, 2, 5, **d), 2),
+            _index(4, 2, 4, **d) + 1,
+            torch.full((2,), 12, **d),
+            torch.full((2,), 4, **d),
+        ),
         "index_add": lambda: torch.zeros(5, 3, **d).index_add(0, _index(5, 8, **d), _leaf(8, 3, **d)).sum(),
         "scatter_add": lambda: torch.zeros(5, **d).scatter_add(0, _index(5, 8, **d), _leaf(8, **d)).sum(),
-        "scatter_reduce_amax":
-            lambda: torch.zeros(5, **d).scatter_reduce(0, _index(5, 8, **d), _leaf(8, **d), "amax").sum(),
-        "index_put_accumulate":
-            lambda: torch.zeros(5, **d).index_put((_index(5, 8, **d),), _leaf(8, **d), accumulate=True).sum(),
+        "scatter_reduce_amax": lambda: (
+            torch.zeros(5, **d).scatter_reduce(0, _index(5, 8, **d), _leaf(8, **d), "amax").sum()
+        ),
+        "index_put_accumulate": lambda: (
+            torch.zeros(5, **d).index_put((_index(5, 8, **d),), _leaf(8, **d), accumulate=True).sum()
+        ),
         "gather_backward": lambda: _leaf(5, 4, **d).gather(0, _index(5, 6, 4, **d)).sum(),
         "index_select_backward": lambda: _leaf(5, 4, **d).index_select(0, _index(5, 9, **d)).sum(),
         "kthvalue": lambda: _leaf(5, 7, **d).kthvalue(3, 1).values.sum(),
@@ -108,9 +116,14 @@ def candidates(device):
     }
 
 
-ROUTED = {"grid_sample_2d_bilinear_zeros", "grid_sample_2d_bilinear_border", "grid_sample_2d_bilinear_reflection",
-          "grid_sample_2d_bilinear_zeros_align_corners_cudnn", "grid_sample_2d_bilinear_grid_grad_only",
-          "interpolate_bilinear"}
+ROUTED = {
+    "grid_sample_2d_bilinear_zeros",
+    "grid_sample_2d_bilinear_border",
+    "grid_sample_2d_bilinear_reflection",
+    "grid_sample_2d_bilinear_zeros_align_corners_cudnn",
+    "grid_sample_2d_bilinear_grid_grad_only",
+    "interpolate_bilinear",
+}
 
 
 def probe(fn):
@@ -145,8 +158,11 @@ def main(argv=None):
             with refused_ops_routing():
                 entry["raises_with_deepep_routing"], entry["error_with_deepep_routing"] = probe(fn)
         results.append(entry)
-        print(f"{name:52s} {'RAISES' if raised else 'ok'}" + ("" if name not in ROUTED else
-              f"   routed: {'RAISES' if entry['raises_with_deepep_routing'] else 'ok'}"), flush=True)
+        print(
+            f"{name:52s} {'RAISES' if raised else 'ok'}"
+            + ("" if name not in ROUTED else f"   routed: {'RAISES' if entry['raises_with_deepep_routing'] else 'ok'}"),
+            flush=True,
+        )
     report = {
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -32,8 +32,13 @@ QUICK_SHAPES = [(333, 33, 100), (257, 3, 300), (1, 1, 1), (65, 2, 31)]
 
 def _inputs(n, a, h, seed):
     gen = torch.Generator().manual_seed(seed)
-    host = [torch.randn(n, h, generator=gen), torch.randn(a, h, generator=gen),
-            torch.randn(h, generator=gen) / h**0.5, torch.randn(1, generator=gen), torch.randn(n, a, generator=gen)]
+    host = [
+        torch.randn(n, h, generator=gen),
+        torch.randn(a, h, generator=gen),
+        torch.randn(h, generator=gen) / h**0.5,
+        torch.randn(1, generator=gen),
+        torch.randn(n, a, generator=gen),
+    ]
     return [t.cuda() for t in host]
 
 
@@ -65,8 +70,17 @@ def run(shapes):
             torch.cuda.current_stream().wait_stream(side)
             errors = {"default": _max_rel_err(got_default, want), "side": side_error}
             for stream_name, error in errors.items():
-                records.append({"N": n, "A": a, "H": h, "deterministic": deterministic,
-                                "stream": stream_name, "max_rel_err": error, "ok": error < 1e-5})
+                records.append(
+                    {
+                        "N": n,
+                        "A": a,
+                        "H": h,
+                        "deterministic": deterministic,
+                        "stream": stream_name,
+                        "max_rel_err": error,
+                        "ok": error < 1e-5,
+                    }
+                )
     torch.cuda.synchronize()  # a script, not library code: wait for the last kernels
     return records
 
@@ -90,8 +104,13 @@ def main(argv=None):
     print(f"{len(records) - len(failed)}/{len(records)} checks passed in {time.perf_counter() - start:.1f} s")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        summary = {"command": sys.argv, "torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                   "records": records, "passed": not failed}
+        summary = {
+            "command": sys.argv,
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(),
+            "records": records,
+            "passed": not failed,
+        }
         (args.out / "sanitize_all_action_q.json").write_text(json.dumps(summary, indent=2))
     return 1 if failed else 0
 

@@ -1,5 +1,7 @@
 """deepep_lightning: reproducible, NaN-survivable PyTorch Lightning training.
 
+The reference workload, DeepEP, lives in :mod:`deepep_lightning.deepep` and is not re-exported here.
+
 Names are imported lazily, so ``deepep-compare`` and friends start without importing Lightning.
 """
 
@@ -11,7 +13,7 @@ from typing import Any
 from deepep_lightning._version import __version__
 
 _EXPORTS = {
-    "DeepEPModule": "deepep_lightning.module",
+    "DeepEPModule": "deepep_lightning.deepep.module",
     "compare_runs": "deepep_lightning.compare",
     "CompareResult": "deepep_lightning.compare",
     "NumericalHealthCallback": "deepep_lightning.health",

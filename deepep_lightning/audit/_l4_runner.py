@@ -16,7 +16,8 @@ import os
 import signal
 import sys
 import tempfile
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -37,7 +38,9 @@ class _KillAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step >= self.step:
             for logger in trainer.loggers:
                 logger.save()
@@ -47,7 +50,7 @@ class _KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _config_has_callback(config: Optional[str], name: str) -> bool:
+def _config_has_callback(config: str | None, name: str) -> bool:
     """Whether the config's ``trainer.callbacks`` already holds a callback class called ``name``."""
     if config is None:
         return False
@@ -59,7 +62,7 @@ def _config_has_callback(config: Optional[str], name: str) -> bool:
     return any(isinstance(e, dict) and str(e.get("class_path", "")).rsplit(".", 1)[-1] == name for e in entries)
 
 
-def _cli_config(config: Optional[str], tmp: str) -> Optional[str]:
+def _cli_config(config: str | None, tmp: str) -> str | None:
     """A LightningCLI file as is; a plain kwargs YAML is wrapped as its ``model`` section."""
     if config is None:
         return None
@@ -73,9 +76,9 @@ def _cli_config(config: Optional[str], tmp: str) -> Optional[str]:
     return wrapped
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEEPEP_TARGET)
@@ -94,8 +97,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from deepep_lightning.determinism import DeterminismCallback
 
         callbacks.append(DeterminismCallback(seed=args.seed))
-    callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "ckpt"), every_n_train_steps=1,
-                                     save_top_k=0, save_last=True, save_on_train_epoch_end=False))
+    callbacks.append(
+        ModelCheckpoint(
+            dirpath=os.path.join(args.out, "ckpt"),
+            every_n_train_steps=1,
+            save_top_k=0,
+            save_last=True,
+            save_on_train_epoch_end=False,
+        )
+    )
     if args.kill_at is not None:
         callbacks.append(_KillAt(args.kill_at))
     is_deepep = model_class.__name__ == "DeepEPModule"
@@ -107,30 +117,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         config = _cli_config(args.config, tmp)
-        cli_args = (["--config", config] if config else []) + list(extra) + [
-            f"--seed_everything={args.seed}",
-            f"--trainer.max_steps={args.steps}",
-            "--trainer.max_epochs=-1",
-            "--trainer.devices=1",
-            "--trainer.log_every_n_steps=1",
-            "--trainer.enable_checkpointing=true",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false",
-            f"--trainer.default_root_dir={args.out}",
-            "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
-            f"--trainer.logger.init_args.save_dir={args.out}",
-            "--trainer.logger.init_args.name=tb",
-            "--trainer.logger.init_args.version=0",
-        ]
-        cli = _CLI(model_class, run=False, args=cli_args, trainer_defaults={"callbacks": callbacks},
-                   save_config_callback=None, seed_everything_default=args.seed)
+        cli_args = (
+            (["--config", config] if config else [])
+            + list(extra)
+            + [
+                f"--seed_everything={args.seed}",
+                f"--trainer.max_steps={args.steps}",
+                "--trainer.max_epochs=-1",
+                "--trainer.devices=1",
+                "--trainer.log_every_n_steps=1",
+                "--trainer.enable_checkpointing=true",
+                "--trainer.enable_progress_bar=false",
+                "--trainer.enable_model_summary=false",
+                f"--trainer.default_root_dir={args.out}",
+                "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger",
+                f"--trainer.logger.init_args.save_dir={args.out}",
+                "--trainer.logger.init_args.name=tb",
+                "--trainer.logger.init_args.version=0",
+            ]
+        )
+        cli = _CLI(
+            model_class,
+            run=False,
+            args=cli_args,
+            trainer_defaults={"callbacks": callbacks},
+            save_config_callback=None,
+            seed_everything_default=args.seed,
+        )
     last = os.path.join(args.out, "ckpt", "last.ckpt")
     cli.trainer.fit(cli.model, ckpt_path=last if args.resume else None)
-    torch.save({
-        "state_dict": {k: v.detach().cpu() for k, v in cli.model.state_dict().items()},
-        "optimizers": [optimizer.state_dict() for optimizer in cli.trainer.optimizers],
-        "global_step": cli.trainer.global_step,
-    }, os.path.join(args.out, "final.pt"))
+    torch.save(
+        {
+            "state_dict": {k: v.detach().cpu() for k, v in cli.model.state_dict().items()},
+            "optimizers": [optimizer.state_dict() for optimizer in cli.trainer.optimizers],
+            "global_step": cli.trainer.global_step,
+        },
+        os.path.join(args.out, "final.pt"),
+    )
     return 0
 
 

@@ -10,7 +10,8 @@ CPU tests fast.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -51,16 +52,20 @@ def _scatter_like(kind: str):
             "index_put_accumulate": lambda: zeros().index_put_((idx,), src, accumulate=True),
             "put_accumulate": lambda: zeros().put_(idx, src, accumulate=True),
             "bincount_weights": lambda: torch.bincount(idx, weights=src, minlength=_BINS),
-            "index_copy_duplicates": lambda: zeros().index_copy_(0, idx[:_BINS * 4] % _BINS, src[:_BINS * 4]),
+            "index_copy_duplicates": lambda: zeros().index_copy_(0, idx[: _BINS * 4] % _BINS, src[: _BINS * 4]),
         }
         return ops[kind]
+
     return build
 
 
-def _grad_of(forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor], grad_out: torch.Tensor) -> Callable[[], Any]:
+def _grad_of(
+    forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor], grad_out: torch.Tensor
+) -> Callable[[], Any]:
     def run():
         out = forward()
         return torch.autograd.grad(out, inputs, grad_out)
+
     return run
 
 
@@ -68,7 +73,9 @@ def _grid_sample(device, n, gen):
     side = max(8, int((n / 16) ** 0.5))  # [1, 16, side, side] input, output as large
     inp = _randn(gen, device, 1, 16, side, side, requires_grad=True)
     grid = (torch.rand(1, side, side, 2, generator=gen) * 2 - 1).to(device)
-    return _grad_of(lambda: F.grid_sample(inp, grid, align_corners=False), [inp], _randn(gen, device, 1, 16, side, side))
+    return _grad_of(
+        lambda: F.grid_sample(inp, grid, align_corners=False), [inp], _randn(gen, device, 1, 16, side, side)
+    )
 
 
 def _interpolate(mode: str):
@@ -78,6 +85,7 @@ def _interpolate(mode: str):
         kwargs = {"align_corners": False} if mode == "bilinear" else {}
         grad_out = _randn(gen, device, 1, 16, 2 * side, 2 * side)
         return _grad_of(lambda: F.interpolate(inp, scale_factor=2, mode=mode, **kwargs), [inp], grad_out)
+
     return build
 
 
@@ -91,6 +99,7 @@ def _embedding(bag: bool):
             grad_out = _randn(gen, device, offsets.numel(), dim)
             return _grad_of(lambda: F.embedding_bag(idx, weight, offsets, mode="sum"), [weight], grad_out)
         return _grad_of(lambda: F.embedding(idx, weight), [weight], _randn(gen, device, idx.numel(), dim))
+
     return build
 
 
@@ -114,6 +123,7 @@ def _pool(kind: str):
             shape = forward().shape
         inputs = [inp, weight] if kind == "conv2d" else [inp]
         return _grad_of(forward, inputs, _randn(gen, device, *shape))
+
     return build
 
 
@@ -134,6 +144,7 @@ def _dense(kind: str):
         if kind == "sum":
             return lambda: x.detach().sum()
         raise KeyError(kind)
+
     return build
 
 
@@ -158,9 +169,11 @@ def _gru_cell(device, n, gen):
 def _multinomial(device, n, gen):
     probs = torch.rand(max(8, n // 64), 8, generator=gen).to(device) + 0.01
     sampler = torch.Generator(device=device)
+
     def run():
         sampler.manual_seed(0)  # DeepEP reseeds its rollout generator every step: same draws, same seed
         return torch.multinomial(probs, 1, generator=sampler)
+
     return run
 
 
@@ -174,48 +187,65 @@ def _all_action_q(variant: str):
         grad_out = _randn(gen, device, rows, actions)
         if variant == "reference":
             from deepep_lightning.ops import all_action_q_reference as op
+
             forward = lambda: op(z, e, w, b)  # noqa: E731
         else:
             from deepep_lightning.ops import all_action_q, extension_available
+
             if not extension_available():
                 raise RuntimeError("the deepep extension did not load (see deepep_lightning.ops.extension_error())")
             forward = lambda: all_action_q(z, e, w, b, deterministic=variant == "fused")  # noqa: E731
         return _grad_of(forward, [z, e, w, b], grad_out)
+
     return build
 
 
-CATALOGUE: dict[str, CatalogueEntry] = {e.name: e for e in [
-    CatalogueEntry("index_add_", _scatter_like("index_add_"), "duplicate indices, atomic on CUDA"),
-    CatalogueEntry("scatter_add_", _scatter_like("scatter_add_"), "duplicate indices, atomic on CUDA"),
-    CatalogueEntry("scatter_reduce_sum", _scatter_like("scatter_reduce_sum"), "duplicate indices"),
-    CatalogueEntry("index_put_accumulate", _scatter_like("index_put_accumulate"), "index_put_(accumulate=True)"),
-    CatalogueEntry("put_accumulate", _scatter_like("put_accumulate"), "put_(accumulate=True)"),
-    CatalogueEntry("bincount_weights", _scatter_like("bincount_weights"), "weighted bincount"),
-    CatalogueEntry("index_copy_duplicates", _scatter_like("index_copy_duplicates"), "index_copy_, duplicate indices"),
-    CatalogueEntry("histc", _histc, "histogram"),
-    CatalogueEntry("cumsum", _cumsum, "prefix sum over 1-D"),
-    CatalogueEntry("embedding_backward", _embedding(False), "embedding_dense_backward"),
-    CatalogueEntry("embedding_bag_backward", _embedding(True), "embedding_bag(mode='sum') backward"),
-    CatalogueEntry("grid_sample_backward", _grid_sample, "grid_sampler_2d_backward (bilinear)"),
-    CatalogueEntry("interpolate_bilinear_backward", _interpolate("bilinear"), "upsample_bilinear2d_backward"),
-    CatalogueEntry("interpolate_nearest_backward", _interpolate("nearest"), "upsample_nearest2d_backward"),
-    CatalogueEntry("adaptive_avg_pool2d_backward", _pool("adaptive_avg_pool2d"), "adaptive_avg_pool2d backward"),
-    CatalogueEntry("avg_pool3d_backward", _pool("avg_pool3d"), "avg_pool3d backward"),
-    CatalogueEntry("reflection_pad2d_backward", _pool("reflection_pad2d"), "reflection_pad2d backward"),
-    CatalogueEntry("conv2d_backward", _pool("conv2d"), "conv2d forward+backward (cuDNN algorithm choice)"),
-    CatalogueEntry("matmul", _dense("matmul"), "GEMM (cuBLAS)"),
-    CatalogueEntry("linear_backward", _dense("linear_backward"), "DeepEP: Linear backward"),
-    CatalogueEntry("layer_norm_backward", _dense("layer_norm_backward"), "layer_norm backward"),
-    CatalogueEntry("softmax", _dense("softmax"), "DeepEP: policy softmax"),
-    CatalogueEntry("sum", _dense("sum"), "full reduction"),
-    CatalogueEntry("gru_cell", _gru_cell, "DeepEP: recurrent cell forward+backward"),
-    CatalogueEntry("multinomial", _multinomial, "DeepEP: action sampling, seeded generator"),
-    CatalogueEntry("all_action_q_reference", _all_action_q("reference"), "DeepEP: value head, PyTorch reference"),
-    CatalogueEntry("all_action_q_fused", _all_action_q("fused"), "DeepEP: extension op, deterministic backward",
-                   needs_extension=True),
-    CatalogueEntry("all_action_q_atomic", _all_action_q("atomic"), "DeepEP: extension op, atomicAdd backward",
-                   cuda_only=True, needs_extension=True),
-]}
+CATALOGUE: dict[str, CatalogueEntry] = {
+    e.name: e
+    for e in [
+        CatalogueEntry("index_add_", _scatter_like("index_add_"), "duplicate indices, atomic on CUDA"),
+        CatalogueEntry("scatter_add_", _scatter_like("scatter_add_"), "duplicate indices, atomic on CUDA"),
+        CatalogueEntry("scatter_reduce_sum", _scatter_like("scatter_reduce_sum"), "duplicate indices"),
+        CatalogueEntry("index_put_accumulate", _scatter_like("index_put_accumulate"), "index_put_(accumulate=True)"),
+        CatalogueEntry("put_accumulate", _scatter_like("put_accumulate"), "put_(accumulate=True)"),
+        CatalogueEntry("bincount_weights", _scatter_like("bincount_weights"), "weighted bincount"),
+        CatalogueEntry(
+            "index_copy_duplicates", _scatter_like("index_copy_duplicates"), "index_copy_, duplicate indices"
+        ),
+        CatalogueEntry("histc", _histc, "histogram"),
+        CatalogueEntry("cumsum", _cumsum, "prefix sum over 1-D"),
+        CatalogueEntry("embedding_backward", _embedding(False), "embedding_dense_backward"),
+        CatalogueEntry("embedding_bag_backward", _embedding(True), "embedding_bag(mode='sum') backward"),
+        CatalogueEntry("grid_sample_backward", _grid_sample, "grid_sampler_2d_backward (bilinear)"),
+        CatalogueEntry("interpolate_bilinear_backward", _interpolate("bilinear"), "upsample_bilinear2d_backward"),
+        CatalogueEntry("interpolate_nearest_backward", _interpolate("nearest"), "upsample_nearest2d_backward"),
+        CatalogueEntry("adaptive_avg_pool2d_backward", _pool("adaptive_avg_pool2d"), "adaptive_avg_pool2d backward"),
+        CatalogueEntry("avg_pool3d_backward", _pool("avg_pool3d"), "avg_pool3d backward"),
+        CatalogueEntry("reflection_pad2d_backward", _pool("reflection_pad2d"), "reflection_pad2d backward"),
+        CatalogueEntry("conv2d_backward", _pool("conv2d"), "conv2d forward+backward (cuDNN algorithm choice)"),
+        CatalogueEntry("matmul", _dense("matmul"), "GEMM (cuBLAS)"),
+        CatalogueEntry("linear_backward", _dense("linear_backward"), "DeepEP: Linear backward"),
+        CatalogueEntry("layer_norm_backward", _dense("layer_norm_backward"), "layer_norm backward"),
+        CatalogueEntry("softmax", _dense("softmax"), "DeepEP: policy softmax"),
+        CatalogueEntry("sum", _dense("sum"), "full reduction"),
+        CatalogueEntry("gru_cell", _gru_cell, "DeepEP: recurrent cell forward+backward"),
+        CatalogueEntry("multinomial", _multinomial, "DeepEP: action sampling, seeded generator"),
+        CatalogueEntry("all_action_q_reference", _all_action_q("reference"), "DeepEP: value head, PyTorch reference"),
+        CatalogueEntry(
+            "all_action_q_fused",
+            _all_action_q("fused"),
+            "DeepEP: extension op, deterministic backward",
+            needs_extension=True,
+        ),
+        CatalogueEntry(
+            "all_action_q_atomic",
+            _all_action_q("atomic"),
+            "DeepEP: extension op, atomicAdd backward",
+            cuda_only=True,
+            needs_extension=True,
+        ),
+    ]
+}
 
 
 def catalogue_names() -> list[str]:

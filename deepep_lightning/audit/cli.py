@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 import textwrap
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from deepep_lightning.audit.report import EXIT_COULD_NOT_RUN, AuditReport, LevelResult
 
@@ -54,8 +54,12 @@ _EPILOG = textwrap.dedent("""\
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepep-audit", description=_DESCRIPTION, epilog=_EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="deepep-audit",
+        description=_DESCRIPTION,
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
     common.add_argument("--json-out", metavar="FILE", help="also write the JSON report to FILE")
@@ -66,8 +70,11 @@ def _parser() -> argparse.ArgumentParser:
     l1.add_argument("--ops", help="comma-separated catalogue names (default: all); see --list")
     l1.add_argument("--list", action="store_true", help="list the catalogue and exit")
     l1.add_argument("--callable", metavar="PKG.MOD:FN", help="audit FN() instead of the catalogue (bind fixed inputs)")
-    l1.add_argument("--columns", default="default,deterministic,launch_blocking",
-                    help="comma-separated subset of default,deterministic,launch_blocking")
+    l1.add_argument(
+        "--columns",
+        default="default,deterministic,launch_blocking",
+        help="comma-separated subset of default,deterministic,launch_blocking",
+    )
     l1.add_argument("--repeats", type=int, default=100, help="calls per op (default 100)")
     l1.add_argument("--size", choices=("small", "large"), help="input size (default: large on CUDA, small on CPU)")
     l1.add_argument("--table-out", metavar="FILE", help="write the markdown table to FILE")
@@ -78,37 +85,55 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="LightningCLI YAML or YAML of constructor kwargs")
         p.add_argument("--repeats", type=int, default=10, help="in-process repeats (default 10)")
         p.add_argument("--steps", type=int, default=3, help="L3 of a generic module: optimizer steps (default 3)")
-        p.add_argument("--value-head", choices=("reference", "fused", "fused_atomic"),
-                       help="DeepEP: PyTorch reference, extension op, or its atomic backward")
-        p.add_argument("--deterministic", action="store_true",
-                       help="torch.use_deterministic_algorithms(True) via deepep_lightning.determinism.configure")
+        p.add_argument(
+            "--value-head",
+            choices=("reference", "fused", "fused_atomic"),
+            help="DeepEP: PyTorch reference, extension op, or its atomic backward",
+        )
+        p.add_argument(
+            "--deterministic",
+            action="store_true",
+            help="torch.use_deterministic_algorithms(True) via deepep_lightning.determinism.configure",
+        )
         p.add_argument("--no-locate", action="store_true", help="skip the first-divergent-op locator")
         p.add_argument("--locate-attempts", type=int, default=4, help="logged re-runs before giving up (default 4)")
 
-    l4 = sub.add_parser("l4", parents=[common], help="two fresh training processes, compared",
-                        description="extra --model.*/--trainer.* arguments go to LightningCLI")
+    l4 = sub.add_parser(
+        "l4",
+        parents=[common],
+        help="two fresh training processes, compared",
+        description="extra --model.*/--trainer.* arguments go to LightningCLI",
+    )
     l4.add_argument("--target", help="package.module:Class (default: DeepEP)")
     l4.add_argument("--config", help="LightningCLI YAML (e.g. configs/default.yaml) or constructor kwargs YAML")
     l4.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
     l4.add_argument("--resume-at", type=int, help="SIGKILL run b after this step and resume it from last.ckpt")
-    l4.add_argument("--determinism", action="store_true", help="add DeterminismCallback to both runs (unless the config has one)")
+    l4.add_argument(
+        "--determinism", action="store_true", help="add DeterminismCallback to both runs (unless the config has one)"
+    )
     l4.add_argument("--seed", type=int, default=0)
     l4.add_argument("--workdir", help="keep the runs here (default: a temporary directory)")
     l4.add_argument("--timeout", type=float, default=600.0, help="seconds per process (default 600)")
     return parser
 
 
-def _l1(args: argparse.Namespace) -> tuple[list[LevelResult], Optional[str]]:
+def _l1(args: argparse.Namespace) -> tuple[list[LevelResult], str | None]:
     from deepep_lightning.audit.catalogue import CATALOGUE
     from deepep_lightning.audit.level1 import audit_callable, audit_catalogue, format_catalogue_table
     from deepep_lightning.audit.targets import load_class
 
     if args.callable:
-        return [audit_callable(load_class(args.callable), repeats=args.repeats, name=args.callable,
-                               locate_ops=True)], None
+        return [
+            audit_callable(load_class(args.callable), repeats=args.repeats, name=args.callable, locate_ops=True)
+        ], None
     columns = [c for c in args.columns.split(",") if c]
-    table = audit_catalogue(ops=args.ops.split(",") if args.ops else None, columns=columns, device=args.device,
-                            repeats=args.repeats, size=args.size)
+    table = audit_catalogue(
+        ops=args.ops.split(",") if args.ops else None,
+        columns=columns,
+        device=args.device,
+        repeats=args.repeats,
+        size=args.size,
+    )
     markdown = format_catalogue_table(table)
     if args.table_out:
         with open(args.table_out, "w", encoding="utf-8") as handle:
@@ -118,14 +143,24 @@ def _l1(args: argparse.Namespace) -> tuple[list[LevelResult], Optional[str]]:
         decided = [c for c in cells.values() if c.get("status") in ("reproducible", "divergent")]
         if all(c.get("status") == "n/a" for c in cells.values()):
             continue  # e.g. a CUDA-only op on CPU: in the table, not a verdict
-        status = "divergent" if any(c["status"] == "divergent" for c in decided) else (
-            "reproducible" if decided else "error")
+        status = (
+            "divergent"
+            if any(c["status"] == "divergent" for c in decided)
+            else ("reproducible" if decided else "error")
+        )
         worst = max(decided, key=lambda c: c.get("distinct_results") or 0, default={})
-        results.append(LevelResult(
-            "L1", f"{name} ({CATALOGUE[name].note})", status, repeats=args.repeats,
-            distinct_results=worst.get("distinct_results", 0), max_abs_diff=worst.get("max_abs_diff"),
-            error=None if decided else "; ".join(f"{k}: {c.get('error')}" for k, c in cells.items()),
-            details={"cells": cells}))
+        results.append(
+            LevelResult(
+                "L1",
+                f"{name} ({CATALOGUE[name].note})",
+                status,
+                repeats=args.repeats,
+                distinct_results=worst.get("distinct_results", 0),
+                max_abs_diff=worst.get("max_abs_diff"),
+                error=None if decided else "; ".join(f"{k}: {c.get('error')}" for k, c in cells.items()),
+                details={"cells": cells},
+            )
+        )
     return results, markdown
 
 
@@ -143,11 +178,18 @@ def _in_process(args: argparse.Namespace) -> list[LevelResult]:
         else:
             configure(0)
     target = ModuleTarget(args.target, args.config, device=args.device, steps=args.steps, value_head=args.value_head)
-    return [audit_module(args.level.upper(), target, repeats=args.repeats, locate=not args.no_locate,
-                         locate_attempts=args.locate_attempts)]
+    return [
+        audit_module(
+            args.level.upper(),
+            target,
+            repeats=args.repeats,
+            locate=not args.no_locate,
+            locate_attempts=args.locate_attempts,
+        )
+    ]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code (0 reproducible, 1 divergent, 2 could not run)."""
     if os.getcwd() not in sys.path:  # as `python -m` does: --target may name a module of the working directory
         sys.path.insert(0, os.getcwd())
@@ -169,9 +211,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         else:
             from deepep_lightning.audit.level4 import audit_training
 
-            results = [audit_training(args.target, args.config, steps=args.steps, resume_at=args.resume_at,
-                                      determinism=args.determinism, seed=args.seed, extra_args=extra,
-                                      workdir=args.workdir, timeout=args.timeout)]
+            results = [
+                audit_training(
+                    args.target,
+                    args.config,
+                    steps=args.steps,
+                    resume_at=args.resume_at,
+                    determinism=args.determinism,
+                    seed=args.seed,
+                    extra_args=extra,
+                    workdir=args.workdir,
+                    timeout=args.timeout,
+                )
+            ]
     except (ValueError, TypeError, OSError) as error:
         print(f"deepep-audit: error: {error}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN

@@ -17,7 +17,8 @@ uses; the level verdicts also keep the first repeat's tensors and compare them w
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -152,8 +153,9 @@ def max_abs_diff(first: Tensor, second: Tensor) -> float | None:
         return float((a != b).any())
     if not (a.is_floating_point() or a.is_complex()):
         return float((a.to(torch.float64) - b.to(torch.float64)).abs().max())
-    a64, b64 = a.to(torch.complex128 if a.is_complex() else torch.float64), b.to(
-        torch.complex128 if b.is_complex() else torch.float64
+    a64, b64 = (
+        a.to(torch.complex128 if a.is_complex() else torch.float64),
+        b.to(torch.complex128 if b.is_complex() else torch.float64),
     )
     nan_a, nan_b = torch.isnan(a64), torch.isnan(b64)
     if bool((nan_a != nan_b).any()):

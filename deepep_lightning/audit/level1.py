@@ -20,7 +20,8 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -34,8 +35,9 @@ __all__ = ["COLUMNS", "audit_callable", "audit_catalogue", "format_catalogue_tab
 COLUMNS = ("default", "deterministic", "launch_blocking")
 
 
-def audit_callable(fn: Callable[[], Any], repeats: int = 100, name: Optional[str] = None,
-                   locate_ops: bool = False) -> LevelResult:
+def audit_callable(
+    fn: Callable[[], Any], repeats: int = 100, name: str | None = None, locate_ops: bool = False
+) -> LevelResult:
     """L1 on any zero-argument callable (bind fixed random inputs first: never zeros).
 
     Args:
@@ -55,16 +57,29 @@ def audit_callable(fn: Callable[[], Any], repeats: int = 100, name: Optional[str
         stats = run_repeats(fn, repeats=repeats)
     except RuntimeError as error:
         if "deterministic" in str(error):
-            return LevelResult("L1", label, "error", seconds=time.perf_counter() - start,
-                               error=f"raises: {str(error).splitlines()[0]}", details={"raises": True})
+            return LevelResult(
+                "L1",
+                label,
+                "error",
+                seconds=time.perf_counter() - start,
+                error=f"raises: {str(error).splitlines()[0]}",
+                details={"raises": True},
+            )
         return LevelResult("L1", label, "error", seconds=time.perf_counter() - start, error=f"RuntimeError: {error}")
     except Exception as error:
-        return LevelResult("L1", label, "error", seconds=time.perf_counter() - start,
-                           error=f"{type(error).__name__}: {error}")
+        return LevelResult(
+            "L1", label, "error", seconds=time.perf_counter() - start, error=f"{type(error).__name__}: {error}"
+        )
     result = LevelResult(
-        "L1", label, "reproducible" if stats.reproducible else "divergent", repeats=stats.repeats,
-        distinct_results=stats.distinct_results, max_abs_diff=stats.max_abs_diff, differing=stats.differing,
-        seconds=stats.seconds, details={"seconds_per_call": stats.seconds / stats.repeats},
+        "L1",
+        label,
+        "reproducible" if stats.reproducible else "divergent",
+        repeats=stats.repeats,
+        distinct_results=stats.distinct_results,
+        max_abs_diff=stats.max_abs_diff,
+        differing=stats.differing,
+        seconds=stats.seconds,
+        details={"seconds_per_call": stats.seconds / stats.repeats},
     )
     if locate_ops and not stats.reproducible:
         divergence, runs = locate(lambda: (None, fn))
@@ -92,7 +107,10 @@ def _run_column_here(names: Sequence[str], device: str, repeats: int, size: str,
                 rows.append({"op": name, "status": "error", "error": f"{type(error).__name__}: {error}"})
                 continue
             result = audit_callable(fn, repeats=repeats, name=name)
-            row = {"op": name, **{k: result.to_dict()[k] for k in ("status", "distinct_results", "max_abs_diff", "error")}}
+            row = {
+                "op": name,
+                **{k: result.to_dict()[k] for k in ("status", "distinct_results", "max_abs_diff", "error")},
+            }
             row["raises"] = bool(result.details.get("raises"))
             row["seconds_per_call"] = result.details.get("seconds_per_call")
             rows.append(row)
@@ -109,23 +127,40 @@ def _run_column_subprocess(column: str, names: Sequence[str], device: str, repea
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "column.json")
-        command = [sys.executable, "-m", "deepep_lightning.audit.level1", "--column", column, "--device", device,
-                   "--repeats", str(repeats), "--size", size, "--ops", ",".join(names), "--out", out]
+        command = [
+            sys.executable,
+            "-m",
+            "deepep_lightning.audit.level1",
+            "--column",
+            column,
+            "--device",
+            device,
+            "--repeats",
+            str(repeats),
+            "--size",
+            size,
+            "--ops",
+            ",".join(names),
+            "--out",
+            out,
+        ]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0 or not os.path.exists(out):
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            return [{"op": n, "status": "error", "error": f"{column} subprocess failed: {' | '.join(tail)}"} for n in names]
+            return [
+                {"op": n, "status": "error", "error": f"{column} subprocess failed: {' | '.join(tail)}"} for n in names
+            ]
         with open(out, encoding="utf-8") as handle:
             return json.load(handle)
 
 
 def audit_catalogue(
-    ops: Optional[Sequence[str]] = None,
+    ops: Sequence[str] | None = None,
     columns: Sequence[str] = COLUMNS,
-    device: Optional[str] = None,
+    device: str | None = None,
     repeats: int = 100,
-    size: Optional[str] = None,
-    isolate: Optional[bool] = None,
+    size: str | None = None,
+    isolate: bool | None = None,
 ) -> dict[str, Any]:
     """Run the catalogue: ``{"device", "repeats", "size", "columns", "rows": {op: {column: cell}}}``.
 
@@ -158,8 +193,14 @@ def audit_catalogue(
             cells = _run_column_here(names, device, repeats, size, deterministic=column == "deterministic")
         for cell in cells:
             rows[cell["op"]][column] = cell
-    return {"device": device, "repeats": repeats, "size": size, "columns": list(columns), "rows": rows,
-            "notes": {n: CATALOGUE[n].note for n in names}}
+    return {
+        "device": device,
+        "repeats": repeats,
+        "size": size,
+        "columns": list(columns),
+        "rows": rows,
+        "notes": {n: CATALOGUE[n].note for n in names},
+    }
 
 
 def _cell_text(cell: dict) -> str:
@@ -176,15 +217,22 @@ def _cell_text(cell: dict) -> str:
 def format_catalogue_table(table: dict[str, Any]) -> str:
     """Markdown table: one row per op, one column per mode (``yes`` = bitwise reproducible)."""
     columns = table["columns"]
-    lines = [f"L1 catalogue on {table['device']} ({table['repeats']} calls each, size {table['size']})", "",
-             "| op | " + " | ".join(columns) + " | what |", "|---|" + "---|" * len(columns) + "---|"]
+    lines = [
+        f"L1 catalogue on {table['device']} ({table['repeats']} calls each, size {table['size']})",
+        "",
+        "| op | " + " | ".join(columns) + " | what |",
+        "|---|" + "---|" * len(columns) + "---|",
+    ]
     for name, cells in table["rows"].items():
-        lines.append(f"| {name} | " + " | ".join(_cell_text(cells.get(c, {})) for c in columns)
-                     + f" | {table['notes'].get(name, '')} |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(_cell_text(cells.get(c, {})) for c in columns)
+            + f" | {table['notes'].get(name, '')} |"
+        )
     return "\n".join(lines)
 
 
-def _worker(argv: Optional[Sequence[str]] = None) -> int:
+def _worker(argv: Sequence[str] | None = None) -> int:
     """Subprocess entry point for one column (set the environment before CUDA starts)."""
     parser = argparse.ArgumentParser(description="one column of the L1 catalogue (internal)")
     parser.add_argument("--column", choices=COLUMNS, required=True)
@@ -195,8 +243,9 @@ def _worker(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     try:
-        rows = _run_column_here(args.ops.split(","), args.device, args.repeats, args.size,
-                                deterministic=args.column == "deterministic")
+        rows = _run_column_here(
+            args.ops.split(","), args.device, args.repeats, args.size, deterministic=args.column == "deterministic"
+        )
     except Exception:
         traceback.print_exc()
         return 2

@@ -15,8 +15,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -27,16 +28,18 @@ from deepep_lightning.audit.targets import DEEPEP_TARGET
 __all__ = ["audit_training", "compare_states"]
 
 _RUNNER = "deepep_lightning.audit._l4_runner"
-_NEXT_STEP = ("next: `deepep-audit l3` (same --target/--config) names the first divergent op if one step already"
-              " differs in-process; if L3 is reproducible, the difference comes from the loop: data order, RNG"
-              " or state not restored on resume (try --determinism), or the environment of the process")
+_NEXT_STEP = (
+    "next: `deepep-audit l3` (same --target/--config) names the first divergent op if one step already"
+    " differs in-process; if L3 is reproducible, the difference comes from the loop: data order, RNG"
+    " or state not restored on resume (try --determinism), or the environment of the process"
+)
 
 
-def compare_states(first: Any, second: Any) -> dict[str, Optional[float]]:
+def compare_states(first: Any, second: Any) -> dict[str, float | None]:
     """``{name: max |diff|}`` for every tensor that is not bitwise equal (missing on one side: None)."""
     a = dict(iter_named_tensors(first))
     b = dict(iter_named_tensors(second))
-    differing: dict[str, Optional[float]] = {}
+    differing: dict[str, float | None] = {}
     for name in sorted(set(a) | set(b)):
         if name not in a or name not in b:
             differing[name] = None
@@ -45,15 +48,16 @@ def compare_states(first: Any, second: Any) -> dict[str, Optional[float]]:
     return differing
 
 
-def _run(command: list[str], timeout: float, env: dict[str, str]) -> Optional[subprocess.CompletedProcess]:
+def _run(command: list[str], timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess | None:
     try:
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return None
 
 
-def _run_parallel(batch: dict[str, list[str]], timeout: float,
-                  env: dict[str, str]) -> dict[str, Optional[subprocess.CompletedProcess]]:
+def _run_parallel(
+    batch: dict[str, list[str]], timeout: float, env: dict[str, str]
+) -> dict[str, subprocess.CompletedProcess | None]:
     with ThreadPoolExecutor(max_workers=len(batch)) as pool:
         futures = {name: pool.submit(_run, command, timeout, env) for name, command in batch.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -64,14 +68,14 @@ def _tail(done: subprocess.CompletedProcess, lines: int = 6) -> str:
 
 
 def audit_training(
-    target: Optional[str] = None,
-    config: Optional[str] = None,
+    target: str | None = None,
+    config: str | None = None,
     steps: int = 6,
-    resume_at: Optional[int] = None,
+    resume_at: int | None = None,
     determinism: bool = False,
     seed: int = 0,
     extra_args: Sequence[str] = (),
-    workdir: Optional[str] = None,
+    workdir: str | None = None,
     timeout: float = 600.0,
     parallel: bool = True,
 ) -> LevelResult:
@@ -96,8 +100,9 @@ def audit_training(
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
-    if resume_at is not None and (isinstance(resume_at, bool) or not isinstance(resume_at, int)
-                                  or not 0 < resume_at < steps):
+    if resume_at is not None and (
+        isinstance(resume_at, bool) or not isinstance(resume_at, int) or not 0 < resume_at < steps
+    ):
         raise ValueError(f"`resume_at` must be an int in [1, {steps - 1}] (kill after that step), got {resume_at!r}")
     spec = target or DEEPEP_TARGET
     label = f"{spec.rsplit(':', 1)[-1]} ({steps} steps, 2 fresh processes"
@@ -118,8 +123,11 @@ def audit_training(
         tail = ["--", *extra_args] if extra_args else []
         plans = {"a": [base + ["--out", os.path.join(root, "a")] + tail]}
         run_b = base + ["--out", os.path.join(root, "b")]
-        plans["b"] = [run_b + tail] if resume_at is None else [
-            run_b + ["--kill-at", str(resume_at)] + tail, run_b + ["--resume"] + tail]
+        plans["b"] = (
+            [run_b + tail]
+            if resume_at is None
+            else [run_b + ["--kill-at", str(resume_at)] + tail, run_b + ["--resume"] + tail]
+        )
         commands = [" ".join(c) for plan in plans.values() for c in plan]
         # the first process of each run starts together (independent); run b's resume follows its kill
         for stage in range(max(len(plan) for plan in plans.values())):
@@ -134,13 +142,21 @@ def audit_training(
                 if done is None:
                     error = f"run {name} timed out after {timeout} s"
                 elif killed and done.returncode != -9:
-                    error = (f"run b was to be killed after step {resume_at} but exited with {done.returncode}:"
-                             f" {_tail(done)}")
+                    error = (
+                        f"run b was to be killed after step {resume_at} but exited with {done.returncode}:"
+                        f" {_tail(done)}"
+                    )
                 elif not killed and done.returncode != 0:
                     error = f"run {name} failed (exit {done.returncode}): {_tail(done)}"
                 if error:
-                    return LevelResult("L4", label, "error", seconds=time.perf_counter() - start, error=error,
-                                       details={"commands": commands})
+                    return LevelResult(
+                        "L4",
+                        label,
+                        "error",
+                        seconds=time.perf_counter() - start,
+                        error=error,
+                        details={"commands": commands},
+                    )
         result = _compare(root, label, commands)
     result.seconds = time.perf_counter() - start
     return result
@@ -163,11 +179,21 @@ def _compare(root: str, label: str, commands: list[str]) -> LevelResult:
     if not scalars_identical and scalars_dict is not None:
         differing += [f"scalar:{t}" for t in _differing_tags(scalars_dict)]
     return LevelResult(
-        "L4", label, "reproducible" if reproducible else "divergent", repeats=2,
-        distinct_results=1 if reproducible else 2, max_abs_diff=max(known, default=0.0 if reproducible else None),
+        "L4",
+        label,
+        "reproducible" if reproducible else "divergent",
+        repeats=2,
+        distinct_results=1 if reproducible else 2,
+        max_abs_diff=max(known, default=0.0 if reproducible else None),
         differing=differing,
-        details={"table": table, **({} if reproducible else {"note": _NEXT_STEP}), "scalars": scalars_dict, "state_differences": state_diff, "commands": commands,
-                 "global_steps": [s.get("global_step") for s in states]},
+        details={
+            "table": table,
+            **({} if reproducible else {"note": _NEXT_STEP}),
+            "scalars": scalars_dict,
+            "state_differences": state_diff,
+            "commands": commands,
+            "global_steps": [s.get("global_step") for s in states],
+        },
     )
 
 

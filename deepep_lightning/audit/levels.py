@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 import traceback
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 from deepep_lightning.audit.op_hashes import Divergence, locate
 from deepep_lightning.audit.repeat import run_repeats
@@ -24,12 +24,13 @@ _LEVELS = ("L2", "L3")
 
 def locate_divergence(
     prepared: PreparedRun, attempts: int = 4, keep_bytes: int = 256 * 2**20
-) -> tuple[Optional[Divergence], int]:
+) -> tuple[Divergence | None, int]:
     """Run ``prepared`` under the op-hash mode until a run differs from the first; ``(divergence, runs)``.
 
     Returns ``(None, runs)`` when ``attempts`` further runs all matched the reference (a rare
     nondeterminism that did not show up again).
     """
+
     def make_run() -> tuple[Any, Any]:
         module = prepared.fresh_module()
         return module, lambda: prepared.run(module)
@@ -39,7 +40,7 @@ def locate_divergence(
 
 def audit_module(
     level: str = "L3",
-    target: Optional[ModuleTarget] = None,
+    target: ModuleTarget | None = None,
     repeats: int = 10,
     locate: bool = True,
     locate_attempts: int = 4,
@@ -82,12 +83,22 @@ def audit_module(
 
             stats = run_repeats(lambda: prepared.run(module_holder["module"]), repeats=repeats, reset=reset)
         except Exception as error:  # the audit reports, it does not crash: exit code 2
-            return LevelResult(level, name, "error", seconds=time.perf_counter() - start,
-                               error=f"{type(error).__name__}: {error}",
-                               details={"traceback": traceback.format_exc(limit=6)})
+            return LevelResult(
+                level,
+                name,
+                "error",
+                seconds=time.perf_counter() - start,
+                error=f"{type(error).__name__}: {error}",
+                details={"traceback": traceback.format_exc(limit=6)},
+            )
         result = LevelResult(
-            level, name, "reproducible" if stats.reproducible else "divergent", repeats=stats.repeats,
-            distinct_results=stats.distinct_results, max_abs_diff=stats.max_abs_diff, differing=stats.differing,
+            level,
+            name,
+            "reproducible" if stats.reproducible else "divergent",
+            repeats=stats.repeats,
+            distinct_results=stats.distinct_results,
+            max_abs_diff=stats.max_abs_diff,
+            differing=stats.differing,
             details={"tensors_compared": stats.tensors, "repeat_seconds": stats.seconds},
         )
         if not stats.reproducible and locate:

@@ -18,14 +18,14 @@ import sys
 import sysconfig
 import traceback
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-
 
 
 def _mod_tracker() -> Any:
@@ -35,6 +35,7 @@ def _mod_tracker() -> Any:
     except Exception:  # pragma: no cover - depends on the torch build
         return None
     return ModTracker()
+
 
 __all__ = ["DEFAULT_ALLOW_INF_OPS", "NonFiniteOp", "locate_nonfinite"]
 
@@ -76,14 +77,14 @@ class NonFiniteOp:
 
     op: str  # aten overload, e.g. "aten.log.default"; "parameter" when a parameter was already non-finite
     phase: str  # "forward" | "backward" | "before"
-    module_path: Optional[str]
+    module_path: str | None
     output_dtype: str
     output_shape: tuple[int, ...]
     output_nan: bool
     output_inf: bool
     inputs: list[dict[str, Any]] = field(default_factory=list)
-    user_frame: Optional[str] = None
-    autograd_node: Optional[str] = None
+    user_frame: str | None = None
+    autograd_node: str | None = None
 
     @property
     def inputs_finite(self) -> bool:
@@ -114,7 +115,7 @@ def _is_user_path(filename: str) -> bool:
     return f"{os.sep}lightning{os.sep}" not in path and f"{os.sep}lightning_utilities{os.sep}" not in path
 
 
-def _frame_from_stack() -> Optional[str]:
+def _frame_from_stack() -> str | None:
     for frame in reversed(traceback.extract_stack()):
         if _is_user_path(frame.filename):
             return f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
@@ -124,7 +125,7 @@ def _frame_from_stack() -> Optional[str]:
 _NODE_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\s*(?P<code>.*)', re.S)
 
 
-def _frame_from_node(node: Any) -> Optional[str]:
+def _frame_from_node(node: Any) -> str | None:
     """The user frame of the forward call that created autograd ``node`` (anomaly-mode traceback)."""
     lines = getattr(node, "metadata", {}).get("traceback_") if node is not None else None
     for entry in reversed(lines or []):
@@ -154,15 +155,15 @@ class _CheckNumerics(TorchDispatchMode):
         super().__init__()
         self.tracker = tracker
         self.allow = frozenset(allow_inf_ops)
-        self.found: Optional[NonFiniteOp] = None
+        self.found: NonFiniteOp | None = None
 
-    def _module_path(self) -> Optional[str]:
+    def _module_path(self) -> str | None:
         if self.tracker is None:
             return None
         names = [n for n in self.tracker.parents if n != "Global"]
         return max(names, key=lambda n: (n.count("."), len(n))) if names else None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.found is not None:
             return out
@@ -199,7 +200,7 @@ class _CheckNumerics(TorchDispatchMode):
         return out
 
 
-def _nonfinite_parameter(module: torch.nn.Module) -> Optional[NonFiniteOp]:
+def _nonfinite_parameter(module: torch.nn.Module) -> NonFiniteOp | None:
     for name, param in module.named_parameters():
         if param.numel() and not bool(torch.isfinite(param.detach()).all()):
             return NonFiniteOp(
@@ -214,7 +215,7 @@ def _nonfinite_parameter(module: torch.nn.Module) -> Optional[NonFiniteOp]:
     return None
 
 
-def _loss_of(output: Any) -> Optional[Tensor]:
+def _loss_of(output: Any) -> Tensor | None:
     if isinstance(output, Tensor):
         return output
     if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
@@ -225,11 +226,11 @@ def _loss_of(output: Any) -> Optional[Tensor]:
 def locate_nonfinite(
     fn: Callable[..., Any],
     *args: Any,
-    module: Optional[torch.nn.Module] = None,
+    module: torch.nn.Module | None = None,
     backward: bool = True,
     allow_inf_ops: Iterable[str] = DEFAULT_ALLOW_INF_OPS,
     **kwargs: Any,
-) -> Optional[NonFiniteOp]:
+) -> NonFiniteOp | None:
     """Run ``fn(*args, **kwargs)`` (and the backward of its loss) and return the first non-finite op.
 
     Args:

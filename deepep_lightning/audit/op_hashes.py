@@ -18,7 +18,8 @@ import dataclasses
 import linecache
 import os
 import sys
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +39,8 @@ __all__ = ["Divergence", "OpHashMode", "OpRecord", "first_divergence", "locate"]
 
 _SKIP_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch,) + tuple(sys.modules[n] for n in ("lightning", "lightning_utilities", "pytorch_lightning") if n in sys.modules)
+    for m in (torch,)
+    + tuple(sys.modules[n] for n in ("lightning", "lightning_utilities", "pytorch_lightning") if n in sys.modules)
 )
 _AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STACK_DEPTH = 3
@@ -50,15 +52,21 @@ def _user_frames() -> list[tuple[str, int, str]]:
     frame = sys._getframe(2)
     while frame is not None and len(frames) < _STACK_DEPTH:
         filename = frame.f_code.co_filename
-        if not filename.startswith("<") and not filename.startswith(_SKIP_DIRS) and not filename.startswith(_AUDIT_DIR) \
-                and f"{os.sep}lightning{os.sep}" not in filename:
+        if (
+            not filename.startswith("<")
+            and not filename.startswith(_SKIP_DIRS)
+            and not filename.startswith(_AUDIT_DIR)
+            and f"{os.sep}lightning{os.sep}" not in filename
+        ):
             frames.append((filename, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
     return frames
 
 
 def _scalar_repr(value: Any) -> str:
-    if isinstance(value, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)):
+    if isinstance(
+        value, (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+    ):
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_scalar_repr(v) for v in value) + "]"
@@ -74,8 +82,8 @@ class OpRecord:
     index: int
     op: str
     phase: str
-    module_path: Optional[str]
-    autograd_node: Optional[str]
+    module_path: str | None
+    autograd_node: str | None
     frames: list
     scalars: str
     input_meta: list
@@ -84,7 +92,7 @@ class OpRecord:
     output_hashes: list = dataclasses.field(default_factory=list)
     input_producers: list = dataclasses.field(default_factory=list)
     accumulate: bool = False
-    deterministic_arg: Optional[bool] = None
+    deterministic_arg: bool | None = None
 
     @property
     def uninitialised_inputs(self) -> list[int]:
@@ -106,13 +114,13 @@ class Divergence:
     index: int
     op: str
     phase: str
-    module_path: Optional[str]
-    autograd_node: Optional[str]
+    module_path: str | None
+    autograd_node: str | None
     stack: list
     output_shapes: list
     output_dtypes: list
     inputs_identical: bool
-    max_abs_diff: Optional[float]
+    max_abs_diff: float | None
     cause: str
     explanation: str
     ops_compared: int
@@ -148,7 +156,7 @@ class OpHashMode(TorchDispatchMode):
         log.records[0].op  # e.g. 'aten.addmm.default'
     """
 
-    def __init__(self, module: Optional[torch.nn.Module] = None, keep_bytes: int = 256 * 2**20) -> None:
+    def __init__(self, module: torch.nn.Module | None = None, keep_bytes: int = 256 * 2**20) -> None:
         super().__init__()
         if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 0:
             raise ValueError(f"`keep_bytes` must be an int >= 0, got {keep_bytes!r}")
@@ -174,13 +182,13 @@ class OpHashMode(TorchDispatchMode):
             self._tracker.__exit__(*exc)
         self.finish()
 
-    def _module_path(self) -> Optional[str]:
+    def _module_path(self) -> str | None:
         if self._tracker is None:
             return None
         names = [n for n in self._tracker.parents if n != "Global"]
         return max(names, key=lambda n: (n.count("."), len(n))) if names else None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "is_view", False):
             out = func(*args, **kwargs)
@@ -196,7 +204,9 @@ class OpHashMode(TorchDispatchMode):
         record = OpRecord(
             index=len(self.records),
             op=str(func),
-            phase="backward" if (node is not None or (self._tracker is not None and self._tracker.is_bw)) else "forward",
+            phase="backward"
+            if (node is not None or (self._tracker is not None and self._tracker.is_bw))
+            else "forward",
             module_path=self._module_path(),
             autograd_node=type(node).__name__ if node is not None else None,
             frames=_user_frames(),
@@ -252,15 +262,20 @@ class OpHashMode(TorchDispatchMode):
         self._pending = []
 
 
-def first_divergence(reference: OpHashMode, other: OpHashMode) -> Optional[Divergence]:
+def first_divergence(reference: OpHashMode, other: OpHashMode) -> Divergence | None:
     """The first op whose outputs differ (or where the op sequences part); None when identical."""
     refs, others = reference.records, other.records
     for index in range(min(len(refs), len(others))):
         a, b = refs[index], others[index]
         if a.op != b.op or a.phase != b.phase:
-            return _make(a, None, "control flow",
-                         f"the op sequences part here: {a.op} ({a.phase}) vs {b.op} ({b.phase}); a data-dependent"
-                         " branch, or an earlier difference seen by Python (.item(), a Python RNG)", len(refs))
+            return _make(
+                a,
+                None,
+                "control flow",
+                f"the op sequences part here: {a.op} ({a.phase}) vs {b.op} ({b.phase}); a data-dependent"
+                " branch, or an earlier difference seen by Python (.item(), a Python RNG)",
+                len(refs),
+            )
         if a.output_meta == b.output_meta and (a.output_hashes == b.output_hashes or base_name(a.op) in EMPTY_LIKE_OPS):
             continue  # an allocation's bytes differ freely; reading them is caught at the reader
         inputs_identical = a.compared_inputs() == b.compared_inputs()
@@ -272,31 +287,45 @@ def first_divergence(reference: OpHashMode, other: OpHashMode) -> Optional[Diver
         skip = set(b.uninitialised_inputs)
         differing = [k for k, (x, y) in enumerate(zip(a.input_hashes, b.input_hashes)) if x != y and k not in skip]
         cause, explanation = likely_cause(
-            b, inputs_identical=inputs_identical, scalars_identical=a.scalars == b.scalars,
+            b,
+            inputs_identical=inputs_identical,
+            scalars_identical=a.scalars == b.scalars,
             differing_input_producers=[b.input_producers[k] for k in differing],
         )
         return _make(b, diff, cause, explanation, len(refs), inputs_identical)
     if len(refs) != len(others):
         shorter = refs[len(others)] if len(refs) > len(others) else others[len(refs)]
-        return _make(shorter, None, "control flow", f"one run executed {len(refs)} ops, the other {len(others)}", len(refs))
+        return _make(
+            shorter, None, "control flow", f"one run executed {len(refs)} ops, the other {len(others)}", len(refs)
+        )
     return None
 
 
-def _make(record: OpRecord, diff: Optional[float], cause: str, explanation: str, count: int,
-          inputs_identical: bool = False) -> Divergence:
+def _make(
+    record: OpRecord, diff: float | None, cause: str, explanation: str, count: int, inputs_identical: bool = False
+) -> Divergence:
     return Divergence(
-        index=record.index, op=record.op, phase=record.phase, module_path=record.module_path,
-        autograd_node=record.autograd_node, stack=record.stack(),
-        output_shapes=[list(s) for _, s in record.output_meta], output_dtypes=[d for d, _ in record.output_meta],
-        inputs_identical=inputs_identical, max_abs_diff=diff, cause=cause, explanation=explanation, ops_compared=count,
+        index=record.index,
+        op=record.op,
+        phase=record.phase,
+        module_path=record.module_path,
+        autograd_node=record.autograd_node,
+        stack=record.stack(),
+        output_shapes=[list(s) for _, s in record.output_meta],
+        output_dtypes=[d for d, _ in record.output_meta],
+        inputs_identical=inputs_identical,
+        max_abs_diff=diff,
+        cause=cause,
+        explanation=explanation,
+        ops_compared=count,
     )
 
 
 def locate(
-    make_run: Callable[[], tuple[Optional[torch.nn.Module], Callable[[], Any]]],
+    make_run: Callable[[], tuple[torch.nn.Module | None, Callable[[], Any]]],
     attempts: int = 4,
     keep_bytes: int = 256 * 2**20,
-) -> tuple[Optional[Divergence], int]:
+) -> tuple[Divergence | None, int]:
     """Log a reference run, then up to ``attempts`` more until one differs; ``(divergence, runs logged)``.
 
     Args:

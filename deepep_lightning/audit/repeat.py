@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -49,7 +50,7 @@ def _named(result: Any) -> dict[str, Tensor]:
 def run_repeats(
     compute: Callable[[], Any],
     repeats: int = 100,
-    reset: Optional[Callable[[], None]] = None,
+    reset: Callable[[], None] | None = None,
 ) -> RepeatStats:
     """Call ``compute()`` ``repeats`` times (``reset()`` before each) and compare bitwise with the first.
 
@@ -70,7 +71,7 @@ def run_repeats(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 2:
         raise ValueError(f"`repeats` must be an int >= 2, got {repeats!r}")
     start = time.perf_counter()
-    first: Optional[dict[str, Tensor]] = None
+    first: dict[str, Tensor] | None = None
     hashes: list[list[Tensor]] = []
     differing: dict[str, float] = {}
     for _ in range(repeats):

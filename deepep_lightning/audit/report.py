@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -41,11 +41,11 @@ class LevelResult:
     status: str
     repeats: int = 0
     distinct_results: int = 0
-    max_abs_diff: Optional[float] = None
+    max_abs_diff: float | None = None
     differing: list = dataclasses.field(default_factory=list)
-    divergence: Optional[dict] = None
+    divergence: dict | None = None
     seconds: float = 0.0
-    error: Optional[str] = None
+    error: str | None = None
     details: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -113,15 +113,21 @@ class AuditReport:
         return EXIT_REPRODUCIBLE
 
     def to_dict(self) -> dict[str, Any]:
-        return {"exit_code": self.exit_code, "environment": self.environment,
-                "results": [r.to_dict() for r in self.results]}
+        return {
+            "exit_code": self.exit_code,
+            "environment": self.environment,
+            "results": [r.to_dict() for r in self.results],
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
 
     def format_text(self) -> str:
-        verdict = {EXIT_REPRODUCIBLE: "REPRODUCIBLE", EXIT_DIVERGENT: "DIVERGENCE FOUND",
-                   EXIT_COULD_NOT_RUN: "COULD NOT RUN"}[self.exit_code]
+        verdict = {
+            EXIT_REPRODUCIBLE: "REPRODUCIBLE",
+            EXIT_DIVERGENT: "DIVERGENCE FOUND",
+            EXIT_COULD_NOT_RUN: "COULD NOT RUN",
+        }[self.exit_code]
         env = self.environment
         lines = [f"deepep-audit: {verdict}  (torch {env.get('torch')}, {env.get('device')})"]
         lines += [r.describe() for r in self.results]

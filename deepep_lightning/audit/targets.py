@@ -24,7 +24,8 @@ import copy
 import functools
 import importlib
 import os
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import yaml
@@ -34,7 +35,7 @@ from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_stat
 
 __all__ = ["DEEPEP_TARGET", "ModuleTarget", "load_class", "load_config"]
 
-DEEPEP_TARGET = "deepep_lightning.module:DeepEPModule"
+DEEPEP_TARGET = "deepep_lightning.deepep.module:DeepEPModule"
 VALUE_HEADS = ("reference", "fused", "fused_atomic")
 
 
@@ -90,8 +91,10 @@ def _atomic_value_head() -> Iterator[None]:
 def _loss_of(output: Any) -> torch.Tensor:
     loss = output.get("loss") if isinstance(output, dict) else output
     if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"`training_step` must return a loss tensor or a dict with 'loss', got {type(output).__name__}"
-                        " (HINT: manual optimisation needs a Trainer; audit it at L4)")
+        raise TypeError(
+            f"`training_step` must return a loss tensor or a dict with 'loss', got {type(output).__name__}"
+            " (HINT: manual optimisation needs a Trainer; audit it at L4)"
+        )
     return loss
 
 
@@ -120,8 +123,14 @@ class ModuleTarget:
         ValueError: bad target/config/steps/value_head.
     """
 
-    def __init__(self, target: Optional[str] = None, config: Any = None, device: Optional[str] = None,
-                 steps: int = 3, value_head: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        target: str | None = None,
+        config: Any = None,
+        device: str | None = None,
+        steps: int = 3,
+        value_head: str | None = None,
+    ) -> None:
         self.spec = target or DEEPEP_TARGET
         self.cls = load_class(self.spec)
         self.config = load_config(config)
@@ -173,14 +182,17 @@ class ModuleTarget:
             raise ValueError(f"{self.spec}.train_dataloader() gave {len(batches)} batches, L3 needs {count}")
         rng_state = capture_rng_state()
         multi_step = level == "L3" and not self.is_deepep
-        return PreparedRun(template, batches, rng_state, multi_step, _atomic_value_head if self.value_head == "fused_atomic" else None)
+        return PreparedRun(
+            template, batches, rng_state, multi_step, _atomic_value_head if self.value_head == "fused_atomic" else None
+        )
 
 
 class PreparedRun:
     """Template module + fixed batches + RNG snapshot; :meth:`run` is one repeat."""
 
-    def __init__(self, template: Any, batches: list, rng_state: dict, multi_step: bool,
-                 context: Optional[Callable[[], Any]]) -> None:
+    def __init__(
+        self, template: Any, batches: list, rng_state: dict, multi_step: bool, context: Callable[[], Any] | None
+    ) -> None:
         self.template, self.batches, self.rng_state = template, batches, rng_state
         self.multi_step, self.context = multi_step, context
 
@@ -190,7 +202,7 @@ class PreparedRun:
 
     def run(self, module: Any) -> dict[str, Any]:
         """One repeat on ``module`` (from :meth:`fresh_module`): outputs and gradients to compare."""
-        with (self.context() if self.context else contextlib.nullcontext()):
+        with self.context() if self.context else contextlib.nullcontext():
             if not self.multi_step:
                 loss = _loss_of(module.training_step(self.batches[0], 0))
                 loss.backward()

@@ -34,13 +34,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from deepep_lightning.determinism.configuration import _validate as _validate_configure_arguments
 from deepep_lightning.determinism.configuration import (
     ConfigureRecord,
     configure,
     last_configure_record,
     prime_cublas_and_release_env,
 )
+from deepep_lightning.determinism.configuration import _validate as _validate_configure_arguments
 from deepep_lightning.determinism.data import make_seekable
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints, format_fingerprint
 from deepep_lightning.determinism.results import capture_logged_state, merge_epoch_results, restore_metric_modules
@@ -133,9 +133,13 @@ class DeterminismCallback(Callback):
             if not isinstance(value, bool):
                 raise MisconfigurationException(f"`{name}` must be a bool, got {value!r}")
         _validate_configure_arguments(
-            seed or 0, cublas_workspace_config,
-            {"deterministic_algorithms": deterministic_algorithms, "warn_only": warn_only,
-             "fill_uninitialized_memory": fill_uninitialized_memory},
+            seed or 0,
+            cublas_workspace_config,
+            {
+                "deterministic_algorithms": deterministic_algorithms,
+                "warn_only": warn_only,
+                "fill_uninitialized_memory": fill_uninitialized_memory,
+            },
         )
         record = last_configure_record()
         self.seed = seed if seed is not None else (record.seed if record is not None else 0)
@@ -349,8 +353,7 @@ class DeterminismCallback(Callback):
         saved_seed = state_dict.get("seed", self.seed)
         if saved_seed != self.seed:
             message = (
-                f"DeterminismCallback: the checkpoint was written with seed={saved_seed!r},"
-                f" resuming with {self.seed!r}"
+                f"DeterminismCallback: the checkpoint was written with seed={saved_seed!r}, resuming with {self.seed!r}"
             )
             if self.strict:
                 raise MisconfigurationException(message + " (HINT: resume with the same seed)")

@@ -80,9 +80,7 @@ def capture_rng_state(generators: Mapping[str, torch.Generator] | None = None) -
     return state
 
 
-def restore_rng_state(
-    state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None
-) -> list[str]:
+def restore_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.Generator] | None = None) -> list[str]:
     """Restore a snapshot made by :func:`capture_rng_state`; returns what could not be restored.
 
     A CUDA snapshot is restored only when the number of visible devices matches; named generators
@@ -114,7 +112,7 @@ def restore_rng_state(
     return skipped
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _only_cpu_and_cuda() -> bool:
     """True when torch.manual_seed would seed nothing but the CPU and CUDA generators (fixed per process)."""
     others = (

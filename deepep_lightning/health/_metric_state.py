@@ -33,8 +33,10 @@ def _clone(value: Any) -> Any:
 def capture_metric_states(pl_module: "pl.LightningModule") -> dict[str, Any]:
     """Copies of every metric's accumulated state, keyed by its module path."""
     return {
-        key: {"states": {name: _clone(getattr(metric, name)) for name in metric._defaults},
-              "update_count": metric._update_count}
+        key: {
+            "states": {name: _clone(getattr(metric, name)) for name in metric._defaults},
+            "update_count": metric._update_count,
+        }
         for key, metric in _metrics(pl_module).items()
     }
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -85,7 +86,11 @@ def run_step(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: Repl
     if pl_module.automatic_optimization:
         outputs = epoch_loop.automatic_optimization.run(trainer.optimizers[0], entry.batch_idx, kwargs)
         for config in trainer.lr_scheduler_configs:
-            if not config.reduce_on_plateau and config.interval == "step" and (entry.batch_idx + 1) % config.frequency == 0:
+            if (
+                not config.reduce_on_plateau
+                and config.interval == "step"
+                and (entry.batch_idx + 1) % config.frequency == 0
+            ):
                 pl_module.lr_scheduler_step(config.scheduler, None)
             elif (
                 not config.reduce_on_plateau

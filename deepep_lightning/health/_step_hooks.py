@@ -17,7 +17,8 @@ the step really starts from, after a fault was planted in it).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import lightning.pytorch as pl
 
@@ -34,11 +35,13 @@ class _Hooks:
 
     def ordered_pre(self) -> list[Callable[[int, Any], Any]]:
         return [fn for name, fn in self.pre.items() if name not in self.innermost] + [
-            fn for name, fn in self.pre.items() if name in self.innermost]
+            fn for name, fn in self.pre.items() if name in self.innermost
+        ]
 
     def ordered_post(self) -> list[Callable[[int, Any], Any]]:
         return [fn for name, fn in self.post.items() if name in self.innermost] + [
-            fn for name, fn in self.post.items() if name not in self.innermost]
+            fn for name, fn in self.post.items() if name not in self.innermost
+        ]
 
 
 def _wrapper(module: "pl.LightningModule", original: Callable[..., Any]) -> Callable[..., Any]:
@@ -58,7 +61,10 @@ def _wrapper(module: "pl.LightningModule", original: Callable[..., Any]) -> Call
 
 
 def add_step_hook(
-    module: "pl.LightningModule", name: str, pre: Callable | None = None, post: Callable | None = None,
+    module: "pl.LightningModule",
+    name: str,
+    pre: Callable | None = None,
+    post: Callable | None = None,
     innermost: bool = False,
 ) -> None:
     hooks = module.__dict__.get(_ATTR)

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -49,13 +49,13 @@ class HealthEventLog:
     def __init__(self, filename: str = "health_events.jsonl") -> None:
         self.filename = filename
         self.events: list[dict[str, Any]] = []
-        self.path: Optional[str] = None
+        self.path: str | None = None
         self._counts: dict[str, int] = {}
 
     def attach(self, trainer: "pl.Trainer") -> None:
         self.path = os.path.join(run_log_dir(trainer), self.filename)
 
-    def emit(self, trainer: Optional["pl.Trainer"], kind: str, step: int, **fields: Any) -> dict[str, Any]:
+    def emit(self, trainer: "pl.Trainer" | None, kind: str, step: int, **fields: Any) -> dict[str, Any]:
         """Record one event (``kind`` like ``"detected"``, ``"transient"``, ``"stopped"``) at ``step``."""
         event = _jsonable({"kind": kind, "step": int(step), "time": time.time(), **fields})
         self.events.append(event)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -70,7 +70,7 @@ class FaultInjectionCallback(Callback):
         steps: Sequence[int] = (5,),
         mode: str = "once",
         value: str = "nan",
-        parameter: Optional[str] = None,
+        parameter: str | None = None,
     ) -> None:
         if target not in _TARGETS:
             raise MisconfigurationException(f"`target` must be one of {_TARGETS}, got {target!r}.")
@@ -78,7 +78,9 @@ class FaultInjectionCallback(Callback):
             raise MisconfigurationException(f"`mode` must be one of {_MODES}, got {mode!r}.")
         if value not in _VALUES:
             raise MisconfigurationException(f"`value` must be one of {tuple(_VALUES)}, got {value!r}.")
-        if isinstance(steps, (int, str)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps):
+        if isinstance(steps, (int, str)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps
+        ):
             raise MisconfigurationException(f"`steps` must be a list of ints >= 0, got {steps!r}.")
         self.target = target
         self.steps = sorted(set(steps))
@@ -87,8 +89,8 @@ class FaultInjectionCallback(Callback):
         self.parameter = parameter
         self.injections: list[tuple[int, str]] = []  # (step, target) each time a fault was planted
         self._fired: set[int] = set()
-        self._param: Optional[torch.nn.Parameter] = None
-        self._gradient_due: Optional[int] = None  # a step whose gradient fault has not been planted yet
+        self._param: torch.nn.Parameter | None = None
+        self._gradient_due: int | None = None  # a step whose gradient fault has not been planted yet
 
     @property
     def state_key(self) -> str:
@@ -152,7 +154,9 @@ class FaultInjectionCallback(Callback):
         return batch
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         due = self.target == "gradient" and step in self.steps and not (self.mode == "once" and step in self._fired)
         self._gradient_due = step if due else None

@@ -17,8 +17,8 @@ path hands one over); opening a step costs none.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ class StepRecord:
     loss_finite: bool
     grads_finite: bool
     params_finite: bool
-    loss: Optional[float]  # None when the step produced no loss (skipped)
+    loss: float | None  # None when the step produced no loss (skipped)
     grad_norm: float
 
     @property
@@ -51,7 +51,7 @@ class StepRecord:
         return self.loss_finite and self.grads_finite and self.params_finite
 
     @property
-    def reason(self) -> Optional[str]:
+    def reason(self) -> str | None:
         if not self.loss_finite:
             return "nonfinite_loss"
         if not self.grads_finite:
@@ -80,7 +80,7 @@ class StepFlags:
         self.capacity = int(capacity)
         self.device = torch.device(device)
         self._rows = torch.zeros(self.capacity, _COLUMNS, dtype=torch.float32, device=self.device)
-        self._steps: list[Optional[int]] = [None] * self.capacity
+        self._steps: list[int | None] = [None] * self.capacity
         # which columns of each row the current step wrote (host bookkeeping: unwritten columns hold
         # an older step's values and are ignored at the read)
         self._written: list[set[int]] = [set() for _ in range(self.capacity)]
@@ -122,7 +122,7 @@ class StepFlags:
         row.copy_(values)
         self._written[slot].update((_GRAD_MAX, _GRAD_L2))
 
-    def record_params(self, step: int, params: Iterable[Tensor]) -> Optional[Tensor]:
+    def record_params(self, step: int, params: Iterable[Tensor]) -> Tensor | None:
         """Record the parameters' largest absolute element at ``step``; return their total norm (a device tensor)."""
         params = [p.detach() for p in params]
         if not params:
@@ -133,7 +133,7 @@ class StepFlags:
         self._written[slot].add(_PARAM_MAX)
         return values[1]
 
-    def read(self, steps: Sequence[int], extra: Optional[Tensor] = None) -> tuple[list[StepRecord], Optional[Tensor]]:
+    def read(self, steps: Sequence[int], extra: Tensor | None = None) -> tuple[list[StepRecord], Tensor | None]:
         """Read the rows of ``steps`` (and an optional small ``extra`` tensor) in one host transfer."""
         if len(steps) > self.capacity:
             raise RuntimeError(f"cannot read {len(steps)} steps from a ring of {self.capacity}")
@@ -150,13 +150,15 @@ class StepFlags:
         for i, (step, slot) in enumerate(zip(steps, slots)):
             row, written = host[_COLUMNS * i : _COLUMNS * (i + 1)], self._written[slot]
             loss = row[_LOSS] if _LOSS in written else None
-            records.append(StepRecord(
-                step=int(step),
-                loss_finite=loss is None or math.isfinite(loss),
-                grads_finite=_GRAD_MAX not in written or math.isfinite(row[_GRAD_MAX]),
-                params_finite=_PARAM_MAX not in written or math.isfinite(row[_PARAM_MAX]),
-                loss=loss,
-                grad_norm=row[_GRAD_L2] if _GRAD_L2 in written else 0.0,
-            ))
+            records.append(
+                StepRecord(
+                    step=int(step),
+                    loss_finite=loss is None or math.isfinite(loss),
+                    grads_finite=_GRAD_MAX not in written or math.isfinite(row[_GRAD_MAX]),
+                    params_finite=_PARAM_MAX not in written or math.isfinite(row[_PARAM_MAX]),
+                    loss=loss,
+                    grad_norm=row[_GRAD_L2] if _GRAD_L2 in written else 0.0,
+                )
+            )
         extra_host = torch.tensor(host[_COLUMNS * len(steps) :]) if n_extra else None
         return records, extra_host

@@ -6,7 +6,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -38,8 +38,8 @@ class HealthVerdict:
     first_step: int
     end_step: int
     healthy: bool
-    bad_step: Optional[int] = None
-    reason: Optional[str] = None  # nonfinite_loss | nonfinite_grad | nonfinite_param | loss_spike
+    bad_step: int | None = None
+    reason: str | None = None  # nonfinite_loss | nonfinite_grad | nonfinite_param | loss_spike
     records: list[StepRecord] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -49,7 +49,7 @@ class HealthVerdict:
         return f"{self.reason} at step {self.bad_step} ({self.details})"
 
 
-def _loss_of(outputs: Any) -> Optional[Tensor]:
+def _loss_of(outputs: Any) -> Tensor | None:
     if isinstance(outputs, Tensor):
         return outputs
     if isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), Tensor):
@@ -110,13 +110,13 @@ class NumericalHealthCallback(Callback):
         check_loss: bool = True,
         check_gradients: bool = True,
         on_nonfinite: str = "raise",
-        param_max_abs: Optional[float] = None,
+        param_max_abs: float | None = None,
         on_large_param: str = "warn",
         log_norms: bool = True,
         spike_detection: bool = True,
         spike_window: int = 100,
         spike_z_threshold: float = 6.0,
-        spike_warmup: Optional[int] = None,
+        spike_warmup: int | None = None,
         spike_persistence: int = 2,
         on_spike: str = "warn",
         events_filename: str = "health_events.jsonl",
@@ -139,14 +139,14 @@ class NumericalHealthCallback(Callback):
             else None
         )
         self.events = HealthEventLog(events_filename)
-        self.flags: Optional[StepFlags] = None
-        self.last_verdict: Optional[HealthVerdict] = None
+        self.flags: StepFlags | None = None
+        self.last_verdict: HealthVerdict | None = None
         self._next_unchecked = 0  # first step not yet read by a check
-        self._cache: Optional[tuple[int, HealthVerdict]] = None
+        self._cache: tuple[int, HealthVerdict] | None = None
         self._delegate: Any = None  # a NaNRollbackCallback handling failed checks
         self._grad_checks_enabled = True
-        self._loss_recorded: Optional[int] = None
-        self._grads_recorded: Optional[int] = None
+        self._loss_recorded: int | None = None
+        self._grads_recorded: int | None = None
 
     @property
     def state_key(self) -> str:
@@ -190,7 +190,9 @@ class NumericalHealthCallback(Callback):
             self.flags.record_grad_norm(step, grad_norm)
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         self.begin_step(trainer.global_step)
 
     @override
@@ -221,7 +223,7 @@ class NumericalHealthCallback(Callback):
             return True
         return trainer.max_steps >= 0 and end >= trainer.max_steps
 
-    def poll(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", force: bool = False) -> Optional[HealthVerdict]:
+    def poll(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", force: bool = False) -> HealthVerdict | None:
         """The verdict for the steps since the last check, when a check is due (or ``force``); else None.
 
         Idempotent within a step: the first caller reads, later callers get the cached verdict.
@@ -235,7 +237,9 @@ class NumericalHealthCallback(Callback):
         self._cache = (end, verdict)
         return verdict
 
-    def check_steps(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", first: int, end: int) -> HealthVerdict:
+    def check_steps(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", first: int, end: int
+    ) -> HealthVerdict:
         """Read steps ``[first, end)`` (one host transfer), test the parameters, run the spike detector."""
         assert self.flags is not None
         steps = list(range(first, end))
@@ -303,19 +307,31 @@ class NumericalHealthCallback(Callback):
         if not params:
             return
         names = list(params)
-        maxes = torch.stack([t.abs().max().float() if t.numel() else t.new_zeros((), dtype=torch.float32) for t in params.values()])
+        maxes = torch.stack(
+            [t.abs().max().float() if t.numel() else t.new_zeros((), dtype=torch.float32) for t in params.values()]
+        )
         host = maxes.cpu().tolist()  # once per epoch: a sync is fine here
         bad = [n for n, v in zip(names, host) if not math.isfinite(v)]
         worst = max(range(len(host)), key=lambda i: host[i] if math.isfinite(host[i]) else -1.0)
-        self.events.log_scalars(trainer, {"health/param_max_abs": host[worst]} if math.isfinite(host[worst]) else {}, trainer.global_step)
+        self.events.log_scalars(
+            trainer, {"health/param_max_abs": host[worst]} if math.isfinite(host[worst]) else {}, trainer.global_step
+        )
         if bad:
-            verdict = HealthVerdict(trainer.global_step, trainer.global_step, False, trainer.global_step, "nonfinite_param",
-                                    details={"parameters": bad[:10]})
+            verdict = HealthVerdict(
+                trainer.global_step,
+                trainer.global_step,
+                False,
+                trainer.global_step,
+                "nonfinite_param",
+                details={"parameters": bad[:10]},
+            )
             if self._delegate is None:
                 self._act(trainer, verdict)
         elif self.param_max_abs is not None and host[worst] > self.param_max_abs:
             self.events.emit(trainer, "large_param", trainer.global_step, parameter=names[worst], max_abs=host[worst])
-            message = f"parameter {names[worst]!r} has max |w| = {host[worst]:.4g} > param_max_abs={self.param_max_abs!r}"
+            message = (
+                f"parameter {names[worst]!r} has max |w| = {host[worst]:.4g} > param_max_abs={self.param_max_abs!r}"
+            )
             if self.on_large_param == "raise":
                 raise NonFiniteError(message)
             if self.on_large_param == "stop":

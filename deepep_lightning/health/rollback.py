@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -102,7 +102,7 @@ class NaNRollbackCallback(Callback):
         self,
         snapshot_every_n_steps: int = 100,
         keep_snapshots: int = 2,
-        snapshot_dir: Optional[str] = None,
+        snapshot_dir: str | None = None,
         policy: str = "skip",
         skip_batches: int = 1,
         lr_factor: float = 0.5,
@@ -126,13 +126,13 @@ class NaNRollbackCallback(Callback):
         self.ring = SnapshotRing(self.keep_snapshots)
         self.incidents: list[dict[str, Any]] = []
         self.stopped = False
-        self.stop_report: Optional[dict[str, Any]] = None
-        self._health: Optional[NumericalHealthCallback] = None
+        self.stop_report: dict[str, Any] | None = None
+        self._health: NumericalHealthCallback | None = None
         self._buffer: list[ReplayEntry] = []
         self._skip_steps: set[int] = set()
         self._lr_scale = 1.0
-        self._last_snapshot_step: Optional[int] = None
-        self._undo: Optional[tuple[Any, ...]] = None  # the update state before a skipped manual-optimisation step
+        self._last_snapshot_step: int | None = None
+        self._undo: tuple[Any, ...] | None = None  # the update state before a skipped manual-optimisation step
 
     @property
     def state_key(self) -> str:
@@ -160,8 +160,13 @@ class NaNRollbackCallback(Callback):
                 directory = os.path.join(run_log_dir(trainer), directory)
             directory = os.path.join(directory, f"rank{trainer.global_rank}")
             self.ring = SnapshotRing(self.keep_snapshots, directory)
-        add_step_hook(pl_module, "rollback", innermost=True, post=self._skip_hook,
-                      pre=lambda step, batch: self._before_step(trainer, pl_module, step, batch))
+        add_step_hook(
+            pl_module,
+            "rollback",
+            innermost=True,
+            post=self._skip_hook,
+            pre=lambda step, batch: self._before_step(trainer, pl_module, step, batch),
+        )
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -202,7 +207,7 @@ class NaNRollbackCallback(Callback):
         oldest = self.ring.steps()[0]
         self._buffer = [entry for entry in self._buffer if entry.step >= oldest]
 
-    def _latest_snapshot(self, trainer: "pl.Trainer", before_step: Optional[int] = None) -> Optional[Snapshot]:
+    def _latest_snapshot(self, trainer: "pl.Trainer", before_step: int | None = None) -> Snapshot | None:
         def on_corrupt(path: str, error: Exception) -> None:
             self._emit(trainer, "corrupt_snapshot", trainer.global_step, path=path, error=str(error))
             rank_zero_warn(f"NaNRollbackCallback: {error}; falling back to the previous snapshot.")
@@ -218,7 +223,9 @@ class NaNRollbackCallback(Callback):
         self._snapshot(trainer, pl_module)
 
     @override
-    def on_train_batch_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+    ) -> None:
         entry = ReplayEntry(trainer.global_step, clone_batch(batch), batch_idx, trainer.current_epoch)
         if self._buffer and self._buffer[-1].step == entry.step:
             self._buffer[-1] = entry
@@ -278,7 +285,9 @@ class NaNRollbackCallback(Callback):
             raise RuntimeError(f"NaNRollbackCallback: batches for steps {first}..{end - 1} are not all recorded")
         return entries
 
-    def _replay(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", snapshot: Snapshot, end: int) -> HealthVerdict:
+    def _replay(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", snapshot: Snapshot, end: int
+    ) -> HealthVerdict:
         """Restore ``snapshot`` and replay up to step ``end`` (exclusive), checking after every step."""
         assert self._health is not None
         self._restore(trainer, pl_module, snapshot)
@@ -292,7 +301,9 @@ class NaNRollbackCallback(Callback):
                     return verdict
         return HealthVerdict(snapshot.step, end, healthy=True)
 
-    def _diagnose(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", snapshot: Snapshot, bad_step: int) -> Any:
+    def _diagnose(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", snapshot: Snapshot, bad_step: int
+    ) -> Any:
         """Replay up to ``bad_step`` and run that step under the non-finite locator."""
         assert self._health is not None
         self._restore(trainer, pl_module, snapshot)
@@ -319,14 +330,27 @@ class NaNRollbackCallback(Callback):
         return found
 
     def _handle_failure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", verdict: HealthVerdict) -> None:
-        automatic, manual = trainer.fit_loop.epoch_loop.automatic_optimization, trainer.fit_loop.epoch_loop.manual_optimization
-        progress = (copy.deepcopy(automatic.optim_progress.state_dict()), copy.deepcopy(manual.optim_step_progress.state_dict()))
+        automatic, manual = (
+            trainer.fit_loop.epoch_loop.automatic_optimization,
+            trainer.fit_loop.epoch_loop.manual_optimization,
+        )
+        progress = (
+            copy.deepcopy(automatic.optim_progress.state_dict()),
+            copy.deepcopy(manual.optim_step_progress.state_dict()),
+        )
         end = trainer.global_step
-        incident: dict[str, Any] = {"step": verdict.bad_step, "reason": verdict.reason, "detected_at": end, "attempts": 0}
+        incident: dict[str, Any] = {
+            "step": verdict.bad_step,
+            "reason": verdict.reason,
+            "detected_at": end,
+            "attempts": 0,
+        }
         self.incidents.append(incident)
-        self._emit(trainer, "detected", verdict.bad_step, reason=verdict.reason, details=verdict.details, checked_at=end)
+        self._emit(
+            trainer, "detected", verdict.bad_step, reason=verdict.reason, details=verdict.details, checked_at=end
+        )
         failing = verdict
-        restart_before: Optional[int] = None
+        restart_before: int | None = None
         try:
             while True:
                 snapshot = self._latest_snapshot(trainer)
@@ -355,8 +379,15 @@ class NaNRollbackCallback(Callback):
                         found = self._diagnose(trainer, pl_module, snapshot, replayed.bad_step)
                         incident["diagnosis"] = found.to_dict() if found is not None else None
                         text = found.describe() if found is not None else "no op produced a non-finite value"
-                        self._emit(trainer, "diagnosis", replayed.bad_step, report=text, op=found and found.op,
-                                   module=found and found.module_path, phase=found and found.phase)
+                        self._emit(
+                            trainer,
+                            "diagnosis",
+                            replayed.bad_step,
+                            report=text,
+                            op=found and found.op,
+                            module=found and found.module_path,
+                            phase=found and found.phase,
+                        )
                         rank_zero_warn(f"NaNRollbackCallback diagnosis at step {replayed.bad_step}:\n{text}")
                 if self.policy == "stop" or incident["attempts"] >= self.max_retries:
                     self._stop(trainer, pl_module, incident, f"{replayed.reason} at step {replayed.bad_step} persists")
@@ -396,14 +427,20 @@ class NaNRollbackCallback(Callback):
             **_public(incident),
         }
         self._emit(trainer, "stopped", incident["step"], **self.stop_report)
-        rank_zero_warn(f"NaNRollbackCallback stopped training: {why}. Weights restored to the snapshot of step "
-                       f"{self.stop_report['weights_at_step']}; see the health event log.")
+        rank_zero_warn(
+            f"NaNRollbackCallback stopped training: {why}. Weights restored to the snapshot of step "
+            f"{self.stop_report['weights_at_step']}; see the health event log."
+        )
 
     # ---------------------------------------------------------------- state
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"skip_steps": sorted(self._skip_steps), "lr_scale": self._lr_scale, "incidents": copy.deepcopy(self.incidents),
-                "stopped": self.stopped}
+        return {
+            "skip_steps": sorted(self._skip_steps),
+            "lr_scale": self._lr_scale,
+            "incidents": copy.deepcopy(self.incidents),
+            "stopped": self.stopped,
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

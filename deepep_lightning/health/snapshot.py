@@ -27,8 +27,9 @@ import hashlib
 import io
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -38,7 +39,12 @@ from torch import Tensor
 from deepep_lightning.health._metric_state import capture_metric_states, restore_metric_states
 
 __all__ = [
-    "CorruptSnapshotError", "Snapshot", "SnapshotRing", "clone_update_state", "load_snapshot_file", "restore_update_state",
+    "CorruptSnapshotError",
+    "Snapshot",
+    "SnapshotRing",
+    "clone_update_state",
+    "load_snapshot_file",
+    "restore_update_state",
     "save_snapshot_file",
 ]
 
@@ -129,7 +135,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
     absent from the snapshot (no step taken yet) is zeroed in place for Adam/AdamW (identical to
     their lazily created state) and removed for other optimizers, as in a fresh optimizer. Only a
     changed number of param groups falls back to ``optimizer.load_state_dict`` (new tensors; a
-    :class:`~deepep_lightning.agent.graphed_step.GraphedTrainStep` then refuses to replay).
+    :class:`~deepep_lightning.deepep.agent.graphed_step.GraphedTrainStep` then refuses to replay).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len(saved["param_groups"]) != len(optimizer.param_groups):
@@ -155,7 +161,9 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
             restored = _to_device(value)
             current = live.get(key)
             if not (
-                isinstance(current, Tensor) and isinstance(restored, Tensor) and current.device == restored.device
+                isinstance(current, Tensor)
+                and isinstance(restored, Tensor)
+                and current.device == restored.device
                 and _copy_into(current, restored)
             ):
                 live[key] = restored
@@ -169,8 +177,10 @@ def clone_update_state(pl_module: "pl.LightningModule", optimizers: list) -> lis
     """
     params = [p.detach().clone() for p in pl_module.parameters()]
     states = [
-        {id(p): {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
-         for p, s in optimizer.state.items()}
+        {
+            id(p): {k: v.detach().clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        }
         for optimizer in optimizers
     ]
     return [params, states]
@@ -208,7 +218,7 @@ class Snapshot:
     model: Any
     optimizers: list[Any]
     schedulers: list[Any]
-    scaler: Optional[dict[str, Any]]
+    scaler: dict[str, Any] | None
     rng: dict[str, Any]
     progress: dict[str, Any]
     rollout: Any
@@ -322,7 +332,7 @@ class SnapshotRing:
         directory: when given, snapshots are files there (host memory holds none).
     """
 
-    def __init__(self, keep: int = 2, directory: Optional[str] = None) -> None:
+    def __init__(self, keep: int = 2, directory: str | None = None) -> None:
         self.keep = keep
         self.directory = directory
         self._items: list[Any] = []  # Snapshot objects, or (step, path) on disk
@@ -347,8 +357,8 @@ class SnapshotRing:
         return [item.step if isinstance(item, Snapshot) else item[0] for item in self._items]
 
     def latest(
-        self, on_corrupt: Optional[Callable[[str, Exception], None]] = None, before_step: Optional[int] = None
-    ) -> Optional[Snapshot]:
+        self, on_corrupt: Callable[[str, Exception], None] | None = None, before_step: int | None = None
+    ) -> Snapshot | None:
         """The newest snapshot that loads (and has ``step < before_step`` when given).
 
         Corrupt files are reported through ``on_corrupt``, dropped, and the previous one is used.

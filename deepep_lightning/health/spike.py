@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Optional
+from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
@@ -39,7 +39,7 @@ class LossSpikeDetector:
     """
 
     def __init__(
-        self, window: int = 100, z_threshold: float = 6.0, warmup: Optional[int] = None, persistence: int = 1
+        self, window: int = 100, z_threshold: float = 6.0, warmup: int | None = None, persistence: int = 1
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise MisconfigurationException(f"`spike_window` must be an int >= 2, got {window!r}.")
@@ -58,14 +58,14 @@ class LossSpikeDetector:
         self._history: deque[float] = deque(maxlen=window)
         self._seen = 0
         self._run: list[int] = []  # steps of the current run of spiking losses
-        self.last_z: Optional[float] = None
+        self.last_z: float | None = None
 
     @property
-    def spike_start(self) -> Optional[int]:
+    def spike_start(self) -> int | None:
         """First step of the current run of spiking losses (None when not spiking)."""
         return self._run[0] if self._run else None
 
-    def zscore(self, loss: float) -> Optional[float]:
+    def zscore(self, loss: float) -> float | None:
         if self._seen < self.warmup or len(self._history) < 2:
             return None
         mean = math.fsum(self._history) / len(self._history)

@@ -20,13 +20,17 @@ import os
 import shutil
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, List, Optional
 
 import torch
 
 __all__ = [
-    "extension_available", "cuda_kernels_available", "extension_error", "on_extension_loaded", "register_op_python_side",
+    "extension_available",
+    "cuda_kernels_available",
+    "extension_error",
+    "on_extension_loaded",
+    "register_op_python_side",
     "csrc_dir",
 ]
 
@@ -40,9 +44,9 @@ _SM90_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
 _lock = threading.RLock()  # re-entrant: a hook may query the loader
 _attempted = False
 _loaded = False
-_error: Optional[str] = None
+_error: str | None = None
 _with_cuda = False
-_hooks: List[Callable[[], None]] = []
+_hooks: list[Callable[[], None]] = []
 
 
 def csrc_dir() -> Path:
@@ -59,7 +63,7 @@ def _cuda_buildable() -> bool:
     return bool(nvcc) and os.path.exists(nvcc)
 
 
-def _sources(with_cuda: bool) -> List[str]:
+def _sources(with_cuda: bool) -> list[str]:
     root = csrc_dir()
     sources = sorted(root.glob("*.cpp"))
     if with_cuda:
@@ -160,7 +164,7 @@ def cuda_kernels_available() -> bool:
     return _load_once() and _with_cuda
 
 
-def extension_error() -> Optional[str]:
+def extension_error() -> str | None:
     """Why the extension is not available (``None`` when it is, or was not tried yet)."""
     return _error
 
@@ -181,8 +185,8 @@ def register_op_python_side(
     op: str,
     fake_forward: Callable,
     fake_backward: Callable,
-    backward: Optional[Callable] = None,
-    setup_context: Optional[Callable] = None,
+    backward: Callable | None = None,
+    setup_context: Callable | None = None,
 ) -> None:
     """Once the library is loaded: ``register_fake`` for ``deepep::<op>`` and ``deepep::<op>_backward``,
     and, when ``backward`` is given, ``register_autograd`` for ``deepep::<op>`` (exactly once). Ops whose

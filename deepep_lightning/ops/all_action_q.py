@@ -6,8 +6,6 @@ make the op traceable by ``torch.compile``, and its autograd formula (a second f
 ``[N, A, H]`` intermediate). Without a compiler the reference in :mod:`.reference` is used.
 """
 
-from typing import Tuple
-
 import torch
 from torch import Tensor
 
@@ -36,9 +34,7 @@ def _check_inputs(z: Tensor, action_embedding: Tensor, w: Tensor, b: Tensor, det
     if z.dim() != 2:
         raise ValueError(f"{_OP}: z must be 2-D [N, H], got shape {tuple(z.shape)}")
     if z.dtype not in _FLOAT_DTYPES:
-        raise TypeError(
-            f"{_OP}: z must be float32 or float64, got {z.dtype!r}. HINT: cast the inputs with .float()."
-        )
+        raise TypeError(f"{_OP}: z must be float32 or float64, got {z.dtype!r}. HINT: cast the inputs with .float().")
     if z.shape[1] < 1:
         raise ValueError(f"{_OP}: z must have H >= 1 columns, got shape {tuple(z.shape)}")
     if action_embedding.dim() != 2 or action_embedding.shape[0] < 1 or action_embedding.shape[1] != z.shape[1]:
@@ -56,9 +52,7 @@ def _check_inputs(z: Tensor, action_embedding: Tensor, w: Tensor, b: Tensor, det
         _check_same_dtype_device(z, value, name)
 
 
-def all_action_q(
-    z: Tensor, action_embedding: Tensor, w: Tensor, b: Tensor, *, deterministic: bool = True
-) -> Tensor:
+def all_action_q(z: Tensor, action_embedding: Tensor, w: Tensor, b: Tensor, *, deterministic: bool = True) -> Tensor:
     """Q-values of every action at once, ``q[n, a] = sum_h w[h] * tanh(z[n, h] + E[a, h]) + b``.
 
     Uses the fused C++/CUDA kernels (never materialising ``[N, A, H]``) when the extension is
@@ -100,8 +94,9 @@ def _fake_forward(z: Tensor, action_embedding: Tensor, w: Tensor, b: Tensor, det
     torch._check(action_embedding.dim() == 2, lambda: f"{_OP}: action_embedding must be 2-D [A, H]")
     torch._check(
         action_embedding.shape[1] == z.shape[1],
-        lambda: f"{_OP}: action_embedding must be [A, H] matching z {tuple(z.shape)}, "
-        f"got {tuple(action_embedding.shape)}",
+        lambda: (
+            f"{_OP}: action_embedding must be [A, H] matching z {tuple(z.shape)}, got {tuple(action_embedding.shape)}"
+        ),
     )
     torch._check(w.dim() == 1 and w.shape[0] == z.shape[1], lambda: f"{_OP}: w must be [H], got {tuple(w.shape)}")
     torch._check(b.numel() == 1, lambda: f"{_OP}: b must be 0-dim or [1], got {tuple(b.shape)}")
@@ -110,7 +105,7 @@ def _fake_forward(z: Tensor, action_embedding: Tensor, w: Tensor, b: Tensor, det
 
 def _fake_backward(
     grad_q: Tensor, z: Tensor, action_embedding: Tensor, w: Tensor, deterministic: bool = True
-) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     torch._check(
         grad_q.dim() == 2 and grad_q.shape[0] == z.shape[0] and grad_q.shape[1] == action_embedding.shape[0],
         lambda: f"{_OP}_backward: grad_q must be [N, A], got {tuple(grad_q.shape)}",

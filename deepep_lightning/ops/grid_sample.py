@@ -17,7 +17,6 @@ forward (``torch.grid_sampler``, cuDNN path included, so the output is bit for b
 """
 
 import warnings
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +35,7 @@ _torch_grid_sample = getattr(F.grid_sample, "_deepep_original", F.grid_sample)
 
 def grid_sample_unsupported_reason(
     input: Tensor, grid: Tensor, mode: str = "bilinear", padding_mode: str = "zeros"
-) -> Optional[str]:
+) -> str | None:
     """Why :func:`grid_sample` would hand these arguments to PyTorch, or ``None`` when it covers them."""
     if not isinstance(input, Tensor) or not isinstance(grid, Tensor):
         return "input and grid must be torch.Tensor"
@@ -53,8 +52,10 @@ def grid_sample_unsupported_reason(
     if grid.shape[3] != 2 or grid.shape[0] != input.shape[0] or input.shape[2] == 0 or input.shape[3] == 0:
         # PyTorch raises its own error for these; an exception from inside the compiled op crashed
         # torch 2.11 on the GPU machine (BENCHMARKS.md, "Known problem"), so they never reach it.
-        return (f"grid of shape {tuple(grid.shape)} is not [N, H_out, W_out, 2] for input of shape "
-                f"{tuple(input.shape)} with non-empty H_in, W_in")
+        return (
+            f"grid of shape {tuple(grid.shape)} is not [N, H_out, W_out, 2] for input of shape "
+            f"{tuple(input.shape)} with non-empty H_in, W_in"
+        )
     if input.device != grid.device:
         return "input and grid are on different devices"
     if input.device.type not in ("cpu", "cuda"):
@@ -71,7 +72,7 @@ def grid_sample(
     grid: Tensor,
     mode: str = "bilinear",
     padding_mode: str = "zeros",
-    align_corners: Optional[bool] = None,
+    align_corners: bool | None = None,
 ) -> Tensor:
     """``F.grid_sample`` (same signature, same forward) whose bilinear 2-D backward is deterministic.
 
@@ -118,8 +119,9 @@ def _fake_forward(input: Tensor, grid: Tensor, padding_mode: int, align_corners:
     torch._check(input.dim() == 4, lambda: f"{_OP}: input must be 4-D, got shape {tuple(input.shape)}")
     torch._check(
         grid.dim() == 4 and grid.shape[3] == 2 and grid.shape[0] == input.shape[0],
-        lambda: f"{_OP}: grid must be [N, H_out, W_out, 2] matching input {tuple(input.shape)}, "
-        f"got {tuple(grid.shape)}",
+        lambda: (
+            f"{_OP}: grid must be [N, H_out, W_out, 2] matching input {tuple(input.shape)}, got {tuple(grid.shape)}"
+        ),
     )
     return input.new_empty((input.shape[0], input.shape[1], grid.shape[1], grid.shape[2]))
 

@@ -18,7 +18,7 @@ mode; inside it, on CUDA, PyTorch itself uses the decomposition, equal up to fp 
 """
 
 import numbers
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,15 +33,15 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # PyTorch's function even when the routing (routing.py) has replaced F.interpolate.
 _torch_interpolate = getattr(F.interpolate, "_deepep_original", F.interpolate)
 
-_Resolved = Tuple[List[int], Optional[float], Optional[float]]
+_Resolved = tuple[list[int], float | None, float | None]
 
 
-def _pair(value) -> Optional[list]:
+def _pair(value) -> list | None:
     values = list(value) if isinstance(value, (list, tuple)) else [value, value]
     return values if len(values) == 2 else None
 
 
-def _resolve_size(input: Tensor, size, scale_factor, recompute_scale_factor) -> Optional[_Resolved]:
+def _resolve_size(input: Tensor, size, scale_factor, recompute_scale_factor) -> _Resolved | None:
     """``(output_size, scale_h, scale_w)`` exactly as ``F.interpolate`` + ATen's ``.vec`` overload
     compute them, or ``None`` where ``F.interpolate`` would raise (it is then left to raise)."""
     if (size is None) == (scale_factor is None):
@@ -69,10 +69,10 @@ def interpolate_unsupported_reason(
     size=None,
     scale_factor=None,
     mode: str = "nearest",
-    align_corners: Optional[bool] = None,
-    recompute_scale_factor: Optional[bool] = None,
+    align_corners: bool | None = None,
+    recompute_scale_factor: bool | None = None,
     antialias: bool = False,
-) -> Optional[str]:
+) -> str | None:
     """Why :func:`interpolate` would hand these arguments to PyTorch, or ``None`` when it covers them."""
     if not isinstance(input, Tensor):
         return "input must be a torch.Tensor"
@@ -109,8 +109,8 @@ def interpolate(
     size=None,
     scale_factor=None,
     mode: str = "nearest",
-    align_corners: Optional[bool] = None,
-    recompute_scale_factor: Optional[bool] = None,
+    align_corners: bool | None = None,
+    recompute_scale_factor: bool | None = None,
     antialias: bool = False,
 ) -> Tensor:
     """``F.interpolate`` (same signature, same forward) whose bilinear 2-D backward is deterministic.
@@ -159,7 +159,7 @@ def interpolate(
 
 
 def _fake_forward(
-    input: Tensor, output_size: Sequence[int], align_corners: bool, scale_h: Optional[float], scale_w: Optional[float]
+    input: Tensor, output_size: Sequence[int], align_corners: bool, scale_h: float | None, scale_w: float | None
 ) -> Tensor:
     torch._check(input.dim() == 4, lambda: f"{_OP}: input must be 4-D, got shape {tuple(input.shape)}")
     torch._check(
@@ -170,7 +170,7 @@ def _fake_forward(
 
 
 def _fake_backward(
-    grad_output: Tensor, input_size: Sequence[int], align_corners: bool, scale_h: Optional[float], scale_w: Optional[float]
+    grad_output: Tensor, input_size: Sequence[int], align_corners: bool, scale_h: float | None, scale_w: float | None
 ) -> Tensor:
     torch._check(len(input_size) == 4, lambda: f"{_OP}_backward: input_size must have 4 entries")
     return grad_output.new_empty(tuple(input_size))

@@ -4,9 +4,8 @@ The reference materialises the ``[N, A, H]`` intermediate the fused kernels avoi
 obviously-correct formulation, autograd supplies its backward.
 """
 
-from torch import Tensor
-
 import torch
+from torch import Tensor
 
 __all__ = ["all_action_q_reference"]
 

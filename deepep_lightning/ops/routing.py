@@ -24,7 +24,7 @@ import functools
 import importlib
 import logging
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,9 @@ def patch_refused_ops(enabled: bool = True) -> bool:
             if enabled:
                 if current is not _WRAPPERS[name]:
                     if current is not _ORIGINALS[name]:
-                        log.warning("patch_refused_ops: F.%s was already replaced by %r; routing over it", name, current)
+                        log.warning(
+                            "patch_refused_ops: F.%s was already replaced by %r; routing over it", name, current
+                        )
                     setattr(F, name, _WRAPPERS[name])
             elif current is _WRAPPERS[name]:
                 setattr(F, name, _ORIGINALS[name])

@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Optional, Sequence
+from typing import Any
 
 __all__ = ["DESCRIPTION", "STRATEGY_NAME", "register", "register_when_lightning_loads"]
 
@@ -52,7 +53,7 @@ class _RegisteringLoader(importlib.abc.Loader):
     def __init__(self, loader: Any) -> None:
         self._loader = loader
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Optional[ModuleType]:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
@@ -66,8 +67,8 @@ class _RegisteringLoader(importlib.abc.Loader):
 
 class _LightningFinder(importlib.abc.MetaPathFinder):
     def find_spec(
-        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
-    ) -> Optional[importlib.machinery.ModuleSpec]:
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != _TARGET:
             return None
         for finder in sys.meta_path:

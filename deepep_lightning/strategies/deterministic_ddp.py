@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -112,7 +112,7 @@ class DeterministicDDPStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        seed: Optional[int] = None,
+        seed: int | None = None,
         bucket_cap_mb: float = 25.0,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
@@ -122,13 +122,17 @@ class DeterministicDDPStrategy(DDPStrategy):
         allow_world_size_change: bool = False,
         per_rank_checkpoint_keys: Sequence[str] = ("callbacks", "deepep_rollout"),
         reseed_every_step: bool = True,
-        virtual_world_size: Optional[int] = None,
+        virtual_world_size: int | None = None,
         **kwargs: Any,
     ) -> None:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise MisconfigurationException(f"`DeterministicDDPStrategy(seed=...)` must be a non-negative int or None, got {seed!r}")
+            raise MisconfigurationException(
+                f"`DeterministicDDPStrategy(seed=...)` must be a non-negative int or None, got {seed!r}"
+            )
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise MisconfigurationException(f"`DeterministicDDPStrategy(bucket_cap_mb=...)` must be a positive number, got {bucket_cap_mb!r}")
+            raise MisconfigurationException(
+                f"`DeterministicDDPStrategy(bucket_cap_mb=...)` must be a positive number, got {bucket_cap_mb!r}"
+            )
         if nccl_algorithm not in ALLOWED_ALGORITHMS:
             raise MisconfigurationException(
                 f"`DeterministicDDPStrategy(nccl_algorithm=...)` must be one of {ALLOWED_ALGORITHMS}, got {nccl_algorithm!r}"
@@ -148,8 +152,13 @@ class DeterministicDDPStrategy(DDPStrategy):
             raise MisconfigurationException(
                 f"`DeterministicDDPStrategy(virtual_world_size=...)` must be a positive int or None, got {virtual_world_size!r}"
             )
-        for name in ("gradient_as_bucket_view", "static_graph", "find_unused_parameters", "allow_world_size_change",
-                     "reseed_every_step"):
+        for name in (
+            "gradient_as_bucket_view",
+            "static_graph",
+            "find_unused_parameters",
+            "allow_world_size_change",
+            "reseed_every_step",
+        ):
             _check_bool(name, locals()[name])
         super().__init__(
             bucket_cap_mb=bucket_cap_mb,
@@ -165,8 +174,8 @@ class DeterministicDDPStrategy(DDPStrategy):
         self.per_rank_checkpoint_keys = tuple(per_rank_checkpoint_keys)
         self.reseed_every_step = reseed_every_step
         self.virtual_world_size = virtual_world_size
-        self.seed: Optional[int] = seed
-        self.rank_seed: Optional[int] = None
+        self.seed: int | None = seed
+        self.rank_seed: int | None = None
         self.nccl_env: dict[str, str] = {}
 
     # ---------------------------------------------------------------- registration
@@ -270,7 +279,9 @@ class DeterministicDDPStrategy(DDPStrategy):
         return (
             self.micro_batches_per_step > 1
             and type(getattr(dataloader, "sampler", None)) is torch.utils.data.DistributedSampler  # Lightning's
-            and module is not None and module._trainer is not None and module.trainer.training
+            and module is not None
+            and module._trainer is not None
+            and module.trainer.training
         )
 
     def _virtual_shard_loader(self, dataloader: Any) -> Any:
@@ -282,8 +293,12 @@ class DeterministicDDPStrategy(DDPStrategy):
             )
         try:
             sampler = VirtualShardSampler(
-                dataloader.dataset, virtual_world_size=self.virtual_world_size, num_replicas=self.world_size,
-                rank=self.global_rank, batch_size=dataloader.batch_size, seed=self.seed or 0,
+                dataloader.dataset,
+                virtual_world_size=self.virtual_world_size,
+                num_replicas=self.world_size,
+                rank=self.global_rank,
+                batch_size=dataloader.batch_size,
+                seed=self.seed or 0,
                 shuffle=dataloader.sampler.shuffle,
             )
         except ValueError as error:
@@ -291,15 +306,26 @@ class DeterministicDDPStrategy(DDPStrategy):
         return _update_dataloader(dataloader, sampler)
 
     @staticmethod
-    def shard(num_samples: int, seed: int, epoch: int, rank: int, world_size: int, shuffle: bool = True,
-              drop_last: bool = False) -> list[int]:
+    def shard(
+        num_samples: int,
+        seed: int,
+        epoch: int,
+        rank: int,
+        world_size: int,
+        shuffle: bool = True,
+        drop_last: bool = False,
+    ) -> list[int]:
         """The indices ``rank`` sees in ``epoch``: what the injected ``DistributedSampler`` yields.
 
         ``seed`` is the run seed (the sampler's own seed is derived from it).
         """
         sampler = torch.utils.data.DistributedSampler(
-            range(num_samples), num_replicas=world_size, rank=rank, shuffle=shuffle,
-            seed=sampler_seed(seed), drop_last=drop_last,
+            range(num_samples),
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=sampler_seed(seed),
+            drop_last=drop_last,
         )
         sampler.set_epoch(epoch)
         return list(sampler)
@@ -349,11 +375,16 @@ class DeterministicDDPStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- checkpoints
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         # every rank runs this (Trainer.save_checkpoint), so the gather inside is collective
         checkpoint[CHECKPOINT_KEY] = build_rank_state(
-            checkpoint, self.per_rank_checkpoint_keys, self.world_size, seed=self.seed, sampler_seed=self.sampler_seed,
-            rank_seeds=self.rank_seeds, fingerprint=self.fingerprint(),
+            checkpoint,
+            self.per_rank_checkpoint_keys,
+            self.world_size,
+            seed=self.seed,
+            sampler_seed=self.sampler_seed,
+            rank_seeds=self.rank_seeds,
+            fingerprint=self.fingerprint(),
         )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -380,7 +411,9 @@ class DeterministicDDPStrategy(DDPStrategy):
         saved_seed = state.get("seed")
         current_seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
         if saved_seed is not None and saved_seed != current_seed:
-            rank_zero_warn(f"DeterministicDDPStrategy: the checkpoint's seed is {saved_seed!r}, this run's is {current_seed!r}")
+            rank_zero_warn(
+                f"DeterministicDDPStrategy: the checkpoint's seed is {saved_seed!r}, this run's is {current_seed!r}"
+            )
         apply_rank_state(checkpoint, state, self.global_rank, self.world_size)
         return checkpoint
 

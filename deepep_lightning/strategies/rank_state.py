@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -39,7 +39,7 @@ class WorldSizeMismatchError(MisconfigurationException):
     """A checkpoint written with one world size is resumed with another."""
 
 
-def resolve_run_seed(seed: Optional[int]) -> int:
+def resolve_run_seed(seed: int | None) -> int:
     """``seed``, else ``PL_GLOBAL_SEED`` (``seed_everything``), else :func:`configure`'s seed, else 0."""
     if seed is not None:
         return int(seed)
@@ -58,8 +58,9 @@ def _gather(local: Any, world_size: int) -> list[Any]:
     return gathered
 
 
-def build_rank_state(checkpoint: Mapping[str, Any], per_rank_keys: Iterable[str], world_size: int,
-                     **record: Any) -> dict[str, Any]:
+def build_rank_state(
+    checkpoint: Mapping[str, Any], per_rank_keys: Iterable[str], world_size: int, **record: Any
+) -> dict[str, Any]:
     """The strategy's checkpoint entry: ``record`` (seeds, fingerprint), world size, every rank's keys.
 
     Collective under DDP: every rank must call it (``Trainer.save_checkpoint`` runs on all ranks).

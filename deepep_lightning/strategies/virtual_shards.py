@@ -47,18 +47,34 @@ class VirtualShardSampler(DistributedSampler):
         ValueError: ``K`` is not a multiple of ``W``, or a shard does not divide into batches.
     """
 
-    def __init__(self, dataset: Sized, *, virtual_world_size: int, num_replicas: int, rank: int, batch_size: int,
-                 seed: int, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Sized,
+        *,
+        virtual_world_size: int,
+        num_replicas: int,
+        rank: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
         if virtual_world_size % num_replicas:
-            raise ValueError(f"`virtual_world_size` ({virtual_world_size}) must be a multiple of the world size ({num_replicas})")
+            raise ValueError(
+                f"`virtual_world_size` ({virtual_world_size}) must be a multiple of the world size ({num_replicas})"
+            )
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=sampler_seed(seed))
         self.virtual_world_size = virtual_world_size
         self.per_process = virtual_world_size // num_replicas
         self.batch_size = int(batch_size)
         self.run_seed = seed
         self._virtual = [
-            DistributedSampler(dataset, num_replicas=virtual_world_size, rank=rank * self.per_process + j,
-                               shuffle=shuffle, seed=sampler_seed(seed))
+            DistributedSampler(
+                dataset,
+                num_replicas=virtual_world_size,
+                rank=rank * self.per_process + j,
+                shuffle=shuffle,
+                seed=sampler_seed(seed),
+            )
             for j in range(self.per_process)
         ]
         shard = self._virtual[0].num_samples

@@ -12,8 +12,16 @@ def test_help_documents_levels_protocol_and_exit_codes(capsys):
         main(["--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    for needle in ("l1", "l2", "l3", "l4", "CUDA_LAUNCH_BLOCKING", "first divergent op", "package.module:Class",
-                   "Exit code: 0 reproducible, 1 divergence found, 2 could not run"):
+    for needle in (
+        "l1",
+        "l2",
+        "l3",
+        "l4",
+        "CUDA_LAUNCH_BLOCKING",
+        "first divergent op",
+        "package.module:Class",
+        "Exit code: 0 reproducible, 1 divergence found, 2 could not run",
+    ):
         assert needle in text
 
 
@@ -24,8 +32,22 @@ def test_clean_module_exits_0(capsys):
 
 def test_planted_fault_exits_1_and_json_names_the_op_and_module(capsys, tmp_path):
     out = tmp_path / "report.json"
-    code = main(["l3", "--target", "_planted:UnseededRNGModule", "--device", "cpu", "--repeats", "3", "--steps", "2",
-                 "--json", "--json-out", str(out)])
+    code = main(
+        [
+            "l3",
+            "--target",
+            "_planted:UnseededRNGModule",
+            "--device",
+            "cpu",
+            "--repeats",
+            "3",
+            "--steps",
+            "2",
+            "--json",
+            "--json-out",
+            str(out),
+        ]
+    )
     assert code == 1
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
@@ -42,8 +64,24 @@ def test_cannot_run_exits_2(capsys):
 
 def test_l1_catalogue_subset_and_list(capsys, tmp_path):
     table = tmp_path / "table.md"
-    assert main(["l1", "--ops", "cumsum,index_add_", "--columns", "default", "--device", "cpu", "--repeats", "3",
-                 "--table-out", str(table)]) == 0
+    assert (
+        main(
+            [
+                "l1",
+                "--ops",
+                "cumsum,index_add_",
+                "--columns",
+                "default",
+                "--device",
+                "cpu",
+                "--repeats",
+                "3",
+                "--table-out",
+                str(table),
+            ]
+        )
+        == 0
+    )
     assert "| cumsum | yes |" in capsys.readouterr().out and "| index_add_ | yes |" in table.read_text()
     assert main(["l1", "--list"]) == 0
     assert "grid_sample_backward" in capsys.readouterr().out

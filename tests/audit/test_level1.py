@@ -47,9 +47,19 @@ def test_run_repeats_validates():
 
 def test_catalogue_covers_the_known_offenders_and_deepep():
     names = set(catalogue_names())
-    for required in ("index_add_", "scatter_add_", "index_put_accumulate", "grid_sample_backward",
-                     "interpolate_bilinear_backward", "embedding_backward", "cumsum", "gru_cell", "multinomial",
-                     "all_action_q_reference", "all_action_q_atomic"):
+    for required in (
+        "index_add_",
+        "scatter_add_",
+        "index_put_accumulate",
+        "grid_sample_backward",
+        "interpolate_bilinear_backward",
+        "embedding_backward",
+        "cumsum",
+        "gru_cell",
+        "multinomial",
+        "all_action_q_reference",
+        "all_action_q_atomic",
+    ):
         assert required in names
     assert CATALOGUE["all_action_q_atomic"].cuda_only
 

@@ -11,8 +11,10 @@ from deepep_lightning.audit.level4 import _compare, audit_training, compare_stat
 
 def _fake_run(root, name, weight, losses):
     os.makedirs(os.path.join(root, name, "tb"))
-    torch.save({"state_dict": {"w": weight}, "optimizers": [], "global_step": len(losses)},
-               os.path.join(root, name, "final.pt"))
+    torch.save(
+        {"state_dict": {"w": weight}, "optimizers": [], "global_step": len(losses)},
+        os.path.join(root, name, "final.pt"),
+    )
     writer = SummaryWriter(os.path.join(root, name, "tb"))
     for step, loss in enumerate(losses):
         writer.add_scalar("train/loss", loss, step)
@@ -52,9 +54,25 @@ def test_deepep_kill_and_resume_from_the_cli(tmp_path, capsys):
     # with it everything is bitwise equal. The planted-difference tests above are the negative controls.
     from deepep_lightning.audit.cli import main
 
-    code = main(["l4", "--config", "configs/default.yaml", "--steps", "3", "--resume-at", "2", "--determinism",
-                 "--workdir", str(tmp_path), "--model.fused_value_head=false", "--model.num_envs=4",
-                 "--model.rollout_length=4", "--model.hidden_size=8", "--model.steps_per_epoch=3"])
+    code = main(
+        [
+            "l4",
+            "--config",
+            "configs/default.yaml",
+            "--steps",
+            "3",
+            "--resume-at",
+            "2",
+            "--determinism",
+            "--workdir",
+            str(tmp_path),
+            "--model.fused_value_head=false",
+            "--model.num_envs=4",
+            "--model.rollout_length=4",
+            "--model.hidden_size=8",
+            "--model.steps_per_epoch=3",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0, out
     assert "train/loss" in out and "DIFFERS" not in out

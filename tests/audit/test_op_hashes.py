@@ -3,12 +3,11 @@
 import types
 
 import torch
+from _planted import _NoisyGate
 from torch import nn
 
 from deepep_lightning.audit.causes import base_name, likely_cause
 from deepep_lightning.audit.op_hashes import OpHashMode, first_divergence
-
-from _planted import _NoisyGate
 
 
 class _Net(nn.Module):
@@ -96,23 +95,45 @@ def test_keep_bytes_zero_keeps_nothing_and_validates():
 
 
 def _record(op, **kw):
-    return types.SimpleNamespace(op=op, accumulate=kw.get("accumulate", False),
-                                 deterministic_arg=kw.get("deterministic_arg"),
-                                 uninitialised_inputs=kw.get("uninitialised", []), input_producers=kw.get("producers", []))
+    return types.SimpleNamespace(
+        op=op,
+        accumulate=kw.get("accumulate", False),
+        deterministic_arg=kw.get("deterministic_arg"),
+        uninitialised_inputs=kw.get("uninitialised", []),
+        input_producers=kw.get("producers", []),
+    )
 
 
 def test_cause_heuristics():
     assert likely_cause(_record("aten.index_add_.default"), inputs_identical=True)[0] == "atomic accumulation"
-    assert likely_cause(_record("aten.upsample_bilinear2d_backward.default"), inputs_identical=True)[0] == "atomic accumulation"
-    assert likely_cause(_record("aten.index_put_.default", accumulate=True), inputs_identical=True)[0] == "atomic accumulation"
+    assert (
+        likely_cause(_record("aten.upsample_bilinear2d_backward.default"), inputs_identical=True)[0]
+        == "atomic accumulation"
+    )
+    assert (
+        likely_cause(_record("aten.index_put_.default", accumulate=True), inputs_identical=True)[0]
+        == "atomic accumulation"
+    )
     assert likely_cause(_record("aten.index_put_.default"), inputs_identical=True)[0] == "unknown"
-    assert likely_cause(_record("deepep.all_action_q_backward.default", deterministic_arg=False),
-                        inputs_identical=True)[0] == "atomic accumulation"
+    assert (
+        likely_cause(_record("deepep.all_action_q_backward.default", deterministic_arg=False), inputs_identical=True)[0]
+        == "atomic accumulation"
+    )
     assert likely_cause(_record("aten.bernoulli_.float"), inputs_identical=True)[0] == "RNG"
-    assert likely_cause(_record("aten.add.Tensor", uninitialised=[0], producers=["aten.empty.memory_format"]),
-                        inputs_identical=True)[0] == "uninitialised memory"
-    assert likely_cause(_record("aten.add.Tensor"), inputs_identical=False,
-                        differing_input_producers=["aten.empty_like.default"])[0] == "uninitialised memory"
-    assert likely_cause(_record("aten.add.Tensor"), inputs_identical=False,
-                        differing_input_producers=[None])[0] == "input from outside"
+    assert (
+        likely_cause(
+            _record("aten.add.Tensor", uninitialised=[0], producers=["aten.empty.memory_format"]), inputs_identical=True
+        )[0]
+        == "uninitialised memory"
+    )
+    assert (
+        likely_cause(
+            _record("aten.add.Tensor"), inputs_identical=False, differing_input_producers=["aten.empty_like.default"]
+        )[0]
+        == "uninitialised memory"
+    )
+    assert (
+        likely_cause(_record("aten.add.Tensor"), inputs_identical=False, differing_input_producers=[None])[0]
+        == "input from outside"
+    )
     assert likely_cause(_record("aten.mm.default"), inputs_identical=True)[0] == "unknown"

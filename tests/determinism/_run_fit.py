@@ -86,10 +86,18 @@ def _plain_module():
 def _deepep_module(extra_args: str):
     import json
 
-    from deepep_lightning.module import DeepEPModule
+    from deepep_lightning.deepep import DeepEPModule
 
-    kwargs = {"env": "cartpole", "num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch": 7,
-              "seed": SEED, "fused_value_head": False, **json.loads(extra_args)}
+    kwargs = {
+        "env": "cartpole",
+        "num_envs": 4,
+        "rollout_length": 6,
+        "hidden_size": 8,
+        "steps_per_epoch": 7,
+        "seed": SEED,
+        "fused_value_head": False,
+        **json.loads(extra_args),
+    }
     return DeepEPModule(**kwargs)
 
 
@@ -102,8 +110,12 @@ def main() -> None:
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--no-restore", choices=["all", "rng"], default=None,
-                        help="negative control: restore nothing (all) or no RNG state (rng) on resume")
+    parser.add_argument(
+        "--no-restore",
+        choices=["all", "rng"],
+        default=None,
+        help="negative control: restore nothing (all) or no RNG state (rng) on resume",
+    )
     parser.add_argument("--no-reseed", action="store_true", help="rely on checkpointed RNG state only")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--deepep-args", default="{}", help="JSON of DeepEPModule arguments (GPU settings)")

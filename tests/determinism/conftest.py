@@ -9,8 +9,17 @@ import torch
 
 import deepep_lightning.determinism.configuration as configure_module
 
-_ENV = ("CUBLAS_WORKSPACE_CONFIG", "PYTHONHASHSEED", "PL_SEED_WORKERS", "PL_GLOBAL_SEED", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
+_ENV = (
+    "CUBLAS_WORKSPACE_CONFIG",
+    "PYTHONHASHSEED",
+    "PL_SEED_WORKERS",
+    "PL_GLOBAL_SEED",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_NVLS_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS",
+)
 
 
 @pytest.fixture(autouse=True)

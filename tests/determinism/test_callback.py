@@ -41,10 +41,18 @@ def _fit(callback: DeterminismCallback | None, validate: bool, tmp_path=None) ->
     torch.manual_seed(0)
     model = _Tiny()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=6, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, val_check_interval=2,
-        limit_val_batches=2 if validate else 0, num_sanity_val_steps=2 if validate else 0,
-        callbacks=[callback] if callback else [], default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        val_check_interval=2,
+        limit_val_batches=2 if validate else 0,
+        num_sanity_val_steps=2 if validate else 0,
+        callbacks=[callback] if callback else [],
+        default_root_dir=tmp_path,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -72,8 +80,11 @@ def test_fingerprint_mismatch_raises_in_strict_mode_naming_the_field() -> None:
     state = callback.state_dict()
     state["fingerprint"]["torch"] = "0.0.1"
     state["fingerprint"]["env.CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
-    with pytest.raises(FingerprintMismatchError, match=r"torch: '0\.0\.1' -> .*env\.CUBLAS_WORKSPACE_CONFIG|"
-                       r"env\.CUBLAS_WORKSPACE_CONFIG.*torch: '0\.0\.1'"):
+    with pytest.raises(
+        FingerprintMismatchError,
+        match=r"torch: '0\.0\.1' -> .*env\.CUBLAS_WORKSPACE_CONFIG|"
+        r"env\.CUBLAS_WORKSPACE_CONFIG.*torch: '0\.0\.1'",
+    ):
         callback.load_state_dict(state)
     lenient = DeterminismCallback(3, strict=False)
     with pytest.warns(UserWarning, match="torch"):
@@ -82,18 +93,34 @@ def test_fingerprint_mismatch_raises_in_strict_mode_naming_the_field() -> None:
 
 def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path) -> None:
     model = _Tiny()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                         callbacks=[DeterminismCallback(3)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=[DeterminismCallback(3)],
+    )
     trainer.fit(model)
     path = tmp_path / "run.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["callbacks"]["DeterminismCallback"]["fingerprint"]["world_size"] = "8"
     torch.save(checkpoint, path)
-    resumed = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
-                         callbacks=[DeterminismCallback(3)])
+    resumed = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        callbacks=[DeterminismCallback(3)],
+    )
     with pytest.raises(FingerprintMismatchError, match="world_size: '8' -> '1'"):
         resumed.fit(_Tiny(), ckpt_path=path)
 
@@ -184,18 +211,27 @@ class _Recorder(pl.LightningModule):
 
 def _fit_epochs(max_epochs: int, sampler: str, with_callback: bool, ckpt=None):
     model = _Recorder(sampler)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=max_epochs, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False,
-                         callbacks=[DeterminismCallback(0)] if with_callback else [])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=max_epochs,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=[DeterminismCallback(0)] if with_callback else [],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, ckpt_path=ckpt)
     return model, trainer
 
 
-@pytest.mark.parametrize(("sampler", "with_callback", "equal"),
-                         [("shuffle", True, True), ("distributed", False, False)],
-                         ids=["seekable_loader", "negative_control_lightning_distributed_sampler"])
+@pytest.mark.parametrize(
+    ("sampler", "with_callback", "equal"),
+    [("shuffle", True, True), ("distributed", False, False)],
+    ids=["seekable_loader", "negative_control_lightning_distributed_sampler"],
+)
 def test_resume_at_epoch_boundary_with_workers_keeps_the_epoch_order(tmp_path, sampler, with_callback, equal) -> None:
     """Lightning 2.6 creates the first iterator after a resume before ``set_epoch``: with workers, a
     ``DistributedSampler`` then prefetches epoch 0's order for epoch 1. The seekable loader is lazy."""

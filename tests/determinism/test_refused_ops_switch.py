@@ -33,9 +33,15 @@ class _SeesRouting(pl.LightningModule):
 def test_callback_routes_only_during_fit_and_restores(enabled):
     patch_refused_ops(False)
     module = _SeesRouting()
-    trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[DeterminismCallback(seed=0, patch_refused_ops=enabled)])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[DeterminismCallback(seed=0, patch_refused_ops=enabled)],
+    )
     trainer.fit(module)
     assert module.routed_during_fit is enabled
     assert refused_ops_patched() is False  # restored after fit

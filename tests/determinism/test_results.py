@@ -54,8 +54,16 @@ class _SaveAt(pl.Callback):
 def _fit(max_steps: int, callbacks: list, ckpt=None) -> _EpochLogger:
     torch.manual_seed(0)  # same initial weights in every fit of this process
     model = _EpochLogger()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, callbacks=callbacks)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        callbacks=callbacks,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model, ckpt_path=ckpt)

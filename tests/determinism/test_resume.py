@@ -166,8 +166,9 @@ def test_gpu_two_runs_and_sigkill_resume_are_bitwise_equal(tmp_path: Path, cuda_
     run = {name: tmp_path / name for name in ("full", "full_again", "killed")}
     _wait({"full": (_start("deepep", run["full"], extra), run["full"])}, set())
     _wait({"full_again": (_start("deepep", run["full_again"], extra), run["full_again"])}, set())
-    _wait({"killed": (_start("deepep", run["killed"], extra + ["--kill-at", str(_KILL_AT)]), run["killed"])},
-          {"killed"})
+    _wait(
+        {"killed": (_start("deepep", run["killed"], extra + ["--kill-at", str(_KILL_AT)]), run["killed"])}, {"killed"}
+    )
     resumed = tmp_path / "resumed"
     shutil.copytree(run["killed"], resumed)
     _wait({"resumed": (_start("deepep", resumed, extra + ["--resume", str(resumed / "last.ckpt")]), resumed)}, set())

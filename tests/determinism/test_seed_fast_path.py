@@ -25,7 +25,14 @@ def _reference_seed(seed: int, *keys) -> int:
 
 def _draws() -> tuple:
     cuda = torch.rand(4, device="cuda").cpu() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), torch.rand(4), np.random.get_state()[1].copy(), np.random.rand(3), random.random(), cuda
+    return (
+        torch.get_rng_state(),
+        torch.rand(4),
+        np.random.get_state()[1].copy(),
+        np.random.rand(3),
+        random.random(),
+        cuda,
+    )
 
 
 def _assert_same(first: tuple, second: tuple) -> None:

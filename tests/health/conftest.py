@@ -37,8 +37,9 @@ class ToyModule(pl.LightningModule):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(self.n_samples, 4, generator=g)
         y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(self.n_samples, 1, generator=g)
-        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(1))
+        return DataLoader(
+            TensorDataset(x, y), batch_size=self.batch_size, shuffle=True, generator=torch.Generator().manual_seed(1)
+        )
 
 
 class CaptureLogger(Logger):

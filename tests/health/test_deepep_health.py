@@ -3,11 +3,10 @@
 import pytest
 import torch
 
+from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback
 
 from .conftest import fit, state_equal
-
-from deepep_lightning import DeepEPModule
 
 
 def _make():
@@ -23,18 +22,26 @@ def _make():
     ],
     ids=["latest_snapshot", "train_start_snapshot"],
 )
-def test_deepep_transient_gradient_fault_is_invisible(tmp_path, snapshot_every, check_every, fault_step, max_steps,
-                                                      rollback_to):
+def test_deepep_transient_gradient_fault_is_invisible(
+    tmp_path, snapshot_every, check_every, fault_step, max_steps, rollback_to
+):
     def callbacks(health):
         return [health, NaNRollbackCallback(snapshot_every_n_steps=snapshot_every)]
 
-    _, clean = fit(tmp_path, callbacks(NumericalHealthCallback(check_every_n_steps=check_every)), max_steps=max_steps,
-                   module=_make)
+    _, clean = fit(
+        tmp_path, callbacks(NumericalHealthCallback(check_every_n_steps=check_every)), max_steps=max_steps, module=_make
+    )
     health = NumericalHealthCallback(check_every_n_steps=check_every)
-    _, faulty = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[fault_step]), *callbacks(health)],
-                    max_steps=max_steps, module=_make)
+    _, faulty = fit(
+        tmp_path,
+        [FaultInjectionCallback("gradient", steps=[fault_step]), *callbacks(health)],
+        max_steps=max_steps,
+        module=_make,
+    )
     assert [(e["kind"], e["step"]) for e in health.events.events] == [
-        ("detected", fault_step), ("rollback", rollback_to), ("transient", fault_step)
+        ("detected", fault_step),
+        ("rollback", rollback_to),
+        ("transient", fault_step),
     ]
     assert state_equal(clean.state_dict(), faulty.state_dict())
     a, b = clean.rollout_state_dict(), faulty.rollout_state_dict()
@@ -45,8 +52,12 @@ def test_deepep_transient_gradient_fault_is_invisible(tmp_path, snapshot_every, 
 def test_deepep_persistent_loss_fault_skipped_and_diagnosed(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip")
-    trainer, module = fit(tmp_path, [FaultInjectionCallback("loss", steps=[6], mode="always"), health, rollback],
-                          max_steps=10, module=_make)
+    trainer, module = fit(
+        tmp_path,
+        [FaultInjectionCallback("loss", steps=[6], mode="always"), health, rollback],
+        max_steps=10,
+        module=_make,
+    )
     kinds = [e["kind"] for e in health.events.events]
     assert kinds[-1] == "recovered" and "diagnosis" in kinds and trainer.global_step == 10
     # the skipped step still advanced the rollout (data position), only its update was dropped
@@ -60,8 +71,15 @@ def test_deepep_real_overflow_detected_diagnosed_and_recovered(tmp_path):
     rollback = NaNRollbackCallback(snapshot_every_n_steps=5, policy="lower_lr", lr_factor=0.1, max_retries=3)
 
     def make():
-        return DeepEPModule(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=50, learning_rate=10.0,
-                            optimizer="sgd", fused_value_head=False)
+        return DeepEPModule(
+            num_envs=4,
+            rollout_length=8,
+            hidden_size=16,
+            steps_per_epoch=50,
+            learning_rate=10.0,
+            optimizer="sgd",
+            fused_value_head=False,
+        )
 
     trainer, module = fit(tmp_path, [health, rollback], max_steps=20, module=make)
     kinds = [(e["kind"], e["step"]) for e in health.events.events]

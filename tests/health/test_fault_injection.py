@@ -11,8 +11,14 @@ from .conftest import fit
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"target": "weights"}, "target"), ({"mode": "sometimes"}, "mode"), ({"value": "big"}, "value"),
-     ({"steps": [-1]}, "steps"), ({"steps": 3}, "steps"), ({"steps": [1.5]}, "steps")],
+    [
+        ({"target": "weights"}, "target"),
+        ({"mode": "sometimes"}, "mode"),
+        ({"value": "big"}, "value"),
+        ({"steps": [-1]}, "steps"),
+        ({"steps": 3}, "steps"),
+        ({"steps": [1.5]}, "steps"),
+    ],
 )
 def test_bad_arguments(kwargs, name):
     with pytest.raises(MisconfigurationException, match=name) as info:

@@ -103,7 +103,9 @@ def test_a_graph_path_step_writes_two_tensors_and_computes_nothing():
         flags.begin(1)
         flags.record_loss(1, loss)
         flags.record_grad_norm(1, grad_norm)
-    computing = [op for op in mode.ops if op.split(".")[1] not in {"select", "slice", "view", "expand", "alias", "detach"}]
+    computing = [
+        op for op in mode.ops if op.split(".")[1] not in {"select", "slice", "view", "expand", "alias", "detach"}
+    ]
     assert computing == ["aten.copy_.default", "aten.copy_.default"], mode.ops
     record = _read(flags, [1])[1]
     assert record.loss == 1.5 and record.grad_norm == 2.0 and record.finite

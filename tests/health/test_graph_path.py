@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from deepep_lightning import DeepEPModule
+from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NonFiniteError, NumericalHealthCallback
 
 from .conftest import OverflowBeforeStep, Recorder, fit, state_equal, tensor_addresses
@@ -31,8 +31,15 @@ class UncapturedGraphPath(DeepEPModule):
 
 
 def _make(**kwargs):
-    return UncapturedGraphPath(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False,
-                               cuda_graph=True, **kwargs)
+    return UncapturedGraphPath(
+        num_envs=4,
+        rollout_length=8,
+        hidden_size=16,
+        steps_per_epoch=20,
+        fused_value_head=False,
+        cuda_graph=True,
+        **kwargs,
+    )
 
 
 def _kinds(health):
@@ -71,11 +78,19 @@ def test_without_rollback_the_nan_reaches_the_weights(tmp_path):
 
 def test_transient_fault_rolled_back_in_place_and_bitwise(tmp_path):
     recorder = Recorder()
-    _, clean = fit(tmp_path, [NumericalHealthCallback(check_every_n_steps=2), NaNRollbackCallback(snapshot_every_n_steps=4)],
-                   max_steps=10, module=_make)
+    _, clean = fit(
+        tmp_path,
+        [NumericalHealthCallback(check_every_n_steps=2), NaNRollbackCallback(snapshot_every_n_steps=4)],
+        max_steps=10,
+        module=_make,
+    )
     health = NumericalHealthCallback(check_every_n_steps=2)
-    callbacks = [FaultInjectionCallback("parameter", steps=[5]), health, NaNRollbackCallback(snapshot_every_n_steps=4),
-                 recorder]
+    callbacks = [
+        FaultInjectionCallback("parameter", steps=[5]),
+        health,
+        NaNRollbackCallback(snapshot_every_n_steps=4),
+        recorder,
+    ]
     trainer, faulty = fit(tmp_path, callbacks, max_steps=10, module=_make)
     assert _kinds(health) == [("detected", 5), ("rollback", 4), ("transient", 5)]
     assert state_equal(clean.state_dict(), faulty.state_dict())
@@ -94,7 +109,9 @@ class SkipProbe(pl.Callback):
 
     def _state(self, trainer, pl_module):
         optimizer = trainer.optimizers[0]
-        tensors = list(pl_module.parameters()) + [v for p in pl_module.parameters() for v in optimizer.state[p].values()]
+        tensors = list(pl_module.parameters()) + [
+            v for p in pl_module.parameters() for v in optimizer.state[p].values()
+        ]
         return [t.detach().clone() for t in tensors], tensor_addresses(pl_module, optimizer), pl_module._hidden.clone()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
@@ -108,14 +125,20 @@ class SkipProbe(pl.Callback):
         if step in (self.step - 1, self.step):
             values, addresses, hidden = self._state(trainer, pl_module)
             unchanged = all(torch.equal(a, b) for a, b in zip(values, self.before[0]))
-            self.checks[step] = (unchanged, addresses == self.before[1], not torch.equal(hidden, self.before[2]), outputs)
+            self.checks[step] = (
+                unchanged,
+                addresses == self.before[1],
+                not torch.equal(hidden, self.before[2]),
+                outputs,
+            )
 
 
 def test_skipped_step_update_is_undone_in_place(tmp_path):
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip")
     probe = SkipProbe(rollback, step=3)
-    trainer, _ = fit(tmp_path, [NumericalHealthCallback(check_every_n_steps=1), rollback, probe], max_steps=6,
-                     module=_make)
+    trainer, _ = fit(
+        tmp_path, [NumericalHealthCallback(check_every_n_steps=1), rollback, probe], max_steps=6, module=_make
+    )
     unchanged, in_place, rollout_moved, outputs = probe.checks[3]
     assert unchanged and in_place and rollout_moved and outputs == {}  # data position advances, update dropped
     assert trainer.global_step == 6
@@ -126,8 +149,12 @@ def test_skipped_step_update_is_undone_in_place(tmp_path):
 def test_persistent_loss_fault_skipped_and_recovered(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip")
-    trainer, module = fit(tmp_path, [FaultInjectionCallback("loss", steps=[6], mode="always"), health, rollback],
-                          max_steps=10, module=_make)
+    trainer, module = fit(
+        tmp_path,
+        [FaultInjectionCallback("loss", steps=[6], mode="always"), health, rollback],
+        max_steps=10,
+        module=_make,
+    )
     kinds = [k for k, _ in _kinds(health)]
     assert kinds == ["detected", "rollback", "reproducible", "diagnosis", "policy", "rollback", "recovered"]
     assert trainer.global_step == 10 and module.rollout_state_dict()["rollout_step"] == 10
@@ -136,8 +163,15 @@ def test_persistent_loss_fault_skipped_and_recovered(tmp_path):
 
 def test_diagnosis_names_the_overflowing_op_like_the_eager_path(tmp_path):
     found = {}
-    for name, make in (("eager", lambda: DeepEPModule(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20,
-                                                       fused_value_head=False)), ("graph", _make)):
+    for name, make in (
+        (
+            "eager",
+            lambda: DeepEPModule(
+                num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False
+            ),
+        ),
+        ("graph", _make),
+    ):
         health = NumericalHealthCallback(check_every_n_steps=1)
         rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
         _, module = fit(tmp_path / name, [OverflowBeforeStep(6), health, rollback], max_steps=10, module=make)
@@ -151,12 +185,18 @@ def test_diagnosis_names_the_overflowing_op_like_the_eager_path(tmp_path):
 def test_lower_lr_changes_what_the_graph_is_captured_with(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", lr_factor=0.5, max_retries=1)
-    trainer, module = fit(tmp_path, [FaultInjectionCallback("loss", steps=[6], mode="always"), health, rollback],
-                          max_steps=10, module=_make)
+    trainer, module = fit(
+        tmp_path,
+        [FaultInjectionCallback("loss", steps=[6], mode="always"), health, rollback],
+        max_steps=10,
+        module=_make,
+    )
     optimizer = trainer.optimizers[0]
     assert rollback.stopped and rollback.stop_report["lr_scale"] == 0.5
-    assert [g["lr"] for g in optimizer.param_groups] == [module.hparams.learning_rate * 0.5,
-                                                         module.hparams.policy_learning_rate * 0.5]
+    assert [g["lr"] for g in optimizer.param_groups] == [
+        module.hparams.learning_rate * 0.5,
+        module.hparams.policy_learning_rate * 0.5,
+    ]
     key = module._graph_capture_key(optimizer)
     assert module._graph_capture_key(optimizer) == key  # unchanged lr: the graph is kept
     optimizer.param_groups[0]["lr"] *= 0.5

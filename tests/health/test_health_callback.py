@@ -87,13 +87,25 @@ class SpikyModule(ToyModule):
 
 
 def test_loss_spike_detected_at_its_start(tmp_path):
-    health = NumericalHealthCallback(check_every_n_steps=5, spike_window=10, spike_warmup=10, spike_persistence=2,
-                                     spike_z_threshold=6.0, on_spike="raise")
+    health = NumericalHealthCallback(
+        check_every_n_steps=5,
+        spike_window=10,
+        spike_warmup=10,
+        spike_persistence=2,
+        spike_z_threshold=6.0,
+        on_spike="raise",
+    )
     with pytest.raises(NonFiniteError, match="loss_spike at step 20"):
         fit(tmp_path, [health], max_steps=30, module=SpikyModule)
     # negative control: the same run without the spike passes
-    health = NumericalHealthCallback(check_every_n_steps=5, spike_window=10, spike_warmup=10, spike_persistence=2,
-                                     spike_z_threshold=6.0, on_spike="raise")
+    health = NumericalHealthCallback(
+        check_every_n_steps=5,
+        spike_window=10,
+        spike_warmup=10,
+        spike_persistence=2,
+        spike_z_threshold=6.0,
+        on_spike="raise",
+    )
     fit(tmp_path, [health], max_steps=30)
     assert health.last_verdict.healthy
 
@@ -104,8 +116,12 @@ def test_epoch_end_parameter_threshold(tmp_path):
         fit(tmp_path, [NumericalHealthCallback(param_max_abs=1e-3, on_large_param="raise")], max_steps=4, module=module)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        fit(tmp_path, [NumericalHealthCallback(param_max_abs=1e3, on_large_param="raise")], max_steps=4,
-            module=ToyModule(n_samples=16))
+        fit(
+            tmp_path,
+            [NumericalHealthCallback(param_max_abs=1e3, on_large_param="raise")],
+            max_steps=4,
+            module=ToyModule(n_samples=16),
+        )
 
 
 def test_state_dict_round_trip(tmp_path):
@@ -118,10 +134,15 @@ def test_state_dict_round_trip(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"check_every_n_steps": 0}, "check_every_n_steps"), ({"check_every_n_steps": 2.0}, "check_every_n_steps"),
-     ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"on_spike": None}, "on_spike"),
-     ({"param_max_abs": -1.0}, "param_max_abs"), ({"on_large_param": "boom"}, "on_large_param"),
-     ({"spike_window": 1}, "spike_window")],
+    [
+        ({"check_every_n_steps": 0}, "check_every_n_steps"),
+        ({"check_every_n_steps": 2.0}, "check_every_n_steps"),
+        ({"on_nonfinite": "ignore"}, "on_nonfinite"),
+        ({"on_spike": None}, "on_spike"),
+        ({"param_max_abs": -1.0}, "param_max_abs"),
+        ({"on_large_param": "boom"}, "on_large_param"),
+        ({"spike_window": 1}, "spike_window"),
+    ],
 )
 def test_bad_arguments_name_argument_and_value(kwargs, name):
     with pytest.raises(MisconfigurationException, match=name) as info:

@@ -10,10 +10,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepep_lightning.audit.nonfinite import locate_nonfinite
+from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback
-
 from deepep_lightning.health import snapshot as snapshot_module
-from deepep_lightning.module import DeepEPModule
 
 from .conftest import OverflowBeforeStep, Recorder, ToyModule, fit, state_equal
 
@@ -51,8 +50,12 @@ def _gpu_fit(tmp_path, callbacks, max_steps, module=CudaToy):
 
 
 def test_steps_between_checks_do_not_sync(tmp_path):
-    callbacks = [_Arm(), NumericalHealthCallback(check_every_n_steps=1000, spike_detection=False),
-                 NaNRollbackCallback(snapshot_every_n_steps=1000), _Disarm()]
+    callbacks = [
+        _Arm(),
+        NumericalHealthCallback(check_every_n_steps=1000, spike_detection=False),
+        NaNRollbackCallback(snapshot_every_n_steps=1000),
+        _Disarm(),
+    ]
     try:
         trainer, _ = _gpu_fit(tmp_path, callbacks, max_steps=8)
     finally:
@@ -69,8 +72,13 @@ def test_steps_between_checks_do_not_sync(tmp_path):
 
 @pytest.fixture(scope="module")
 def clean_gpu(tmp_path_factory):
-    _, module = fit(tmp_path_factory.mktemp("g"), [NumericalHealthCallback(check_every_n_steps=1),
-                    NaNRollbackCallback(snapshot_every_n_steps=4)], max_steps=20, module=CudaToy, accelerator="gpu")
+    _, module = fit(
+        tmp_path_factory.mktemp("g"),
+        [NumericalHealthCallback(check_every_n_steps=1), NaNRollbackCallback(snapshot_every_n_steps=4)],
+        max_steps=20,
+        module=CudaToy,
+        accelerator="gpu",
+    )
     return {k: v.clone() for k, v in module.state_dict().items()}
 
 
@@ -105,8 +113,12 @@ def test_deepep_transient_bitwise_on_gpu(tmp_path):
     def make():
         return DeepEPModule(num_envs=64, rollout_length=32, hidden_size=64, steps_per_epoch=30, fused_value_head=False)
 
-    _, clean = _gpu_fit(tmp_path, [NumericalHealthCallback(check_every_n_steps=5),
-                                   NaNRollbackCallback(snapshot_every_n_steps=10)], 30, module=make)
+    _, clean = _gpu_fit(
+        tmp_path,
+        [NumericalHealthCallback(check_every_n_steps=5), NaNRollbackCallback(snapshot_every_n_steps=10)],
+        30,
+        module=make,
+    )
     health = NumericalHealthCallback(check_every_n_steps=5)
     callbacks = [FaultInjectionCallback("gradient", steps=[17]), health, NaNRollbackCallback(snapshot_every_n_steps=10)]
     _, faulty = _gpu_fit(tmp_path, callbacks, 30, module=make)
@@ -141,11 +153,19 @@ def _optimizer_state_equal(a, b):
 
 
 def test_graph_transient_fault_rolled_back_in_place_bitwise(tmp_path):
-    clean_trainer, clean = _gpu_fit(tmp_path / "clean", [NumericalHealthCallback(check_every_n_steps=5),
-                                                         NaNRollbackCallback(snapshot_every_n_steps=10)], 30, module=_graph_module)
+    clean_trainer, clean = _gpu_fit(
+        tmp_path / "clean",
+        [NumericalHealthCallback(check_every_n_steps=5), NaNRollbackCallback(snapshot_every_n_steps=10)],
+        30,
+        module=_graph_module,
+    )
     health, recorder = NumericalHealthCallback(check_every_n_steps=5), Recorder()
-    callbacks = [FaultInjectionCallback("parameter", steps=[17]), health, NaNRollbackCallback(snapshot_every_n_steps=10),
-                 recorder]
+    callbacks = [
+        FaultInjectionCallback("parameter", steps=[17]),
+        health,
+        NaNRollbackCallback(snapshot_every_n_steps=10),
+        recorder,
+    ]
     trainer, faulty = _gpu_fit(tmp_path / "faulty", callbacks, 30, module=_graph_module)
     # caught at the first check after it (step 20), named as step 17; replayed from the snapshot of step 10
     assert _kinds(health) == [("detected", 17), ("rollback", 10), ("transient", 17)]
@@ -164,7 +184,9 @@ def test_graph_without_rollback_the_nan_reaches_the_weights(tmp_path):
     """Negative control: the planted NaN goes through the captured update into every weight."""
     health = NumericalHealthCallback(check_every_n_steps=1, on_nonfinite="warn")
     with pytest.warns(UserWarning, match="nonfinite_loss at step 7"):
-        _, module = _gpu_fit(tmp_path, [FaultInjectionCallback("parameter", steps=[7]), health], 12, module=_graph_module)
+        _, module = _gpu_fit(
+            tmp_path, [FaultInjectionCallback("parameter", steps=[7]), health], 12, module=_graph_module
+        )
     assert module._graphed.captures == 1
     assert not any(torch.isfinite(p).all() for p in module.parameters())
 
@@ -187,8 +209,12 @@ def test_graph_diagnosis_without_uncaptured_step_cannot_see_inside(tmp_path):
         uncaptured_steps = None
 
     health = NumericalHealthCallback(check_every_n_steps=1)
-    _gpu_fit(tmp_path, [OverflowBeforeStep(7), health, NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")], 12,
-             module=lambda: Opaque(**GRAPH, cuda_graph=True))
+    _gpu_fit(
+        tmp_path,
+        [OverflowBeforeStep(7), health, NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")],
+        12,
+        module=lambda: Opaque(**GRAPH, cuda_graph=True),
+    )
     diagnosis = next(e for e in health.events.events if e["kind"] == "diagnosis")
     assert diagnosis["op"] != "aten.pow.Tensor_Scalar" and "loss.py" not in diagnosis["report"]
 
@@ -196,8 +222,9 @@ def test_graph_diagnosis_without_uncaptured_step_cannot_see_inside(tmp_path):
 def test_graph_persistent_reported_loss_fault_skipped(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip")
-    trainer, module = _gpu_fit(tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback], 12,
-                               module=_graph_module)
+    trainer, module = _gpu_fit(
+        tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback], 12, module=_graph_module
+    )
     kinds = [k for k, _ in _kinds(health)]
     assert kinds == ["detected", "rollback", "reproducible", "diagnosis", "policy", "rollback", "recovered"]
     assert trainer.global_step == 12 and module.rollout_state_dict()["rollout_step"] == 12 and not rollback.stopped
@@ -207,7 +234,9 @@ def test_graph_persistent_reported_loss_fault_skipped(tmp_path):
 def _lower_lr_run(tmp_path, module):
     # planted for the original step and the replay that classifies it; gone when the lower rate is tried
     health = NumericalHealthCallback(check_every_n_steps=1)
-    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", lr_factor=0.5, max_retries=2, locate=False)
+    rollback = NaNRollbackCallback(
+        snapshot_every_n_steps=4, policy="lower_lr", lr_factor=0.5, max_retries=2, locate=False
+    )
     trainer, module = _gpu_fit(tmp_path, [OverflowBeforeStep(7, times=2), health, rollback], 14, module=module)
     kinds = [k for k, _ in _kinds(health)]
     assert kinds == ["detected", "rollback", "reproducible", "policy", "rollback", "recovered"]
@@ -226,14 +255,22 @@ def test_graph_lower_lr_recaptures_and_trains_at_the_lower_rate(tmp_path, monkey
     monkeypatch.setattr(DeepEPModule, "_graph_capture_key", lambda self, optimizer: None)
     stale = _lower_lr_run(tmp_path / "stale", _graph_module)
     assert stale._graphed.captures == 1
-    assert any(not torch.allclose(stale.state_dict()[k], v, rtol=1e-3, atol=1e-4) for k, v in eager.state_dict().items())
+    assert any(
+        not torch.allclose(stale.state_dict()[k], v, rtol=1e-3, atol=1e-4) for k, v in eager.state_dict().items()
+    )
 
 
 def test_graph_refuses_to_replay_after_a_restore_that_is_not_in_place(tmp_path, monkeypatch):
     """Negative control for the in-place restore: a replaced optimizer state is caught before any replay."""
-    monkeypatch.setattr(snapshot_module, "_restore_optimizer",
-                        lambda optimizer, saved: optimizer.load_state_dict(snapshot_module._to_device(saved)))
-    callbacks = [FaultInjectionCallback("parameter", steps=[7]), NumericalHealthCallback(check_every_n_steps=1),
-                 NaNRollbackCallback(snapshot_every_n_steps=4)]
+    monkeypatch.setattr(
+        snapshot_module,
+        "_restore_optimizer",
+        lambda optimizer, saved: optimizer.load_state_dict(snapshot_module._to_device(saved)),
+    )
+    callbacks = [
+        FaultInjectionCallback("parameter", steps=[7]),
+        NumericalHealthCallback(check_every_n_steps=1),
+        NaNRollbackCallback(snapshot_every_n_steps=4),
+    ]
     with pytest.raises(RuntimeError, match="replaced since the capture"):
         _gpu_fit(tmp_path, callbacks, 12, module=_graph_module)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
 from torchmetrics import MeanMetric
 
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback
@@ -58,6 +56,5 @@ def test_snapshot_files_without_metric_states_still_load(tmp_path):
     fields = {f.name for f in dataclasses.fields(snapshot_module.Snapshot)}
     assert "metrics" in fields
     payload = {name: None for name in fields if not name.startswith("_") and name != "metrics"}
-    payload.update(step=1, epoch=0, optimizers=[], schedulers=[], rng={}, progress={}, callback_state={},
-                   lr_scale=1.0)
+    payload.update(step=1, epoch=0, optimizers=[], schedulers=[], rng={}, progress={}, callback_state={}, lr_scale=1.0)
     assert snapshot_module.Snapshot(**payload).metrics == {}  # a file written before the field existed

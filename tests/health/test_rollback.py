@@ -61,8 +61,9 @@ def test_callback_order_does_not_matter(tmp_path, clean_state):
 def test_persistent_fault_skip_policy_recovers(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=2)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", skip_batches=2)
-    trainer, module = fit(tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback],
-                          max_steps=MAX_STEPS)
+    trainer, module = fit(
+        tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback], max_steps=MAX_STEPS
+    )
     kinds = [k for k, _ in _kinds(health)]
     assert kinds == ["detected", "rollback", "reproducible", "diagnosis", "policy", "rollback", "recovered"]
     assert rollback.state_dict()["skip_steps"] == [7, 8]
@@ -75,8 +76,9 @@ def test_persistent_fault_skip_policy_recovers(tmp_path):
 def test_lower_lr_policy_respects_retry_cap_and_stops_at_snapshot(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", lr_factor=0.5, max_retries=2)
-    trainer, module = fit(tmp_path, [FaultInjectionCallback("gradient", steps=[9], mode="always"), health, rollback],
-                          max_steps=MAX_STEPS)
+    trainer, module = fit(
+        tmp_path, [FaultInjectionCallback("gradient", steps=[9], mode="always"), health, rollback], max_steps=MAX_STEPS
+    )
     kinds = [k for k, _ in _kinds(health)]
     assert kinds.count("policy") == 2 and kinds.count("rollback") == 3 and kinds[-1] == "stopped"
     # each retry restarts one snapshot further back (strictly before the bad step)
@@ -96,8 +98,12 @@ def test_stop_policy_writes_json_report_in_log_dir(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="run")
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
-    fit(tmp_path, [FaultInjectionCallback("parameter", steps=[5], mode="always"), health, rollback],
-        max_steps=MAX_STEPS, logger=logger)
+    fit(
+        tmp_path,
+        [FaultInjectionCallback("parameter", steps=[5], mode="always"), health, rollback],
+        max_steps=MAX_STEPS,
+        logger=logger,
+    )
     path = os.path.join(logger.log_dir, "health_events.jsonl")
     events = [json.loads(line) for line in open(path)]
     assert [e["kind"] for e in events][-1] == "stopped"
@@ -132,9 +138,16 @@ def test_needs_health_callback(tmp_path):
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"snapshot_every_n_steps": 0}, "snapshot_every_n_steps"), ({"keep_snapshots": 0}, "keep_snapshots"),
-     ({"policy": "pray"}, "policy"), ({"skip_batches": 0}, "skip_batches"), ({"lr_factor": 1.5}, "lr_factor"),
-     ({"lr_factor": 0}, "lr_factor"), ({"max_retries": -1}, "max_retries"), ({"snapshot_dir": 3}, "snapshot_dir")],
+    [
+        ({"snapshot_every_n_steps": 0}, "snapshot_every_n_steps"),
+        ({"keep_snapshots": 0}, "keep_snapshots"),
+        ({"policy": "pray"}, "policy"),
+        ({"skip_batches": 0}, "skip_batches"),
+        ({"lr_factor": 1.5}, "lr_factor"),
+        ({"lr_factor": 0}, "lr_factor"),
+        ({"max_retries": -1}, "max_retries"),
+        ({"snapshot_dir": 3}, "snapshot_dir"),
+    ],
 )
 def test_bad_arguments_name_argument_and_value(kwargs, name):
     with pytest.raises(MisconfigurationException, match=name) as info:
@@ -155,6 +168,14 @@ def test_diagnosed_step_is_reseeded_like_a_replayed_one(tmp_path):
 
     seen = Seen()
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
-    fit(tmp_path, [FaultInjectionCallback("loss", steps=[6], mode="always"), NumericalHealthCallback(check_every_n_steps=1),
-                   rollback, seen], max_steps=10)
+    fit(
+        tmp_path,
+        [
+            FaultInjectionCallback("loss", steps=[6], mode="always"),
+            NumericalHealthCallback(check_every_n_steps=1),
+            rollback,
+            seen,
+        ],
+        max_steps=10,
+    )
     assert seen.steps == [4, 5, 6] + [4, 5, 6]  # the replay that fails again, then the diagnosis up to and at step 6

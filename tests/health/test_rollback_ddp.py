@@ -43,7 +43,10 @@ class Report(pl.Callback):
 def _run(tmp_path, name, fault):
     health = NumericalHealthCallback(check_every_n_steps=2)
     callbacks = ([RankOneFault("loss", steps=[5])] if fault else []) + [
-        health, NaNRollbackCallback(snapshot_every_n_steps=4), Report(str(tmp_path / name), health)]
+        health,
+        NaNRollbackCallback(snapshot_every_n_steps=4),
+        Report(str(tmp_path / name), health),
+    ]
     pl.seed_everything(0, verbose=False)
     trainer = make_trainer(tmp_path, callbacks, max_steps=10, strategy="ddp_spawn", devices=2)
     trainer.fit(ToyModule())

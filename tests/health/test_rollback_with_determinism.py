@@ -15,8 +15,11 @@ def _fit(tmp_path, fault, replay_hook=True):
     determinism = DeterminismCallback(seed=3, seekable_data=False)
     if not replay_hook:  # negative control: the replay does not reseed like the original step did
         determinism.on_replay_batch_start = None
-    callbacks = [determinism, NumericalHealthCallback(check_every_n_steps=1, spike_detection=False),
-                 NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")]
+    callbacks = [
+        determinism,
+        NumericalHealthCallback(check_every_n_steps=1, spike_detection=False),
+        NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop"),
+    ]
     if fault:
         callbacks.append(FaultInjectionCallback(target="loss", steps=(6,), mode="once"))
     make_trainer(tmp_path, callbacks, max_steps=10).fit(module)

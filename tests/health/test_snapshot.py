@@ -77,16 +77,18 @@ def test_disk_round_trip(trained, tmp_path):
     assert loaded.step == snapshot.step and loaded.lr_scale == 0.5
     _mutate(trainer, module)
     loaded.restore(trainer, module)
-    assert all(
-        torch.equal(p, snapshot.model[n]["__snapshot_tensor__"]) for n, p in module.state_dict().items()
-    )
+    assert all(torch.equal(p, snapshot.model[n]["__snapshot_tensor__"]) for n, p in module.state_dict().items())
     assert not [f for f in os.listdir(tmp_path) if ".tmp." in f]  # the temporary file was renamed away
 
 
 @pytest.mark.parametrize(
     "damage, message",
-    [(lambda b: b[: len(b) // 2], "truncated"), (lambda b: b[:-10] + bytes(10), "checksum"),
-     (lambda b: b"garbage" + b, "bad header"), (lambda b: b[:5], "bad header")],
+    [
+        (lambda b: b[: len(b) // 2], "truncated"),
+        (lambda b: b[:-10] + bytes(10), "checksum"),
+        (lambda b: b"garbage" + b, "bad header"),
+        (lambda b: b[:5], "bad header"),
+    ],
 )
 def test_corrupt_files_are_rejected_clearly(trained, tmp_path, damage, message):
     trainer, module = trained

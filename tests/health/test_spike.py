@@ -59,8 +59,13 @@ def test_nonfinite_loss_is_rejected():
 
 @pytest.mark.parametrize(
     "kwargs, name",
-    [({"window": 1}, "spike_window"), ({"z_threshold": 0}, "spike_z_threshold"), ({"warmup": 1}, "spike_warmup"),
-     ({"persistence": 0}, "spike_persistence"), ({"window": 3.5}, "spike_window")],
+    [
+        ({"window": 1}, "spike_window"),
+        ({"z_threshold": 0}, "spike_z_threshold"),
+        ({"warmup": 1}, "spike_warmup"),
+        ({"persistence": 0}, "spike_persistence"),
+        ({"window": 3.5}, "spike_window"),
+    ],
 )
 def test_bad_arguments(kwargs, name):
     with pytest.raises(MisconfigurationException, match=name):

@@ -18,10 +18,19 @@ class Echo(ToyModule):
 def test_innermost_hooks_wrap_the_step_most_tightly():
     module = Echo()
     calls = module.calls
-    add_step_hook(module, "inner", pre=lambda s, b: calls.append("inner-pre") or b,
-                  post=lambda s, o: calls.append("inner-post") or o, innermost=True)
-    add_step_hook(module, "outer", pre=lambda s, b: calls.append("outer-pre") or b,
-                  post=lambda s, o: calls.append("outer-post") or o)
+    add_step_hook(
+        module,
+        "inner",
+        pre=lambda s, b: calls.append("inner-pre") or b,
+        post=lambda s, o: calls.append("inner-post") or o,
+        innermost=True,
+    )
+    add_step_hook(
+        module,
+        "outer",
+        pre=lambda s, b: calls.append("outer-pre") or b,
+        post=lambda s, o: calls.append("outer-post") or o,
+    )
     assert module.training_step(7, 0) == 7
     assert calls == ["outer-pre", "inner-pre", "step", "inner-post", "outer-post"]
     remove_step_hook(module, "inner")

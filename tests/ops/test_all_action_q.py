@@ -102,8 +102,11 @@ def test_bitwise_repeat_and_thread_count_independent():
     # Negative control: the check is sensitive to one ulp and the reference's summation order
     # really differs from the kernel's (else the comparison above would be vacuous).
     assert not torch.equal(first[2], torch.nextafter(first[2], torch.full_like(first[2], float("inf"))))
-    reference = grads_of(all_action_q_reference, make_inputs(n=2000, a=8, h=32, dtype=torch.float32, seed=3),
-                         torch.randn(2000, 8, generator=torch.Generator().manual_seed(4)))
+    reference = grads_of(
+        all_action_q_reference,
+        make_inputs(n=2000, a=8, h=32, dtype=torch.float32, seed=3),
+        torch.randn(2000, 8, generator=torch.Generator().manual_seed(4)),
+    )
     assert not all(torch.equal(x, r) for x, r in zip(first, reference))
 
 

@@ -68,13 +68,16 @@ def test_partial_requires_grad(needs):
 
 def test_gradcheck():
     x, grid = _inputs(n=1, c=2, h=4, w=4, out=(3, 3), spread=0.9)
-    assert torch.autograd.gradcheck(lambda a, b: grid_sample(a, b, padding_mode="border", align_corners=False), (x, grid))
+    assert torch.autograd.gradcheck(
+        lambda a, b: grid_sample(a, b, padding_mode="border", align_corners=False), (x, grid)
+    )
 
 
 def test_opcheck():
     x, grid = _inputs(n=1, c=2, h=4, w=5, out=(3, 2))
     torch.library.opcheck(
-        torch.ops.deepep.grid_sample_bilinear2d.default, (x, grid, 1, False),
+        torch.ops.deepep.grid_sample_bilinear2d.default,
+        (x, grid, 1, False),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
 

@@ -27,8 +27,13 @@ CASES = [  # (size, scale_factor, recompute_scale_factor)
 @pytest.mark.parametrize("align_corners", [False, True])
 def test_forward_and_backward_equal_pytorch(size, scale_factor, recompute, align_corners):
     x = torch.randn(2, 3, 5, 6, dtype=torch.float64, requires_grad=True)
-    kwargs = dict(size=size, scale_factor=scale_factor, mode="bilinear", align_corners=align_corners,
-                  recompute_scale_factor=recompute)
+    kwargs = dict(
+        size=size,
+        scale_factor=scale_factor,
+        mode="bilinear",
+        align_corners=align_corners,
+        recompute_scale_factor=recompute,
+    )
     ours = interpolate(x, **kwargs)
     theirs = F.interpolate(x, **kwargs)
     assert OUR_GRAD_FN in ours.grad_fn.name()
@@ -63,7 +68,8 @@ def test_gradcheck():
 def test_opcheck():
     x = torch.randn(1, 2, 3, 4, requires_grad=True)
     torch.library.opcheck(
-        torch.ops.deepep.upsample_bilinear2d.default, (x, [5, 6], False, None, None),
+        torch.ops.deepep.upsample_bilinear2d.default,
+        (x, [5, 6], False, None, None),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
 

@@ -20,14 +20,18 @@ INTERPOLATE_CASES = [  # (N, C, H, W, kwargs)
 ]
 
 
-@pytest.mark.parametrize("case", INTERPOLATE_CASES + [
-    (2, 3, 33, 65, dict(size=(70, 129))),  # partial 32 x 32 tiles in both directions
-    (1, 2, 5, 40, dict(size=(600, 41))),  # > 128 output rows per tile: the row pass goes in chunks
-    (2, 3, 100, 90, dict(size=(7, 11))),  # strong downsampling
-    (3, 2, 1, 1, dict(size=(5, 4))),  # one input pixel
-    (1, 4301, 8, 8, dict(scale_factor=0.5)),  # many small planes: 2 planes per block on an H200, one left over
-    (1, 33797, 4, 4, dict(size=(2, 3))),  # 8 planes per block, 5 left over
-])
+@pytest.mark.parametrize(
+    "case",
+    INTERPOLATE_CASES
+    + [
+        (2, 3, 33, 65, dict(size=(70, 129))),  # partial 32 x 32 tiles in both directions
+        (1, 2, 5, 40, dict(size=(600, 41))),  # > 128 output rows per tile: the row pass goes in chunks
+        (2, 3, 100, 90, dict(size=(7, 11))),  # strong downsampling
+        (3, 2, 1, 1, dict(size=(5, 4))),  # one input pixel
+        (1, 4301, 8, 8, dict(scale_factor=0.5)),  # many small planes: 2 planes per block on an H200, one left over
+        (1, 33797, 4, 4, dict(size=(2, 3))),  # 8 planes per block, 5 left over
+    ],
+)
 @pytest.mark.parametrize("align_corners", [False, True])
 def test_interpolate_matches_pytorch_and_repeats_bitwise(case, align_corners):
     from deepep_lightning.ops import interpolate
@@ -59,8 +63,9 @@ def test_interpolate_planes_per_block_do_not_change_a_bit():
     grad_output = torch.randn(1, 33797, 6, 7, device="cuda")
     (many,) = torch.autograd.grad(interpolate(x, size=(6, 7), mode="bilinear", align_corners=False), x, grad_output)
     few_x = x.detach()[:, 100:105].clone().requires_grad_()
-    (few,) = torch.autograd.grad(interpolate(few_x, size=(6, 7), mode="bilinear", align_corners=False), few_x,
-                                 grad_output[:, 100:105])
+    (few,) = torch.autograd.grad(
+        interpolate(few_x, size=(6, 7), mode="bilinear", align_corners=False), few_x, grad_output[:, 100:105]
+    )
     assert torch.equal(many[:, 100:105], few)
 
 
@@ -73,6 +78,7 @@ def test_interpolate_other_dtypes(dtype):
     grad_output = torch.randn_like(out)
     ours = torch.autograd.grad(out, x, grad_output)[0].double()
     x64 = x.detach().double().requires_grad_()
-    oracle = torch.autograd.grad(F.interpolate(x64, scale_factor=2.3, mode="bilinear", align_corners=False), x64,
-                                 grad_output.double())[0]
+    oracle = torch.autograd.grad(
+        F.interpolate(x64, scale_factor=2.3, mode="bilinear", align_corners=False), x64, grad_output.double()
+    )[0]
     _assert_close_relative(ours, oracle, rtol=1e-12 if dtype == torch.float64 else 2e-2)

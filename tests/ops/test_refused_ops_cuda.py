@@ -166,8 +166,9 @@ def test_model_trains_bitwise_reproducibly_in_two_processes(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     digests = []
     for _ in range(2):
-        result = subprocess.run([sys.executable, str(script)], env=env, cwd=str(REPO), capture_output=True,
-                                text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, str(script)], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=600
+        )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         lines = [line for line in result.stdout.splitlines() if line.startswith("DIGEST ")]
         assert lines, result.stdout[-3000:]
@@ -211,13 +212,13 @@ def test_grid_sample_channel_groupings(channels):
     ours = torch.autograd.grad(out, (x, grid), grad_output, retain_graph=True)
     again = torch.autograd.grad(out, (x, grid), grad_output)
     assert torch.equal(again[0], ours[0]) and torch.equal(again[1], ours[1])
-    theirs = _atomic_backward(lambda x_, grid_: F.grid_sample(x_, grid_, align_corners=False), (x, grid),
-                              grad_output)
+    theirs = _atomic_backward(lambda x_, grid_: F.grid_sample(x_, grid_, align_corners=False), (x, grid), grad_output)
     _assert_close_relative(ours[0], theirs[0])
     _assert_close_relative(ours[1], theirs[1])
     x64, grid64 = x.detach().double().cpu().requires_grad_(), grid.detach().double().cpu().requires_grad_()
-    oracle = torch.autograd.grad(F.grid_sample(x64, grid64, align_corners=False), (x64, grid64),
-                                 grad_output.double().cpu())
+    oracle = torch.autograd.grad(
+        F.grid_sample(x64, grid64, align_corners=False), (x64, grid64), grad_output.double().cpu()
+    )
     _assert_close_relative(ours[0].double().cpu(), oracle[0], rtol=1e-4)
     _assert_close_relative(ours[1].double().cpu(), oracle[1], rtol=1e-4)
 
@@ -235,8 +236,9 @@ def test_grid_sample_chunked_segments_match_oracle(points):
         grad_output = torch.randn_like(out)
         ours = torch.autograd.grad(out, (x, grid), grad_output)
         x64, grid64 = x.detach().double().cpu().requires_grad_(), grid.detach().double().cpu().requires_grad_()
-        oracle = torch.autograd.grad(F.grid_sample(x64, grid64, align_corners=False), (x64, grid64),
-                                     grad_output.double().cpu())
+        oracle = torch.autograd.grad(
+            F.grid_sample(x64, grid64, align_corners=False), (x64, grid64), grad_output.double().cpu()
+        )
         _assert_close_relative(ours[0].double().cpu(), oracle[0], rtol=1e-5)
         _assert_close_relative(ours[1].double().cpu(), oracle[1], rtol=1e-4)
 
@@ -250,10 +252,9 @@ def test_grid_sample_chunked_result_does_not_depend_on_the_batch_around_it():
     grad_output = torch.randn(4, 6, 57, 43, device="cuda")
     batch = torch.autograd.grad(grid_sample(x, grid, align_corners=False), (x, grid), grad_output)
     for i in (1, 3):
-        x2, grid2 = x.detach()[i:i + 1].clone().requires_grad_(), grid.detach()[i:i + 1].clone().requires_grad_()
-        single = torch.autograd.grad(grid_sample(x2, grid2, align_corners=False), (x2, grid2),
-                                     grad_output[i:i + 1])
-        assert torch.equal(batch[0][i:i + 1], single[0]) and torch.equal(batch[1][i:i + 1], single[1])
+        x2, grid2 = x.detach()[i : i + 1].clone().requires_grad_(), grid.detach()[i : i + 1].clone().requires_grad_()
+        single = torch.autograd.grad(grid_sample(x2, grid2, align_corners=False), (x2, grid2), grad_output[i : i + 1])
+        assert torch.equal(batch[0][i : i + 1], single[0]) and torch.equal(batch[1][i : i + 1], single[1])
 
 
 def test_result_does_not_depend_on_the_batch_around_it():
@@ -271,8 +272,9 @@ def test_result_does_not_depend_on_the_batch_around_it():
     up = interpolate(x, size=(70, 45), mode="bilinear", align_corners=False)
     g_up = torch.randn_like(up)
     batch_up = torch.autograd.grad(up, x, g_up)[0]
-    single_up = torch.autograd.grad(interpolate(x2, size=(70, 45), mode="bilinear", align_corners=False), x2,
-                                    g_up[2:3])[0]
+    single_up = torch.autograd.grad(
+        interpolate(x2, size=(70, 45), mode="bilinear", align_corners=False), x2, g_up[2:3]
+    )[0]
     assert torch.equal(batch_up[2:3], single_up)
 
 

@@ -13,13 +13,16 @@ pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extens
 def _grid_inputs(requires_grad=True):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 5, 6, generator=generator, dtype=torch.float64)
-    grid = (torch.rand(2, 4, 7, 2, generator=generator, dtype=torch.float64) * 2.4 - 1.2)
+    grid = torch.rand(2, 4, 7, 2, generator=generator, dtype=torch.float64) * 2.4 - 1.2
     return x.requires_grad_(requires_grad), grid.requires_grad_(requires_grad)
 
 
 def test_backward_nodes_are_the_cpp_functions():
     x, grid = _grid_inputs()
-    assert grid_sample(x, grid, align_corners=False).grad_fn.name() == "torch::autograd::CppNode<deepep::GridSampleBilinear2d>"
+    assert (
+        grid_sample(x, grid, align_corners=False).grad_fn.name()
+        == "torch::autograd::CppNode<deepep::GridSampleBilinear2d>"
+    )
     up = interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
     assert up.grad_fn.name() == "torch::autograd::CppNode<deepep::UpsampleBilinear2d>"
 

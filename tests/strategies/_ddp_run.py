@@ -21,8 +21,9 @@ import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import deepep_lightning.strategies  # noqa: E402,F401  (before Lightning: exercises the import hook)
 import torch  # noqa: E402
+
+import deepep_lightning.strategies  # noqa: E402,F401  (before Lightning: exercises the import hook)
 
 torch.set_num_threads(1)
 
@@ -66,7 +67,9 @@ def _module():
             if self.first_noise is None:
                 self.first_noise = float(noise[0, 0])
             loss = torch.nn.functional.mse_loss(self.net(x + noise), y)
-            self.trace.append([int(self.global_step), float(loss.detach()), float(noise.sum()), [int(i) for i in batch[2]]])
+            self.trace.append(
+                [int(self.global_step), float(loss.detach()), float(noise.sum()), [int(i) for i in batch[2]]]
+            )
             return loss
 
         def configure_optimizers(self):
@@ -88,7 +91,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fault-step", type=int, default=5)
     parser.add_argument("--save-ckpt", action="store_true")
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--no-health", action="store_true", help="without the health callbacks (they need accumulate=1)")
+    parser.add_argument(
+        "--no-health", action="store_true", help="without the health callbacks (they need accumulate=1)"
+    )
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--determinism", action="store_true", help="add DeterminismCallback(seed=SEED)")
     parser.add_argument("--strategy-kwargs", default=None, help="JSON: build the strategy object instead of the name")
@@ -152,7 +157,10 @@ def main(argv: list[str]) -> None:
     }
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as handle:
         json.dump(record, handle, indent=1)
-    torch.save({k: v.cpu() for k, v in model.state_dict().items()}, os.path.join(args.out, f"weights_rank{trainer.global_rank}.pt"))
+    torch.save(
+        {k: v.cpu() for k, v in model.state_dict().items()},
+        os.path.join(args.out, f"weights_rank{trainer.global_rank}.pt"),
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,15 @@ from deepep_lightning.strategies.rank_state import resolve_run_seed
 
 def _trainer(devices: int = 2, strategy: object = "ddp_deterministic") -> Trainer:
     # constructing a Trainer does not launch processes: the strategy is set up but not started
-    return Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
-                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    return Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
 
 
 def test_registered_by_name_and_idempotent():
@@ -38,8 +45,12 @@ def test_registered_by_name_and_idempotent():
 
 def test_ddp_arguments_are_pinned_and_recorded():
     strategy = DeterministicDDPStrategy(seed=5, bucket_cap_mb=50, static_graph=True)
-    assert strategy._ddp_kwargs == {"bucket_cap_mb": 50, "gradient_as_bucket_view": True, "static_graph": True,
-                                    "find_unused_parameters": False}
+    assert strategy._ddp_kwargs == {
+        "bucket_cap_mb": 50,
+        "gradient_as_bucket_view": True,
+        "static_graph": True,
+        "find_unused_parameters": False,
+    }
     record = _trainer(strategy=strategy).strategy.fingerprint()
     assert record["ddp.bucket_cap_mb"] == "50"
     assert record["ddp.static_graph"] == "True"
@@ -75,7 +86,9 @@ def test_sampler_seed_derived_from_the_run_seed():
 
 
 def test_shard_is_a_pure_function_that_partitions_each_epoch():
-    shards = {(epoch, rank): DeterministicDDPStrategy.shard(30, 7, epoch, rank, 3) for epoch in (0, 1) for rank in range(3)}
+    shards = {
+        (epoch, rank): DeterministicDDPStrategy.shard(30, 7, epoch, rank, 3) for epoch in (0, 1) for rank in range(3)
+    }
     for epoch in (0, 1):
         parts = [shards[(epoch, rank)] for rank in range(3)]
         assert sorted(sum(parts, [])) == list(range(30))  # disjoint and covering
@@ -105,7 +118,9 @@ def test_load_checkpoint_gives_each_rank_its_own_state(tmp_path):
     strategy = _trainer().strategy
     path = tmp_path / "fake.ckpt"
     per_rank = [{"deepep_rollout": {"rank": 0}}, {"deepep_rollout": {"rank": 1}}]
-    torch.save({"deepep_rollout": {"rank": 0}, CHECKPOINT_KEY: {"world_size": 2, "seed": None, "per_rank": per_rank}}, path)
+    torch.save(
+        {"deepep_rollout": {"rank": 0}, CHECKPOINT_KEY: {"world_size": 2, "seed": None, "per_rank": per_rank}}, path
+    )
     loaded = strategy.load_checkpoint(path)
     assert loaded["deepep_rollout"] == {"rank": 0}  # this process is rank 0
     strategy.cluster_environment.set_global_rank(1)  # also sets rank_zero_only.rank: put it back

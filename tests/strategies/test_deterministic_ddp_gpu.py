@@ -19,13 +19,34 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.gpu
 @pytest.mark.multigpu
 def test_two_gpu_runs_bitwise_rollback_lockstep_and_invariance(tmp_path):
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
-               PYTHONPATH=str(REPO))
-    command = [sys.executable, str(REPO / "benchmarks" / "bench_ddp.py"), "--out", str(tmp_path), "--gpus", "2",
-               "--steps", "15", "--fault-step", "17", "--runs", "det_a,det_b,fault,inv_1,inv_2"]
+    env = dict(
+        os.environ,
+        NCCL_NVLS_ENABLE="0",
+        TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+        NVSHMEM_DISABLE_NVLS="1",
+        PYTHONPATH=str(REPO),
+    )
+    command = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_ddp.py"),
+        "--out",
+        str(tmp_path),
+        "--gpus",
+        "2",
+        "--steps",
+        "15",
+        "--fault-step",
+        "17",
+        "--runs",
+        "det_a,det_b,fault,inv_1,inv_2",
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "ddp.json").read_text())
     assert summary["bitwise_run_to_run"] is True
-    assert summary["rollback_lockstep"] == {"all_ranks_rolled_back": True, "ranks_equal": True, "equal_to_clean_run": True}
+    assert summary["rollback_lockstep"] == {
+        "all_ranks_rolled_back": True,
+        "ranks_equal": True,
+        "equal_to_clean_run": True,
+    }
     assert summary["world_size_invariant_1_vs_2"] is True

@@ -30,12 +30,22 @@ FAULT_STEP = 5  # 4 steps per epoch: the rollback restores the epoch-end snapsho
 
 def _run(out: Path, *args: str) -> tuple[int, str]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
+    }
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--out", str(out), *args], cwd=out, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--out", str(out), *args],
+        cwd=out,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         output, _ = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -76,8 +86,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         "B": _ok(root / "B"),
         "C": _ok(root / "C", "--fault-rank", "1", "--fault-step", str(FAULT_STEP)),
         # one process, two micro-batches per step (the health callbacks need accumulate_grad_batches=1)
-        "V": _ok(root / "V", "--devices", "1", "--no-health", "--accumulate", "2",
-                 "--strategy-kwargs", json.dumps({"virtual_world_size": 2})),
+        "V": _ok(
+            root / "V",
+            "--devices",
+            "1",
+            "--no-health",
+            "--accumulate",
+            "2",
+            "--strategy-kwargs",
+            json.dumps({"virtual_world_size": 2}),
+        ),
     }
 
 
@@ -141,8 +159,15 @@ def test_resume_with_a_different_world_size_is_refused(runs):
     from deepep_lightning.strategies import WorldSizeMismatchError
 
     def strategy(devices: int) -> DeterministicDDPStrategy:
-        trainer = Trainer(accelerator="cpu", devices=devices, strategy="ddp_deterministic", logger=False,
-                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=devices,
+            strategy="ddp_deterministic",
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
         return trainer.strategy
 
     checkpoint = strategy(2).load_checkpoint(runs["A"] / "last.ckpt")  # negative control: same size resumes

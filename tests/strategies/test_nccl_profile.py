@@ -30,8 +30,10 @@ def test_exported_values_win_and_are_recorded(clean_env):
     assert problems == []
 
 
-@pytest.mark.parametrize(("name", "value"), [("NCCL_NVLS_ENABLE", "1"), ("NCCL_ALGO", "NVLS"),
-                                             ("NCCL_ALGO", "Ring,Tree"), ("NCCL_COLLNET_ENABLE", "1")])
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("NCCL_NVLS_ENABLE", "1"), ("NCCL_ALGO", "NVLS"), ("NCCL_ALGO", "Ring,Tree"), ("NCCL_COLLNET_ENABLE", "1")],
+)
 def test_switch_reductions_are_reported(clean_env, name, value):
     clean_env.setenv(name, value)
     _, problems = apply_nccl_profile()

@@ -31,5 +31,7 @@ def test_apply_puts_back_this_ranks_copy_only_when_the_layout_matches():
 def test_world_size_check():
     check_world_size({"world_size": 2}, 2)
     check_world_size({}, 2)  # an entry without a size (older format) is not refused
-    with pytest.raises(WorldSizeMismatchError, match=r"world_size=8, this run has world_size=2.*devices x num_nodes = 8"):
+    with pytest.raises(
+        WorldSizeMismatchError, match=r"world_size=8, this run has world_size=2.*devices x num_nodes = 8"
+    ):
         check_world_size({"world_size": 8}, 2)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -12,11 +13,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from deepep_lightning.agent import DeepEPAgent, collect_rollout, deepep_loss
-from deepep_lightning.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss
+from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.deepep.envs import ENVIRONMENTS, make_env
+from deepep_lightning.deepep.episode_return import EpisodeReturnMean
 from deepep_lightning.determinism.streams import derive_seed
-from deepep_lightning.envs import ENVIRONMENTS, make_env
-from deepep_lightning.episode_return_metric import EpisodeReturnMean
 
 __all__ = ["DeepEPModule"]
 
@@ -46,7 +47,9 @@ def _require_positive_int(name: str, value: Any, allow_none: bool = False) -> No
 
 def _require_in_range(name: str, value: Any, low: float, high: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise MisconfigurationException(f"`DeepEPModule({name}=...)` must be a number in [{low}, {high}], got {value!r}")
+        raise MisconfigurationException(
+            f"`DeepEPModule({name}=...)` must be a number in [{low}, {high}], got {value!r}"
+        )
 
 
 class DeepEPModule(pl.LightningModule):
@@ -124,16 +127,23 @@ class DeepEPModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         if env not in ENVIRONMENTS:
-            raise MisconfigurationException(f"`DeepEPModule(env=...)` must be one of {sorted(ENVIRONMENTS)}, got {env!r}")
-        for name, value in (("num_envs", num_envs), ("rollout_length", rollout_length), ("hidden_size", hidden_size),
-                            ("steps_per_epoch", steps_per_epoch)):
+            raise MisconfigurationException(
+                f"`DeepEPModule(env=...)` must be one of {sorted(ENVIRONMENTS)}, got {env!r}"
+            )
+        for name, value in (
+            ("num_envs", num_envs),
+            ("rollout_length", rollout_length),
+            ("hidden_size", hidden_size),
+            ("steps_per_epoch", steps_per_epoch),
+        ):
             _require_positive_int(name, value)
         _require_positive_int("value_hidden_size", value_hidden_size, allow_none=True)
         _require_positive_int("bptt_truncation", bptt_truncation, allow_none=True)
         if not isinstance(learning_rate, (int, float)) or isinstance(learning_rate, bool) or not learning_rate > 0:
             raise MisconfigurationException(f"`DeepEPModule(learning_rate=...)` must be > 0, got {learning_rate!r}")
         if policy_learning_rate is not None and (
-            isinstance(policy_learning_rate, bool) or not isinstance(policy_learning_rate, (int, float))
+            isinstance(policy_learning_rate, bool)
+            or not isinstance(policy_learning_rate, (int, float))
             or not policy_learning_rate > 0
         ):
             raise MisconfigurationException(
@@ -166,7 +176,11 @@ class DeepEPModule(pl.LightningModule):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(seed, "init"))
             self.agent = DeepEPAgent(
-                probe.obs_dim, probe.num_actions, hidden_size, value_hidden_size, detach_feedback,
+                probe.obs_dim,
+                probe.num_actions,
+                hidden_size,
+                value_hidden_size,
+                detach_feedback,
                 bool(fused_value_head),
             )
         self.episode_return = EpisodeReturnMean()
@@ -261,12 +275,21 @@ class DeepEPModule(pl.LightningModule):
         assert self._env is not None and self._hidden is not None and self._generator is not None
         step_fn = self._agent_step
         agent = self.agent if step_fn is self.agent.step else _CompiledStepAgent(self.agent, step_fn)
-        rollout = collect_rollout(agent, self._env, self._hidden.clone(), hp.rollout_length, self._generator, hp.bptt_truncation)
+        rollout = collect_rollout(
+            agent, self._env, self._hidden.clone(), hp.rollout_length, self._generator, hp.bptt_truncation
+        )
         self._hidden.copy_(rollout.final_hidden)
         terms = deepep_loss(
-            rollout.logits, rollout.q, rollout.actions, rollout.rewards * hp.reward_scale, rollout.terminateds,
+            rollout.logits,
+            rollout.q,
+            rollout.actions,
+            rollout.rewards * hp.reward_scale,
+            rollout.terminateds,
             rollout.bootstrap_value,
-            gamma=hp.gamma, gae_lambda=hp.gae_lambda, value_coef=hp.value_coef, entropy_coef=hp.entropy_coef,
+            gamma=hp.gamma,
+            gae_lambda=hp.gae_lambda,
+            value_coef=hp.value_coef,
+            entropy_coef=hp.entropy_coef,
         )
         return rollout, terms
 
@@ -279,15 +302,19 @@ class DeepEPModule(pl.LightningModule):
         else:
             rollout, terms = self._rollout_and_loss()
             outputs = {
-                "loss": terms.loss, "policy_loss": terms.policy_loss, "value_loss": terms.value_loss,
-                "entropy": terms.entropy, "episode_return_sum": (rollout.episode_returns).sum(),
+                "loss": terms.loss,
+                "policy_loss": terms.policy_loss,
+                "value_loss": terms.value_loss,
+                "entropy": terms.entropy,
+                "episode_return_sum": (rollout.episode_returns).sum(),
                 "episodes": rollout.dones.sum(),
             }
             self.last_rollout = rollout
         self._rollout_step += 1
         for name in ("loss", "policy_loss", "value_loss", "entropy"):
-            self.log(f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False,
-                     prog_bar=name == "loss")
+            self.log(
+                f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False, prog_bar=name == "loss"
+            )
         self.episode_return.update(outputs["episode_return_sum"], outputs["episodes"])
         self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
         if self.hparams.cuda_graph:
@@ -335,8 +362,10 @@ class DeepEPModule(pl.LightningModule):
 
     def _graph_capture_key(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
         """The optimizer's hyperparameters: capturable Adam bakes the Python floats (lr, betas...) into the graph."""
-        return [{k: v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
-                for group in optimizer.param_groups]
+        return [
+            {k: v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+            for group in optimizer.param_groups
+        ]
 
     def _graph_static_tensors(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """What a rollback restores and the graph reads in place: parameters, optimizer state, recurrent state."""
@@ -356,7 +385,8 @@ class DeepEPModule(pl.LightningModule):
             assert self._generator is not None
             # A changed learning rate (NaNRollbackCallback's lower_lr policy, a scheduler) re-captures the graph.
             self._graphed = GraphedTrainStep(
-                lambda: self._whole_step(optimizer), self._generator,
+                lambda: self._whole_step(optimizer),
+                self._generator,
                 capture_key=lambda: self._graph_capture_key(optimizer),
                 static_tensors=lambda: self._graph_static_tensors(optimizer),
             )
@@ -376,9 +406,13 @@ class DeepEPModule(pl.LightningModule):
             torch.nn.utils.clip_grad_norm_(params, self.hparams.max_grad_norm, foreach=True)
         optimizer.step()
         return {
-            "loss": terms.loss.detach(), "policy_loss": terms.policy_loss.detach(),
-            "value_loss": terms.value_loss.detach(), "entropy": terms.entropy.detach(), "grad_norm": grad_norm,
-            "episode_return_sum": rollout.episode_returns.sum(), "episodes": rollout.dones.sum(),
+            "loss": terms.loss.detach(),
+            "policy_loss": terms.policy_loss.detach(),
+            "value_loss": terms.value_loss.detach(),
+            "entropy": terms.entropy.detach(),
+            "grad_norm": grad_norm,
+            "episode_return_sum": rollout.episode_returns.sum(),
+            "episodes": rollout.dones.sum(),
         }
 
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from deepep_lightning.envs import BatchedCartPole, make_env
+from deepep_lightning.deepep.envs import BatchedCartPole, make_env
 
 
 def _gymnasium_euler_step(state, action):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from deepep_lightning.envs.base import BatchedEnv, StepResult
+from deepep_lightning.deepep.envs.base import BatchedEnv, StepResult
 
 __all__ = ["CueRecall"]
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from deepep_lightning import DeepEPModule
-from deepep_lightning.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 
 pytestmark = pytest.mark.gpu
 
@@ -65,8 +65,15 @@ def test_lightning_fit_with_cuda_graph_runs_and_counts_steps(tmp_path):
     import lightning.pytorch as pl
 
     model = DeepEPModule(**SIZES, cuda_graph=True)
-    trainer = pl.Trainer(accelerator="gpu", devices=1, max_steps=6, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model)
     assert trainer.global_step == 6
     assert torch.isfinite(trainer.callback_metrics["train/loss"])

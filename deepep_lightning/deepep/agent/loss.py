@@ -18,7 +18,12 @@ class LossTerms:
 
 
 def lambda_returns(
-    rewards: torch.Tensor, dones: torch.Tensor, values: torch.Tensor, bootstrap_value: torch.Tensor, gamma: float, lam: float
+    rewards: torch.Tensor,
+    dones: torch.Tensor,
+    values: torch.Tensor,
+    bootstrap_value: torch.Tensor,
+    gamma: float,
+    lam: float,
 ) -> torch.Tensor:
     """λ-returns ``G_t = r_t + γ(1 − d_t)[(1 − λ) V(s_{t+1}) + λ G_{t+1}]``, ``[T, B]``.
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from deepep_lightning.envs.base import BatchedEnv
-from deepep_lightning.envs.cartpole import BatchedCartPole
-from deepep_lightning.envs.memory import CueRecall
+from deepep_lightning.deepep.envs.base import BatchedEnv
+from deepep_lightning.deepep.envs.cartpole import BatchedCartPole
+from deepep_lightning.deepep.envs.memory import CueRecall
 
 __all__ = ["ENVIRONMENTS", "make_env"]
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -61,8 +62,8 @@ class GraphedTrainStep:
         step_fn: Callable[[], StepOutputs],
         generator: torch.Generator,
         warmup_steps: int = 3,
-        capture_key: Optional[Callable[[], Any]] = None,
-        static_tensors: Optional[Callable[[], Iterable[torch.Tensor]]] = None,
+        capture_key: Callable[[], Any] | None = None,
+        static_tensors: Callable[[], Iterable[torch.Tensor]] | None = None,
     ) -> None:
         if generator.device.type != "cuda":
             raise ValueError(f"generator must be a CUDA generator for graph capture, got one on {generator.device}")

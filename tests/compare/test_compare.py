@@ -16,7 +16,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from deepep_lightning.compare import EventFileError, compare_runs, main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEPS = range(50)
 
 
@@ -182,8 +182,9 @@ def test_lightning_layout_resolution(reference, tmp_path, capsys):
 def test_several_files_merge_and_subdirectories_prefix(tmp_path):
     run = tmp_path / "resumed"
     write_run(run, {"loss": {s: _curve(s) for s in range(30)}})
-    write_run(run, {"loss": {s: _curve(s) for s in range(20, 50)}, "acc": {s: float(s) for s in STEPS}},
-              filename_suffix=".z")  # a resumed writer: steps 20-29 again, sorts after the first file
+    write_run(
+        run, {"loss": {s: _curve(s) for s in range(20, 50)}, "acc": {s: float(s) for s in STEPS}}, filename_suffix=".z"
+    )  # a resumed writer: steps 20-29 again, sorts after the first file
     writer = SummaryWriter(str(tmp_path / "nested"))
     writer.add_scalars("grp", {"x": 1.0}, 0)  # writes to the sub-directory grp_x
     writer.close()
@@ -275,8 +276,14 @@ def _lightning_run(save_dir: Path, seed: int) -> Path:
     pl.seed_everything(seed, verbose=False)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=8)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=8, log_every_n_steps=1, logger=TensorBoardLogger(str(save_dir)),
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=8,
+        log_every_n_steps=1,
+        logger=TensorBoardLogger(str(save_dir)),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     trainer.fit(Tiny(), data)
     return save_dir
@@ -310,8 +317,14 @@ def test_two_seeded_train_py_runs_are_identical(tmp_path):
 
     def train(save_dir):
         return launch(
-            sys.executable, "train.py", "fit", "--config", "configs/default.yaml", "--seed_everything=5",
-            f"--trainer.max_steps={steps}", "--trainer.log_every_n_steps=1",
+            sys.executable,
+            "train.py",
+            "fit",
+            "--config",
+            "configs/default.yaml",
+            "--seed_everything=5",
+            f"--trainer.max_steps={steps}",
+            "--trainer.log_every_n_steps=1",
             "--trainer.enable_checkpointing=false",
             f"--trainer.logger.init_args.save_dir={save_dir}",
             "--model.fused_value_head=false",  # the pure-PyTorch value head: no extension build in CI
@@ -321,8 +334,9 @@ def test_two_seeded_train_py_runs_are_identical(tmp_path):
     for process in runs:
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-3000:]
-    compare = launch(sys.executable, "-m", "deepep_lightning.compare", str(tmp_path / "a"), str(tmp_path / "b"),
-                     "--json", "-")
+    compare = launch(
+        sys.executable, "-m", "deepep_lightning.compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "-"
+    )
     out, err = compare.communicate(timeout=300)
     assert compare.returncode == 0, out[-3000:] + err[-3000:]
     report = json.loads(out)

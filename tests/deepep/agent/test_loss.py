@@ -1,6 +1,6 @@
 import torch
 
-from deepep_lightning.agent import deepep_loss, lambda_returns
+from deepep_lightning.deepep.agent import deepep_loss, lambda_returns
 
 
 def _random_rollout(T=5, B=4, A=3, seed=0):
@@ -16,8 +16,9 @@ def _random_rollout(T=5, B=4, A=3, seed=0):
 
 def test_expected_policy_gradient_wrt_logits_is_pi_times_q_minus_v():
     logits, q, actions, rewards, dones, bootstrap = _random_rollout()
-    terms = deepep_loss(logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8,
-                        value_coef=0.0, entropy_coef=0.0)
+    terms = deepep_loss(
+        logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8, value_coef=0.0, entropy_coef=0.0
+    )
     (grad,) = torch.autograd.grad(terms.policy_loss, logits)
     pi = torch.softmax(logits.detach(), -1)
     qd = q.detach()
@@ -28,8 +29,9 @@ def test_expected_policy_gradient_wrt_logits_is_pi_times_q_minus_v():
 
 def test_policy_loss_does_not_train_the_critic():
     logits, q, actions, rewards, dones, bootstrap = _random_rollout()
-    terms = deepep_loss(logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8,
-                        value_coef=0.0, entropy_coef=0.0)
+    terms = deepep_loss(
+        logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8, value_coef=0.0, entropy_coef=0.0
+    )
     (grad_q,) = torch.autograd.grad(terms.policy_loss, q, allow_unused=True, materialize_grads=True)
     assert torch.count_nonzero(grad_q) == 0
 
@@ -49,12 +51,14 @@ def test_lambda_returns_match_hand_recursion():
 
 def test_critic_regresses_taken_action_only_and_entropy_sign():
     logits, q, actions, rewards, dones, bootstrap = _random_rollout()
-    terms = deepep_loss(logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8,
-                        value_coef=1.0, entropy_coef=0.0)
+    terms = deepep_loss(
+        logits, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8, value_coef=1.0, entropy_coef=0.0
+    )
     (grad_q,) = torch.autograd.grad(terms.value_loss, q)
     taken = torch.nn.functional.one_hot(actions, q.shape[-1]).bool()
     assert torch.count_nonzero(grad_q[~taken]) == 0 and torch.count_nonzero(grad_q[taken]) > 0
     uniform = torch.zeros_like(logits)
-    high = deepep_loss(uniform, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8,
-                       value_coef=0.0, entropy_coef=1.0)
+    high = deepep_loss(
+        uniform, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8, value_coef=0.0, entropy_coef=1.0
+    )
     assert high.entropy.item() > terms.entropy.item()  # uniform policy has maximal entropy

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from deepep_lightning.agent.value_head import AllActionValueHead
+from deepep_lightning.deepep.agent.value_head import AllActionValueHead
 
 __all__ = ["DeepEPAgent", "AgentStep"]
 

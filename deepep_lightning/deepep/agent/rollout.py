@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepep_lightning.agent.network import DeepEPAgent
-from deepep_lightning.envs.base import BatchedEnv
+from deepep_lightning.deepep.agent.network import DeepEPAgent
+from deepep_lightning.deepep.envs.base import BatchedEnv
 
 __all__ = ["Rollout", "collect_rollout"]
 

@@ -20,7 +20,6 @@ with TensorBoard's own record reader: a truncated or corrupt record (``DataLossE
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 from tensorboard.backend.event_processing import plugin_event_accumulator
@@ -67,12 +66,12 @@ class RunScalars:
 
     path: str
     root: str
-    event_files: List[str]
-    series: Dict[str, ScalarSeries] = field(default_factory=dict)
+    event_files: list[str]
+    series: dict[str, ScalarSeries] = field(default_factory=dict)
     overwritten_points: int = 0
 
 
-def find_event_files(path: str) -> Tuple[str, List[str]]:
+def find_event_files(path: str) -> tuple[str, list[str]]:
     """Return ``(root, event_files)`` for a run path, following the rules in the module docstring.
 
     Raises:
@@ -119,7 +118,7 @@ def read_run(path: str) -> RunScalars:
     """
     root, files = find_event_files(path)
     run = RunScalars(path=path, root=root, event_files=files)
-    points: Dict[str, Dict[int, np.generic]] = {}
+    points: dict[str, dict[int, np.generic]] = {}
     for event_file in files:
         _check_records(event_file)
         prefix = os.path.relpath(os.path.dirname(event_file), root)
@@ -134,13 +133,12 @@ def read_run(path: str) -> RunScalars:
         run.series[tag] = ScalarSeries(steps, np.array([per_step[s] for s in steps.tolist()], dtype=dtype))
     if not run.series:
         raise EventFileError(
-            f"run {path!r} holds no scalar data in its {len(files)} event file(s) "
-            f"(first: {files[0]!r})"
+            f"run {path!r} holds no scalar data in its {len(files)} event file(s) (first: {files[0]!r})"
         )
     return run
 
 
-def _version_dir_of(event_file: str, top: str) -> Optional[str]:
+def _version_dir_of(event_file: str, top: str) -> str | None:
     """The nearest ``version_N`` directory at or below ``top`` that contains ``event_file``, if any."""
     relative = os.path.relpath(os.path.dirname(event_file), top)
     parts = [] if relative == "." else relative.split(os.sep)
@@ -203,7 +201,7 @@ def _scalar_events(event_file: str):
             yield tag, int(event.step), value
 
 
-def write_custom_scalars_layout(logdir: str, groups: Dict[str, List[str]]) -> str:
+def write_custom_scalars_layout(logdir: str, groups: dict[str, list[str]]) -> str:
     """Write a custom-scalars layout event file into ``logdir``; return its path.
 
     Args:
@@ -219,9 +217,7 @@ def write_custom_scalars_layout(logdir: str, groups: Dict[str, List[str]]) -> st
         return layout_pb2.Chart(title=tag, multiline=overlay)
 
     categories = [
-        layout_pb2.Category(title=title, chart=[chart(tag) for tag in tags])
-        for title, tags in groups.items()
-        if tags
+        layout_pb2.Category(title=title, chart=[chart(tag) for tag in tags]) for title, tags in groups.items() if tags
     ]
     layout = layout_pb2.Layout(category=categories).SerializeToString()
     tensor = tensor_pb2.TensorProto(

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from deepep_lightning.envs.base import BatchedEnv, StepResult
+from deepep_lightning.deepep.envs.base import BatchedEnv, StepResult
 
 __all__ = ["BatchedCartPole"]
 
@@ -30,7 +30,7 @@ class BatchedCartPole(BatchedEnv):
     Dynamics, thresholds and rewards follow gymnasium's ``CartPoleEnv`` (``kinematics_integrator="euler"``):
     reward 1 on every step including the terminating one; terminated when ``|x| > 2.4`` or
     ``|θ| > 12°``; truncated after ``max_episode_steps`` (500). Both end the episode and auto-reset
-    (see :class:`~deepep_lightning.envs.base.StepResult`); only termination is ``terminated``. The
+    (see :class:`~deepep_lightning.deepep.envs.base.StepResult`); only termination is ``terminated``. The
     agent bootstraps through a truncation (the time limit is not part of the state, so treating it as
     a terminal would teach the critic values it cannot predict — Pardo et al., 2018); since the last
     observation is replaced by the next episode's first, that bootstrap uses the fresh start state's

@@ -1,10 +1,10 @@
+import lightning.pytorch as pl
 import pytest
 import torch
-import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from deepep_lightning import DeepEPModule
-from deepep_lightning.envs import BatchedCartPole
+from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.envs import BatchedCartPole
 
 TINY = dict(num_envs=8, rollout_length=8, hidden_size=16, steps_per_epoch=4)
 
@@ -12,8 +12,15 @@ TINY = dict(num_envs=8, rollout_length=8, hidden_size=16, steps_per_epoch=4)
 def _fit(max_steps, **kwargs):
     model = DeepEPModule(**{**TINY, **kwargs})
     clip = None if kwargs.get("cuda_graph") else 1.0  # Lightning refuses gradient_clip_val in manual optimisation
-    trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=clip)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        gradient_clip_val=clip,
+    )
     trainer.fit(model)
     return model, trainer
 
@@ -37,8 +44,14 @@ def test_fused_and_reference_value_heads_train_alike():
 
 def test_logs_the_documented_tags():
     _, trainer = _fit(4)
-    for tag in ("train/loss", "train/policy_loss", "train/value_loss", "train/entropy", "train/grad_norm",
-                "train/episode_return"):
+    for tag in (
+        "train/loss",
+        "train/policy_loss",
+        "train/value_loss",
+        "train/entropy",
+        "train/grad_norm",
+        "train/episode_return",
+    ):
         assert tag in trainer.callback_metrics, tag
         assert torch.isfinite(trainer.callback_metrics[tag])
 
@@ -72,8 +85,15 @@ def test_short_seeded_run_beats_the_random_policy():
     assert 18 < random_mean < 28  # CartPole-v1 under a uniform policy: ~22
     episodes = _FinishedEpisodes()
     model = DeepEPModule(num_envs=32, rollout_length=32, hidden_size=64, seed=0)
-    trainer = pl.Trainer(accelerator="cpu", max_steps=300, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[episodes])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=300,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[episodes],
+    )
     trainer.fit(model)
     # Policy-gradient curves are noisy step to step; average every episode of the second half.
     assert len(episodes.returns) > 100
@@ -126,8 +146,15 @@ def test_epoch_episode_return_is_the_mean_over_finished_episodes():
         original_update(return_sum, episodes)
 
     model.episode_return.update = update
-    trainer = pl.Trainer(accelerator="cpu", max_steps=6, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[finished])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[finished],
+    )
     trainer.fit(model)
     per_episode = sum(finished.returns) / len(finished.returns)
     logged = trainer.callback_metrics["train/episode_return"].item()

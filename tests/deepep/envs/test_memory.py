@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from deepep_lightning.envs import CueRecall
+from deepep_lightning.deepep.envs import CueRecall
 
 
 def _run_episode(env, policy, generator):
@@ -43,8 +43,10 @@ def test_observations_show_cue_only_first_and_query_only_last():
     assert result.done.all() and torch.all(result.obs[:, :3].sum(-1) == 1)  # next episode's cue
 
 
-@pytest.mark.parametrize("kwargs, message", [({"horizon": 1}, "horizon must be an int >= 2, got 1"),
-                                             ({"num_cues": 1}, "num_cues must be an int >= 2, got 1")])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"horizon": 1}, "horizon must be an int >= 2, got 1"), ({"num_cues": 1}, "num_cues must be an int >= 2, got 1")],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         CueRecall(2, **kwargs)

@@ -1,7 +1,7 @@
 import torch
 
-from deepep_lightning.agent import AllActionValueHead, DeepEPAgent, collect_rollout, sample_categorical
-from deepep_lightning.envs import BatchedCartPole
+from deepep_lightning.deepep.agent import AllActionValueHead, DeepEPAgent, collect_rollout, sample_categorical
+from deepep_lightning.deepep.envs import BatchedCartPole
 from deepep_lightning.ops import extension_available
 
 
@@ -57,8 +57,9 @@ def test_recurrent_state_resets_at_episode_end_and_bptt_truncation_cuts_gradient
     hidden = agent.initial_state(64, "cpu").requires_grad_(True)
     rollout = collect_rollout(agent, env, hidden, 30, generator, bptt_truncation=10)
     # Only the first window depends on the initial state.
-    (grad,) = torch.autograd.grad(rollout.q[10:].sum(), hidden, allow_unused=True, materialize_grads=True,
-                                  retain_graph=True)
+    (grad,) = torch.autograd.grad(
+        rollout.q[10:].sum(), hidden, allow_unused=True, materialize_grads=True, retain_graph=True
+    )
     assert torch.count_nonzero(grad) == 0
     (grad,) = torch.autograd.grad(rollout.q[:10].sum(), hidden)
     assert torch.count_nonzero(grad) > 0

@@ -2,25 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from deepep_lightning.compare.reader import write_custom_scalars_layout
+
 if TYPE_CHECKING:
-    from deepep_lightning.compare import CompareResult
+    from deepep_lightning.compare.verdict import CompareResult
 
-__all__ = ["plot_comparison"]
-
-
-def _compared_tags(result: "CompareResult") -> set:
-    return {tag for pair in result.comparisons for tag in pair.tags}
+__all__ = ["plot_comparison", "write_tensorboard_layout"]
 
 
-def _differing_tags(result: "CompareResult") -> set:
-    return {tag for pair in result.comparisons for tag, verdict in pair.tags.items() if not verdict.identical}
-
-
-def plot_comparison(result: "CompareResult", path: str, max_tags: int = 16) -> List[str]:
+def plot_comparison(result: "CompareResult", path: str, max_tags: int = 16) -> list[str]:
     """Save a PNG: per tag, the curves overlaid (left) and ``|run - reference|`` on a log scale (right).
 
     Args:
@@ -33,8 +27,8 @@ def plot_comparison(result: "CompareResult", path: str, max_tags: int = 16) -> L
     """
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend and figures alone
 
-    differing = _differing_tags(result)
-    tags = sorted(_compared_tags(result), key=lambda tag: (tag not in differing, tag))[:max_tags]
+    differing = result.differing_tags
+    tags = sorted(result.compared_tags, key=lambda tag: (tag not in differing, tag))[:max_tags]
     figure = Figure(figsize=(12, 2.6 * len(tags)))
     axes = figure.subplots(len(tags), 2, squeeze=False, sharex="row")
     reference = result.runs[0]
@@ -69,3 +63,17 @@ def plot_comparison(result: "CompareResult", path: str, max_tags: int = 16) -> L
     figure.tight_layout()
     figure.savefig(path, dpi=80)  # Agg canvas
     return tags
+
+
+def write_tensorboard_layout(result: "CompareResult", logdir: str) -> str:
+    """Write a custom-scalars layout into ``logdir``: one chart per compared tag, differing tags first.
+
+    Launch ``tensorboard --logdir_spec ref:RUN_A,other:RUN_B,layout:LOGDIR`` and open "Custom Scalars"
+    to see the runs overlaid per tag. Returns the event file written.
+    """
+    differing = result.differing_tags
+    groups = {
+        "deepep-compare: differing": sorted(differing),
+        "deepep-compare: identical": sorted(result.compared_tags - differing),
+    }
+    return write_custom_scalars_layout(logdir, groups)

@@ -1,4 +1,4 @@
-"""``deepep-compare``: are two (or more) TensorBoard runs bitwise identical, and if not, where do they part?
+"""Are two (or more) TensorBoard runs bitwise identical, and if not, where do they part?
 
 Every run is compared with the first (the reference). Per scalar tag the verdict is *bitwise*: the
 same steps and the same bit pattern of every stored value (float32 for TensorBoard scalars). So
@@ -30,35 +30,22 @@ Example::
     assert result.identical, result.format_table()
 """
 
-import argparse
-import json
 import math
 import os
-import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Union
 
 import numpy as np
 
-from deepep_lightning._compare_plot import _compared_tags, _differing_tags, plot_comparison
-from deepep_lightning._tb_reader import (
+from deepep_lightning.compare.reader import (
     EventFileError,
     RunScalars,
     ScalarSeries,
     read_run,
-    write_custom_scalars_layout,
 )
 
-__all__ = [
-    "CompareResult",
-    "EventFileError",
-    "PairComparison",
-    "TagComparison",
-    "compare_runs",
-    "main",
-    "plot_comparison",
-    "write_tensorboard_layout",
-]
+__all__ = ["CompareResult", "EventFileError", "PairComparison", "TagComparison", "compare_runs"]
 
 DEFAULT_RTOL = 1e-6
 
@@ -72,14 +59,14 @@ class TagComparison:
     steps_other: int
     common_steps: int
     differing_points: int
-    first_divergent_step: Optional[int] = None
-    reference_value: Optional[float] = None
-    other_value: Optional[float] = None
-    reference_bits: Optional[str] = None
-    other_bits: Optional[str] = None
+    first_divergent_step: int | None = None
+    reference_value: float | None = None
+    other_value: float | None = None
+    reference_bits: str | None = None
+    other_bits: str | None = None
     max_abs_diff: float = 0.0
     max_rel_diff: float = 0.0
-    first_step_rel_above_rtol: Optional[int] = None
+    first_step_rel_above_rtol: int | None = None
 
 
 @dataclass
@@ -88,9 +75,9 @@ class PairComparison:
 
     reference: str
     other: str
-    tags: Dict[str, TagComparison]
-    only_in_reference: List[str]
-    only_in_other: List[str]
+    tags: dict[str, TagComparison]
+    only_in_reference: list[str]
+    only_in_other: list[str]
 
     @property
     def identical(self) -> bool:
@@ -103,12 +90,22 @@ class CompareResult:
     """All runs against the first. ``identical`` is the overall verdict; ``to_dict()`` is the JSON."""
 
     rtol: float
-    runs: List[RunScalars] = field(repr=False)
-    comparisons: List[PairComparison]
+    runs: list[RunScalars] = field(repr=False)
+    comparisons: list[PairComparison]
 
     @property
     def identical(self) -> bool:
         return all(pair.identical for pair in self.comparisons)
+
+    @property
+    def compared_tags(self) -> set[str]:
+        """Every tag compared in at least one pair."""
+        return {tag for pair in self.comparisons for tag in pair.tags}
+
+    @property
+    def differing_tags(self) -> set[str]:
+        """Every tag that differs in at least one pair."""
+        return {tag for pair in self.comparisons for tag, verdict in pair.tags.items() if not verdict.identical}
 
     def to_dict(self) -> dict:
         runs = [
@@ -141,7 +138,10 @@ class CompareResult:
         files, tags = len(reference.event_files), len(reference.series)
         lines = [f"reference: {reference.path}  ({files} event file(s), {tags} tags)"]
         header = ("tag", "verdict", "first diff step", "reference", "other") + (
-            "max abs diff", "max rel diff", "rel>rtol step")
+            "max abs diff",
+            "max rel diff",
+            "rel>rtol step",
+        )
         for pair in self.comparisons:
             differing = sum(not t.identical for t in pair.tags.values())
             verdict = "IDENTICAL" if pair.identical else "DIVERGED"
@@ -150,16 +150,18 @@ class CompareResult:
             rows = [header]
             for tag, t in pair.tags.items():
                 absent = "-" if t.identical else "(absent)"  # a step only one run logged
-                rows.append((
-                    tag,
-                    "identical" if t.identical else "DIFFERS",
-                    _cell(t.first_divergent_step),
-                    _cell(t.reference_value, absent),
-                    _cell(t.other_value, absent),
-                    _cell(t.max_abs_diff),
-                    _cell(t.max_rel_diff),
-                    _cell(t.first_step_rel_above_rtol),
-                ))
+                rows.append(
+                    (
+                        tag,
+                        "identical" if t.identical else "DIFFERS",
+                        _cell(t.first_divergent_step),
+                        _cell(t.reference_value, absent),
+                        _cell(t.other_value, absent),
+                        _cell(t.max_abs_diff),
+                        _cell(t.max_rel_diff),
+                        _cell(t.first_step_rel_above_rtol),
+                    )
+                )
             widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
             lines.extend("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
             if pair.only_in_reference:
@@ -172,13 +174,13 @@ class CompareResult:
 def compare_runs(
     runs: Sequence[Union[str, "os.PathLike[str]"]],
     rtol: float = DEFAULT_RTOL,
-    tags: Optional[Sequence[str]] = None,
+    tags: Sequence[str] | None = None,
 ) -> CompareResult:
     """Compare every run with the first, tag by tag, bitwise.
 
     Args:
         runs: two or more run directories, Lightning ``version_N`` directories or event files;
-            how a directory is resolved is described in ``deepep_lightning._tb_reader``.
+            how a directory is resolved is described in ``deepep_lightning.compare.reader``.
         rtol: report the first step whose relative difference exceeds this; does not affect the verdict.
         tags: compare only these tags (exact names; default: every scalar tag).
 
@@ -191,9 +193,7 @@ def compare_runs(
     """
     paths = [os.fspath(run) for run in runs]
     if len(paths) < 2:
-        raise ValueError(
-            f"`runs` must name at least two runs, got {paths!r}. HINT: the first is the reference."
-        )
+        raise ValueError(f"`runs` must name at least two runs, got {paths!r}. HINT: the first is the reference.")
     if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not math.isfinite(rtol) or rtol < 0:
         raise ValueError(f"`rtol` must be a finite number >= 0, got {rtol!r}.")
     if isinstance(tags, str):
@@ -241,9 +241,13 @@ def _compare_series(reference: ScalarSeries, other: ScalarSeries, rtol: float) -
     candidates = [int(s) for s in common[differs][:1]]
     candidates += [int(s) for s in np.setxor1d(reference.steps, other.steps)[:1]]
     result = TagComparison(
-        identical=not candidates, steps_reference=len(reference.steps), steps_other=len(other.steps),
-        common_steps=len(common), differing_points=int(differs.sum()),
-        max_abs_diff=float(abs_diff.max(initial=0.0)), max_rel_diff=float(rel_diff.max(initial=0.0)),
+        identical=not candidates,
+        steps_reference=len(reference.steps),
+        steps_other=len(other.steps),
+        common_steps=len(common),
+        differing_points=int(differs.sum()),
+        max_abs_diff=float(abs_diff.max(initial=0.0)),
+        max_rel_diff=float(rel_diff.max(initial=0.0)),
     )
     above = common[rel_diff > rtol]
     result.first_step_rel_above_rtol = int(above[0]) if len(above) else None
@@ -281,89 +285,3 @@ def _json_safe(obj):
     if isinstance(obj, list):
         return [_json_safe(value) for value in obj]
     return obj
-
-
-def write_tensorboard_layout(result: CompareResult, logdir: str) -> str:
-    """Write a custom-scalars layout into ``logdir``: one chart per compared tag, differing tags first.
-
-    Launch ``tensorboard --logdir_spec ref:RUN_A,other:RUN_B,layout:LOGDIR`` and open "Custom Scalars"
-    to see the runs overlaid per tag. Returns the event file written.
-    """
-    differing = _differing_tags(result)
-    groups = {
-        "deepep-compare: differing": sorted(differing),
-        "deepep-compare: identical": sorted(_compared_tags(result) - differing),
-    }
-    return write_custom_scalars_layout(logdir, groups)
-
-
-def _parse_rtol(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"--rtol must be a finite number >= 0, got {text!r}")
-    return value
-
-
-_EPILOG = """\
-How a RUN is read: an event file is read alone. A directory is searched recursively for '*tfevents*'
-files; if they lie in several Lightning version_N directories the run is ambiguous (exit 2: pass one
-version_N). Tags of files in sub-directories of the run get the sub-directory as prefix ('grp_a/grp').
-Several files in one directory are merged in file-name order; a step written twice keeps the later value.
-
-Verdict: identical = same tags, same steps, same float32 bit patterns (+0 != -0; NaN == NaN only with
-the same bits). --rtol only reports where the relative difference first exceeds it.
-Exit codes: 0 identical, 1 diverged, 2 error (missing run, no/empty/corrupt event file, no common tag).
-"""
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="deepep-compare",
-        description="Compare the scalar curves of TensorBoard runs bitwise, every run against the first.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("runs", nargs="+", metavar="RUN", help="run directory or event file; the first is the reference")
-    parser.add_argument(
-        "--rtol", type=_parse_rtol, default=DEFAULT_RTOL,
-        help=f"report the first step whose relative difference exceeds this (default {DEFAULT_RTOL:g})",
-    )
-    parser.add_argument(
-        "--tag", action="append", dest="tags", metavar="TAG",
-        help="compare only this tag; repeat for several (default: every scalar tag)",
-    )
-    parser.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-': stdout, no table)")
-    parser.add_argument("--plot", metavar="PNG", help="save the curves and their log-scale difference to PNG")
-    parser.add_argument("--tb-layout", metavar="DIR", help="write a TensorBoard custom-scalars layout into DIR")
-    return parser
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console entry point ``deepep-compare``; returns the exit code (0 identical, 1 diverged, 2 error)."""
-    args = _parser().parse_args(argv)
-    try:
-        result = compare_runs(args.runs, rtol=args.rtol, tags=args.tags)
-    except (OSError, ValueError, EventFileError) as error:
-        print(f"deepep-compare: error: {error}", file=sys.stderr)
-        return 2
-    if args.json == "-":
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.format_table())
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(result.to_dict(), handle, indent=2)
-    if args.plot:
-        drawn = plot_comparison(result, args.plot)
-        print(f"plot of {len(drawn)} tag(s) written to {args.plot}", file=sys.stderr)
-    if args.tb_layout:
-        layout_file = write_tensorboard_layout(result, args.tb_layout)
-        print(f"TensorBoard layout written to {layout_file}", file=sys.stderr)
-    return 0 if result.identical else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,92 @@
+"""``deepep-compare``: the command line of :func:`~deepep_lightning.compare.compare_runs`.
+
+Exit codes: 0 identical, 1 diverged, 2 error (missing run, no event file, empty or corrupt event file,
+no scalar data, no tag in common).
+"""
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+
+from deepep_lightning.compare.plot import plot_comparison, write_tensorboard_layout
+from deepep_lightning.compare.reader import EventFileError
+from deepep_lightning.compare.verdict import DEFAULT_RTOL, compare_runs
+
+__all__ = ["main"]
+
+
+def _parse_rtol(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"--rtol must be a finite number >= 0, got {text!r}")
+    return value
+
+
+_EPILOG = """\
+How a RUN is read: an event file is read alone. A directory is searched recursively for '*tfevents*'
+files; if they lie in several Lightning version_N directories the run is ambiguous (exit 2: pass one
+version_N). Tags of files in sub-directories of the run get the sub-directory as prefix ('grp_a/grp').
+Several files in one directory are merged in file-name order; a step written twice keeps the later value.
+
+Verdict: identical = same tags, same steps, same float32 bit patterns (+0 != -0; NaN == NaN only with
+the same bits). --rtol only reports where the relative difference first exceeds it.
+Exit codes: 0 identical, 1 diverged, 2 error (missing run, no/empty/corrupt event file, no common tag).
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="deepep-compare",
+        description="Compare the scalar curves of TensorBoard runs bitwise, every run against the first.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "runs", nargs="+", metavar="RUN", help="run directory or event file; the first is the reference"
+    )
+    parser.add_argument(
+        "--rtol",
+        type=_parse_rtol,
+        default=DEFAULT_RTOL,
+        help=f"report the first step whose relative difference exceeds this (default {DEFAULT_RTOL:g})",
+    )
+    parser.add_argument(
+        "--tag",
+        action="append",
+        dest="tags",
+        metavar="TAG",
+        help="compare only this tag; repeat for several (default: every scalar tag)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-': stdout, no table)")
+    parser.add_argument("--plot", metavar="PNG", help="save the curves and their log-scale difference to PNG")
+    parser.add_argument("--tb-layout", metavar="DIR", help="write a TensorBoard custom-scalars layout into DIR")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point ``deepep-compare``; returns the exit code (0 identical, 1 diverged, 2 error)."""
+    args = _parser().parse_args(argv)
+    try:
+        result = compare_runs(args.runs, rtol=args.rtol, tags=args.tags)
+    except (OSError, ValueError, EventFileError) as error:
+        print(f"deepep-compare: error: {error}", file=sys.stderr)
+        return 2
+    if args.json == "-":
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.format_table())
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(result.to_dict(), handle, indent=2)
+    if args.plot:
+        drawn = plot_comparison(result, args.plot)
+        print(f"plot of {len(drawn)} tag(s) written to {args.plot}", file=sys.stderr)
+    if args.tb_layout:
+        layout_file = write_tensorboard_layout(result, args.tb_layout)
+        print(f"TensorBoard layout written to {layout_file}", file=sys.stderr)
+    return 0 if result.identical else 1
