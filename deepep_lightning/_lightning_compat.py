@@ -1,0 +1,207 @@
+"""Every read or write of a Lightning, torchmetrics or torch private internal, in one place.
+
+The plugin needs a few things that Lightning and PyTorch expose only under private names (the fit
+loop's train-data source, the epoch's logging accumulators, DDP's constructor arguments, a
+``Metric``'s state names, the CUDA fork check). Each access is a small named function here, with a
+docstring saying what it reads and why, so that a Lightning or torch upgrade that renames one
+breaks in this file only, and ``grep _lightning_compat`` lists every dependency on internals.
+
+Lightning is imported lazily inside the functions that need it: :mod:`deepep_lightning.determinism.rng`
+and :func:`deepep_lightning.configure` use this module too and must not pay for a Lightning import.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from torchmetrics import Metric
+
+__all__ = [
+    "attached_trainer",
+    "cuda_in_bad_fork",
+    "ddp_comm_hook",
+    "ddp_kwargs",
+    "epoch_result_collection",
+    "metric_state_names",
+    "metric_update_count",
+    "privateuse1_backend_name",
+    "process_group_backend",
+    "random_sampler_num_samples",
+    "requested_process_group_backend",
+    "set_inductor_deterministic",
+    "set_metric_update_count",
+    "unwrap_train_dataloader_source",
+    "update_dataloader",
+    "wrap_train_dataloader_source",
+]
+
+
+# ---------------------------------------------------------------- LightningModule / Trainer
+def attached_trainer(module: "pl.LightningModule | None") -> "pl.Trainer | None":
+    """The Trainer a module is attached to, or ``None``.
+
+    Reads ``LightningModule._trainer``: the public ``module.trainer`` raises when no Trainer is
+    attached, and strategies run some hooks (``training_step`` in tests, ``on_train_start``) where
+    that must be checked first.
+    """
+    return None if module is None else module._trainer
+
+
+@functools.cache
+def _transformed_source_type() -> type:
+    from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+
+    class _TransformedSource(_DataLoaderSource):
+        """The fit loop's train-data source, passing the loaders it returns through ``transform``."""
+
+        def __init__(self, instance: Any, name: str, transform: Callable[[Any], Any]) -> None:
+            super().__init__(instance, name)
+            self.transform = transform
+
+        def dataloader(self) -> Any:
+            return self.transform(super().dataloader())
+
+    return _TransformedSource
+
+
+def wrap_train_dataloader_source(trainer: "pl.Trainer", transform: Callable[[Any], Any]) -> Any | None:
+    """Make the fit loop pass every train loader it builds through ``transform``.
+
+    Writes ``trainer.fit_loop._data_source`` (a private ``_DataLoaderSource``): it is the one place
+    where the fit loop asks for the train loaders, after Lightning has re-wrapped them for DDP, so a
+    loader replaced here is the one the loop iterates, in every epoch and after a reload. Returns the
+    original source for :func:`unwrap_train_dataloader_source`, or ``None`` when it is wrapped already.
+    """
+    source = trainer.fit_loop._data_source
+    wrapper = _transformed_source_type()
+    if isinstance(source, wrapper):
+        return None
+    trainer.fit_loop._data_source = wrapper(source.instance, source.name, transform)
+    return source
+
+
+def unwrap_train_dataloader_source(trainer: "pl.Trainer", original: Any) -> None:
+    """Put back the source :func:`wrap_train_dataloader_source` replaced (``trainer.fit_loop._data_source``).
+
+    The instance is carried over: Lightning may have replaced the module or datamodule meanwhile.
+    """
+    original.instance = trainer.fit_loop._data_source.instance
+    trainer.fit_loop._data_source = original
+
+
+def epoch_result_collection(trainer: "pl.Trainer") -> dict[str, Any]:
+    """The running epoch accumulators behind ``self.log(..., on_epoch=True)`` in training.
+
+    Reads ``trainer.fit_loop.epoch_loop._results`` (a ``_ResultCollection``), which Lightning does
+    not checkpoint: a mid-epoch resume must save and merge it to get the same epoch value.
+    Empty when the loop has none yet.
+    """
+    return getattr(trainer.fit_loop.epoch_loop, "_results", {}) or {}
+
+
+def update_dataloader(dataloader: Any, sampler: Any) -> Any:
+    """Rebuild ``dataloader`` with another sampler, keeping every other argument.
+
+    Calls ``lightning.pytorch.utilities.data._update_dataloader``, the rebuild Lightning itself uses
+    when it injects a ``DistributedSampler`` (it re-creates custom DataLoader subclasses too).
+    """
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    return _update_dataloader(dataloader, sampler)
+
+
+# ---------------------------------------------------------------- DDPStrategy
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments a ``DDPStrategy`` passes to ``DistributedDataParallel`` (``_ddp_kwargs``).
+
+    They decide the gradients' bits (bucket size, bucket views, static graph), so the fingerprint
+    records them as DDP will see them.
+    """
+    return dict(strategy._ddp_kwargs)
+
+
+def ddp_comm_hook(strategy: Any) -> Any:
+    """The communication hook a ``DDPStrategy`` registers on DDP, or ``None`` (``_ddp_comm_hook``)."""
+    return strategy._ddp_comm_hook
+
+
+def process_group_backend(strategy: Any) -> str | None:
+    """The backend the process group was started with, ``None`` before setup (``_process_group_backend``)."""
+    return strategy._process_group_backend
+
+
+def requested_process_group_backend(strategy: Any) -> str:
+    """The backend a ``DDPStrategy`` will start (``_get_process_group_backend()``: ``"nccl"`` on CUDA).
+
+    Known before ``init_process_group``, when the NCCL environment must already be set.
+    """
+    return strategy._get_process_group_backend()
+
+
+# ---------------------------------------------------------------- torchmetrics
+def metric_state_names(metric: "Metric") -> list[str]:
+    """Names of the states a ``Metric`` declared with ``add_state`` (``Metric._defaults``).
+
+    They are not persistent by default, so a mid-epoch checkpoint must capture them itself.
+    """
+    return list(metric._defaults)
+
+
+def metric_update_count(metric: "Metric") -> int:
+    """How many times ``update`` ran since the last reset (``Metric._update_count``)."""
+    return int(metric._update_count)
+
+
+def set_metric_update_count(metric: "Metric", count: int) -> None:
+    """Restore ``Metric._update_count`` and drop the cached ``compute()`` result (``Metric._computed``).
+
+    Without the count, ``compute()`` on a restored metric warns that ``update`` never ran; a stale
+    cached value would hide the restored states.
+    """
+    metric._update_count = int(count)
+    metric._computed = None
+
+
+# ---------------------------------------------------------------- torch
+def privateuse1_backend_name() -> str:
+    """The name of torch's out-of-tree device backend slot (``torch._C._get_privateuse1_backend_name``).
+
+    ``torch.manual_seed`` also seeds that backend when a module of that name is registered on torch.
+    """
+    return torch._C._get_privateuse1_backend_name()
+
+
+def cuda_in_bad_fork() -> bool:
+    """``torch.cuda._is_in_bad_fork()``: CUDA started in a parent of this forked process.
+
+    Queuing a CUDA seed there would raise when CUDA is touched; seeding must skip CUDA instead.
+    """
+    return bool(torch.cuda._is_in_bad_fork())
+
+
+def set_inductor_deterministic(enabled: bool) -> bool | None:
+    """Set ``torch._inductor.config.deterministic`` (compiled kernels avoid atomics and autotuning).
+
+    Returns the value set, or ``None`` when this torch build has no such setting.
+    """
+    try:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.deterministic = enabled  # type: ignore[attr-defined,unused-ignore]
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
+        return None
+    return enabled
+
+
+def random_sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int | None:
+    """The ``num_samples`` a ``RandomSampler`` was built with, ``None`` for the default (``_num_samples``).
+
+    The public ``num_samples`` property fills in the dataset length, which hides a custom value.
+    """
+    return sampler._num_samples
