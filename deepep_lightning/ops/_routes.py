@@ -1,0 +1,226 @@
+"""Route refused ``aten`` ops to deterministic kernels at the dispatcher's CUDA key.
+
+PyTorch's CUDA kernels for ops such as ``nll_loss2d_forward`` (what 4-D ``F.cross_entropy`` reaches
+inside C++) or ``_adaptive_avg_pool2d_backward`` raise under ``torch.use_deterministic_algorithms(True)``
+because they accumulate with float ``atomicAdd``. A :class:`Route` names such an op and a deterministic
+replacement; :func:`enable_routes` overrides the op's CUDA kernel (``torch.library.Library("aten",
+"IMPL")``) with a thin wrapper that
+
+* calls ``route.deterministic(*args, **kwargs)`` when ``torch.are_deterministic_algorithms_enabled()``
+  (``warn_only`` included) and ``route.covers(*args, **kwargs)`` is ``None``;
+* otherwise calls PyTorch's original CUDA kernel, captured with ``torch.library.get_kernel`` before the
+  override: same result, and PyTorch's own errors (its deterministic-mode error included).
+
+Because the override sits at the CUDA key, below autograd, every caller reaches it: ``F.*`` and
+``torch.*`` functions, C++ composites (``cross_entropy_loss``), references taken at import, TorchScript,
+the aten fallbacks of ``torch.compile``/inductor. The wrapper is host-side Python only (no sync, no read
+of tensor values), so it also runs inside CUDA-graph capture. ``covers`` must inspect only metadata.
+
+:func:`disable_routes` destroys the ``Library`` object, which puts PyTorch's registration back. Op
+modules call :func:`register_route` at import; a route registered while routing is on is installed at
+once. Enabling and disabling are idempotent and thread-safe.
+
+Example::
+
+    >>> from deepep_lightning.ops._routes import enable_routes, disable_routes, routes_enabled
+    >>> was = enable_routes()
+    >>> routes_enabled()
+    True
+    >>> _ = disable_routes()
+"""
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "Route",
+    "register_route",
+    "registered_routes",
+    "enable_routes",
+    "disable_routes",
+    "routes_enabled",
+    "installed_ops",
+]
+
+log = logging.getLogger(__name__)
+
+#: The dispatch key whose kernels refuse deterministic mode; tests install at "CPU" to exercise routing.
+DEFAULT_DISPATCH_KEY = "CUDA"
+_OVERRIDE_WARNING = "Overriding a previously registered kernel"
+
+
+def _always_covered(*args, **kwargs) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Route:
+    """One aten op served by a deterministic implementation in deterministic mode.
+
+    Attributes:
+        aten_op: the op in the ``aten`` namespace, ``"name"`` for the default overload or
+            ``"name.overload"`` (e.g. ``"nll_loss2d_forward"``, ``"_adaptive_avg_pool2d_backward"``).
+        deterministic: called with the aten op's arguments (as the dispatcher passes them), returns its
+            outputs, computed deterministically.
+        covers: called with the same arguments; returns a reason string when a case is not covered
+            (the original kernel then runs), ``None`` when ``deterministic`` handles it. Metadata only.
+    """
+
+    aten_op: str
+    deterministic: Callable
+    covers: Callable[..., str | None] = _always_covered
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.aten_op, str) or not self.aten_op or "::" in self.aten_op:
+            raise ValueError(
+                f"Route: aten_op must be an aten op name without namespace ('name' or 'name.overload'), "
+                f"got {self.aten_op!r}"
+            )
+        if not callable(self.deterministic):
+            raise TypeError(f"Route({self.aten_op!r}): deterministic must be callable, got {self.deterministic!r}")
+        if not callable(self.covers):
+            raise TypeError(f"Route({self.aten_op!r}): covers must be callable, got {self.covers!r}")
+
+    @property
+    def qualified_name(self) -> str:
+        """``"aten::<aten_op>"``, as ``torch.library.get_kernel`` takes it."""
+        return f"aten::{self.aten_op}"
+
+
+_lock = threading.RLock()
+_routes: dict[str, Route] = {}
+_library: "torch.library.Library | None" = None
+_dispatch_key: str | None = None
+_installed: dict[str, str] = {}  # aten_op -> dispatch key it is installed at
+
+
+def route_kernel(route: Route, original: Callable) -> Callable:
+    """The kernel installed for ``route``: ``fn(keyset, *args, **kwargs)``.
+
+    ``original`` is PyTorch's kernel (``torch._C._SafeKernelFunction``); anything with
+    ``call_boxed(keyset, *args, **kwargs)`` works, which lets tests drive this function directly.
+    """
+
+    def kernel(keyset, *args, **kwargs):
+        if torch.are_deterministic_algorithms_enabled() and route.covers(*args, **kwargs) is None:
+            return route.deterministic(*args, **kwargs)
+        return original.call_boxed(keyset, *args, **kwargs)
+
+    kernel.__name__ = f"deepep_route_{route.aten_op.replace('.', '_')}"
+    kernel.__qualname__ = kernel.__name__
+    return kernel
+
+
+def _install(route: Route) -> None:
+    """Override ``route.aten_op`` at ``_dispatch_key`` in ``_library`` (lock held, routing on)."""
+    assert _library is not None and _dispatch_key is not None
+    try:
+        original = torch.library.get_kernel(route.qualified_name, _dispatch_key)
+    except Exception as error:  # noqa: BLE001 - an op without a kernel at this key stays PyTorch's
+        log.debug("routes: %s has no %s kernel to route (%s); left alone", route.aten_op, _dispatch_key, error)
+        return
+    with warnings.catch_warnings():
+        # One per op: the override is the point (torch 2.11 warns, newer versions may not).
+        warnings.filterwarnings("ignore", message=_OVERRIDE_WARNING, category=UserWarning)
+        _library.impl(route.aten_op, route_kernel(route, original), _dispatch_key, with_keyset=True)
+    _installed[route.aten_op] = _dispatch_key
+
+
+def register_route(route: Route) -> Route:
+    """Add ``route`` to the registry (called at import of an op module); returns it.
+
+    Registering an op again replaces its route (a reloaded module); when routing is on, the new route
+    is installed at once.
+
+    Raises:
+        TypeError: ``route`` is not a :class:`Route`.
+    """
+    if not isinstance(route, Route):
+        raise TypeError(f"register_route: route must be a deepep_lightning.ops._routes.Route, got {route!r}")
+    with _lock:
+        replaced = route.aten_op in _routes
+        _routes[route.aten_op] = route
+        if _library is not None:
+            if replaced:
+                _reinstall()
+            else:
+                _install(route)
+    return route
+
+
+def registered_routes() -> dict[str, Route]:
+    """A copy of the registry: aten op name -> :class:`Route`."""
+    with _lock:
+        return dict(_routes)
+
+
+def installed_ops() -> dict[str, str]:
+    """The ops whose kernel is overridden now: aten op name -> dispatch key (empty when routing is off)."""
+    with _lock:
+        return dict(_installed)
+
+
+def routes_enabled() -> bool:
+    """Whether :func:`enable_routes` is in effect."""
+    return _library is not None
+
+
+def _reinstall() -> None:
+    key = _dispatch_key
+    _destroy()
+    _create(key)
+
+
+def _create(dispatch_key: str) -> None:
+    global _library, _dispatch_key
+    _library = torch.library.Library("aten", "IMPL")
+    _dispatch_key = dispatch_key
+    for route in _routes.values():
+        _install(route)
+
+
+def _destroy() -> None:
+    global _library, _dispatch_key
+    if _library is not None:
+        _library._destroy()  # deregisters every override: PyTorch's kernels are back
+    _library = None
+    _dispatch_key = None
+    _installed.clear()
+
+
+def enable_routes(dispatch_key: str = DEFAULT_DISPATCH_KEY) -> bool:
+    """Override the kernels of every registered route at ``dispatch_key``; returns the previous state.
+
+    Args:
+        dispatch_key: ``"CUDA"`` (default), the key whose kernels refuse deterministic mode. Tests pass
+            ``"CPU"`` to drive the same wrappers without a GPU. Enabling at another key than the one in
+            effect moves the overrides there.
+
+    Returns:
+        Whether routing was on before the call.
+
+    Raises:
+        TypeError: ``dispatch_key`` is not a str.
+    """
+    if not isinstance(dispatch_key, str):
+        raise TypeError(f"enable_routes: dispatch_key must be a str such as 'CUDA', got {dispatch_key!r}")
+    with _lock:
+        previous = _library is not None
+        if previous and _dispatch_key == dispatch_key:
+            return True
+        _destroy()
+        _create(dispatch_key)
+        return previous
+
+
+def disable_routes() -> bool:
+    """Remove every override (PyTorch's original kernels run again); returns the previous state."""
+    with _lock:
+        previous = _library is not None
+        _destroy()
+        return previous
