@@ -11,6 +11,13 @@ without it. A workload implements what it needs; the plugin never looks at class
   request, so the non-finite locator sees the ops inside the graph.
 * :class:`ReplayAware` — a callback that must re-prepare a step before it is run again (a replay
   after a rollback, a diagnosis run), e.g. to reseed it exactly as the first time.
+* :class:`SequenceAuditable` — a module whose ``training_step`` runs a whole sequence (an RL
+  rollout): ``deepep-audit`` L2 is then one timestep, L3 one sequence, each a single
+  ``training_step``; it also names the module's audit variants and its seed argument.
+
+What a training step returns is Lightning's own contract (a loss tensor, or a mapping with
+``"loss"``); :func:`step_loss` reads it, and :func:`step_grad_norm` reads the ``"grad_norm"`` a
+manually optimised step (e.g. one CUDA graph) reports in place of gradients no hook sees.
 
 Example::
 
@@ -25,14 +32,47 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
+from torch import Tensor
 
-__all__ = ["ROLLOUT_STATE_KEY", "ReplayAware", "RolloutStateful", "UncapturedSteps"]
+__all__ = [
+    "GRAD_NORM_KEY",
+    "ROLLOUT_STATE_KEY",
+    "AuditLevel",
+    "ReplayAware",
+    "RolloutStateful",
+    "SequenceAuditable",
+    "UncapturedSteps",
+    "step_grad_norm",
+    "step_loss",
+]
 
 #: Top-level checkpoint key under which a :class:`RolloutStateful` module's state is saved.
 ROLLOUT_STATE_KEY = "rollout_state"
+
+#: Key of a training step's outputs holding the total gradient norm (manual optimisation).
+GRAD_NORM_KEY = "grad_norm"
+
+#: The in-process levels of the verification pyramid: one step (L2), one whole sequence (L3).
+AuditLevel = Literal["L2", "L3"]
+
+
+def step_loss(output: Any) -> Tensor | None:
+    """The loss of a ``training_step`` output: the tensor itself, or its ``"loss"`` entry; else None."""
+    if isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return None
+
+
+def step_grad_norm(output: Any) -> Tensor | None:
+    """The ``"grad_norm"`` tensor a manually optimised step reports in its outputs; else None."""
+    value = output.get(GRAD_NORM_KEY) if isinstance(output, Mapping) else None
+    return value if isinstance(value, Tensor) else None
 
 
 @runtime_checkable
@@ -65,4 +105,31 @@ class ReplayAware(Protocol):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, epoch: int
     ) -> None:
         """Called instead of ``on_train_batch_start`` before step ``batch_idx`` of ``epoch`` is re-run."""
+        ...
+
+
+@runtime_checkable
+class SequenceAuditable(Protocol):
+    """A module class whose one ``training_step`` is a whole sequence, audited per timestep (L2) and sequence (L3).
+
+    Checked on the class (``isinstance(cls, SequenceAuditable)``): the audit asks before it builds
+    the module. Without it, L2 is one ``training_step`` and L3 several optimizer steps.
+    """
+
+    #: The constructor argument that LightningCLI's ``seed_everything`` is linked to (e.g. ``"seed"``).
+    seed_argument: str
+
+    @classmethod
+    def audit_config(cls, config: dict[str, Any], level: AuditLevel) -> dict[str, Any]:
+        """Constructor kwargs for ``level``: L2 shortens the sequence to one timestep, L3 keeps it."""
+        ...
+
+    @classmethod
+    def audit_describe(cls, config: dict[str, Any], level: AuditLevel) -> str:
+        """What one audited ``training_step`` covers under ``config``, e.g. ``"one timestep"``."""
+        ...
+
+    @classmethod
+    def audit_variants(cls) -> dict[str, dict[str, Any]]:
+        """Named constructor-kwarg overrides to audit side by side, e.g. a reference and a fused kernel."""
         ...

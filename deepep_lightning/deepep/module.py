@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,7 @@ from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.envs import ENVIRONMENTS, make_env
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean
 from deepep_lightning.determinism.streams import derive_seed
+from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel
 
 __all__ = ["DeepEPModule"]
 
@@ -90,6 +92,9 @@ class DeepEPModule(pl.LightningModule):
         bptt_truncation: cut BPTT every this many steps (None: through the whole rollout).
         fused_value_head: use the compiled ``deepep::all_action_q`` op for the value head; ``None``
             uses it when the extension loads.
+        atomic_value_head: run the compiled op's atomic (``deterministic=False``) CUDA backward, not
+            bitwise reproducible: a negative control for ``deepep-audit`` (its ``fused_atomic``
+            variant). Needs the fused head; no effect on CPU, where the kernel is deterministic.
         cuda_graph: capture the whole training step as one CUDA graph (GPU only; manual optimisation).
         compile_step: ``torch.compile`` the per-timestep network call.
         env_kwargs: extra environment arguments, e.g. ``{"horizon": 512}`` for ``"memory"``.
@@ -121,6 +126,7 @@ class DeepEPModule(pl.LightningModule):
         detach_feedback: bool = True,
         bptt_truncation: int | None = None,
         fused_value_head: bool | None = None,
+        atomic_value_head: bool = False,
         cuda_graph: bool = False,
         compile_step: bool = False,
         env_kwargs: dict[str, Any] | None = None,
@@ -164,6 +170,11 @@ class DeepEPModule(pl.LightningModule):
             _require_in_range("max_grad_norm", max_grad_norm, 1e-12, float("inf"))
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {seed!r}")
+        if not isinstance(atomic_value_head, bool) or (atomic_value_head and fused_value_head is False):
+            raise MisconfigurationException(
+                f"`DeepEPModule(atomic_value_head=...)` must be a bool, True only with fused_value_head=True or None, "
+                f"got {atomic_value_head!r} with fused_value_head={fused_value_head!r}"
+            )
         try:
             probe = make_env(env, 1, "cpu", **(env_kwargs or {}))
         except ValueError as error:
@@ -182,6 +193,7 @@ class DeepEPModule(pl.LightningModule):
                 value_hidden_size,
                 detach_feedback,
                 bool(fused_value_head),
+                atomic_value_head,
             )
         self.episode_return = EpisodeReturnMean()
         self._agent_step = torch.compile(self.agent.step) if compile_step else self.agent.step
@@ -241,11 +253,37 @@ class DeepEPModule(pl.LightningModule):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["deepep_rollout"] = self.rollout_state_dict()
+        checkpoint[ROLLOUT_STATE_KEY] = self.rollout_state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self.load_rollout_state_dict(checkpoint.get("deepep_rollout", {}))
+        # also read "deepep_rollout", the key older checkpoints carry, so they resume
+        self.load_rollout_state_dict(checkpoint.get(ROLLOUT_STATE_KEY, checkpoint.get("deepep_rollout", {})))
+
+    # ---------------------------------------------------------------- audit (protocols.SequenceAuditable)
+    seed_argument = "seed"  # train.py and deepep-audit l4 link LightningCLI's seed_everything to it
+
+    @classmethod
+    def audit_config(cls, config: dict[str, Any], level: AuditLevel) -> dict[str, Any]:
+        """L2 audits one timestep (``rollout_length=1``), L3 one whole rollout."""
+        config = {k: v for k, v in config.items() if k != "seed_everything"}
+        return {**config, "rollout_length": 1} if level == "L2" else config
+
+    @classmethod
+    def audit_describe(cls, config: dict[str, Any], level: AuditLevel) -> str:
+        if level == "L2":
+            return "one timestep"
+        default = inspect.signature(cls).parameters["rollout_length"].default
+        return f"rollout of T={int(config.get('rollout_length', default))}"
+
+    @classmethod
+    def audit_variants(cls) -> dict[str, dict[str, Any]]:
+        """The value heads: PyTorch reference, the extension's op, and its atomic backward (negative control)."""
+        return {
+            "reference": {"fused_value_head": False},
+            "fused": {"fused_value_head": True},
+            "fused_atomic": {"fused_value_head": True, "atomic_value_head": True},
+        }
 
     # ---------------------------------------------------------------- training
     @override

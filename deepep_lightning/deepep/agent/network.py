@@ -41,6 +41,7 @@ class DeepEPAgent(nn.Module):
         detach_feedback: feed ``v_t`` back without gradient (the critic is then trained only by
             its regression loss); ``False`` lets BPTT flow through the feedback path too.
         fused_value_head: run the value head's second layer with the compiled op.
+        atomic_value_head: with the compiled op, its atomic (not bitwise reproducible) CUDA backward.
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class DeepEPAgent(nn.Module):
         value_hidden_size: int | None = None,
         detach_feedback: bool = True,
         fused_value_head: bool = False,
+        atomic_value_head: bool = False,
     ) -> None:
         super().__init__()
         self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, hidden_size
@@ -59,7 +61,11 @@ class DeepEPAgent(nn.Module):
             nn.Linear(obs_dim + hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, num_actions)
         )
         self.value_head = AllActionValueHead(
-            obs_dim + hidden_size, value_hidden_size or hidden_size, num_actions, fused=fused_value_head
+            obs_dim + hidden_size,
+            value_hidden_size or hidden_size,
+            num_actions,
+            fused=fused_value_head,
+            deterministic=not atomic_value_head,
         )
         self.rnn_cell = nn.GRUCell(obs_dim + num_actions + 1, hidden_size)
 

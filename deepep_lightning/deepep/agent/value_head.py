@@ -22,9 +22,13 @@ class AllActionValueHead(nn.Module):
         hidden_size: H.
         num_actions: A.
         fused: use the compiled op (needs the extension; see ``deepep_lightning.ops``).
+        deterministic: the compiled op's CUDA backward variant (``False``: atomic, see
+            :func:`deepep_lightning.ops.all_action_q`).
     """
 
-    def __init__(self, in_features: int, hidden_size: int, num_actions: int, fused: bool = False) -> None:
+    def __init__(
+        self, in_features: int, hidden_size: int, num_actions: int, fused: bool = False, deterministic: bool = True
+    ) -> None:
         super().__init__()
         self.input_layer = nn.Linear(in_features, hidden_size)  # W1, and its bias
         # Random E (std 0.5, the scale of W1·x): action and state interact through tanh from the first
@@ -35,9 +39,12 @@ class AllActionValueHead(nn.Module):
         self.output_weight = nn.Parameter(torch.randn(hidden_size) / hidden_size**0.5)  # w2 [H]
         self.output_bias = nn.Parameter(torch.zeros(1))  # b2
         self.fused = fused
+        self.deterministic = deterministic
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [N, in] -> q [N, A]
         z = self.input_layer(x)  # [N, H]
-        if self.fused:  # looked up at call time, so tools may route it (deepep-audit's atomic variant)
-            return ops.all_action_q(z, self.action_embedding, self.output_weight, self.output_bias)
+        if self.fused:  # looked up at call time, so a test may wrap it
+            return ops.all_action_q(
+                z, self.action_embedding, self.output_weight, self.output_bias, deterministic=self.deterministic
+            )
         return ops.all_action_q_reference(z, self.action_embedding, self.output_weight, self.output_bias)
