@@ -28,6 +28,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from deepep_lightning.audit.targets import DEEPEP_TARGET, load_class  # noqa: E402
+from deepep_lightning.protocols import SequenceAuditable  # noqa: E402
 
 __all__: list[str] = []
 
@@ -108,12 +109,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if args.kill_at is not None:
         callbacks.append(_KillAt(args.kill_at))
-    is_deepep = model_class.__name__ == "DeepEPModule"
+    # as train.py does for DeepEP: one seed for Lightning and the module's own streams
+    seed_argument = model_class.seed_argument if isinstance(model_class, SequenceAuditable) else None
 
     class _CLI(LightningCLI):
         def add_arguments_to_parser(self, parser: Any) -> None:
-            if is_deepep:  # as train.py: one seed for Lightning and DeepEP's rollout streams
-                parser.link_arguments("seed_everything", "model.seed")
+            if seed_argument is not None:
+                parser.link_arguments("seed_everything", f"model.{seed_argument}")
 
     with tempfile.TemporaryDirectory() as tmp:
         config = _cli_config(args.config, tmp)

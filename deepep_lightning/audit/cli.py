@@ -47,7 +47,7 @@ _EPILOG = textwrap.dedent("""\
       deepep-audit l1 --repeats 100                       # catalogue table on this machine
       deepep-audit l1 --ops index_add_,cumsum --columns default,deterministic
       deepep-audit l3 --config configs/default.yaml --repeats 10
-      deepep-audit l3 --value-head fused_atomic --device cuda
+      deepep-audit l3 --variant fused_atomic --device cuda        # DeepEP's atomic value head
       deepep-audit l2 --target mypkg.models:Net --config net.yaml --json
       deepep-audit l4 --config configs/default.yaml --steps 6 --resume-at 3 --model.fused_value_head=false
     """)
@@ -86,9 +86,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--repeats", type=int, default=10, help="in-process repeats (default 10)")
         p.add_argument("--steps", type=int, default=3, help="L3 of a generic module: optimizer steps (default 3)")
         p.add_argument(
+            "--variant",
             "--value-head",
-            choices=("reference", "fused", "fused_atomic"),
-            help="DeepEP: PyTorch reference, extension op, or its atomic backward",
+            dest="variant",
+            help="one of the target's audit_variants(); DeepEP: reference (PyTorch value head), fused (the"
+            " extension's op) or fused_atomic (its atomic backward)",
         )
         p.add_argument(
             "--deterministic",
@@ -177,7 +179,7 @@ def _in_process(args: argparse.Namespace) -> list[LevelResult]:
             torch.use_deterministic_algorithms(True)  # too late for the cuBLAS setting; configure() would say so
         else:
             configure(0)
-    target = ModuleTarget(args.target, args.config, device=args.device, steps=args.steps, value_head=args.value_head)
+    target = ModuleTarget(args.target, args.config, device=args.device, steps=args.steps, variant=args.variant)
     return [
         audit_module(
             args.level.upper(),

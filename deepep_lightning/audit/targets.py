@@ -7,24 +7,26 @@ Protocol (the same for every module; L4 covers Trainer, data loading and checkpo
   captured, the batches are drawn from ``train_dataloader()`` once, and the RNG state is captured
   again. Each repeat then restores that state and runs on a ``copy.deepcopy`` of the template: same
   weights, same Python attributes, same RNG, same batches.
-* **L2** — a generic module: ``training_step(batch_0, 0)`` and ``loss.backward()``; compared: the
-  loss and every parameter's gradient. DeepEP: the same with ``rollout_length=1``, i.e. one timestep
-  of the agent (policy, value head, recurrent cell, loss).
-* **L3** — DeepEP: one full rollout of ``rollout_length`` timesteps forward and backward (one
-  ``training_step``), compared like L2. A generic module: ``steps`` consecutive
+* **L2** — ``training_step(batch_0, 0)`` and ``loss.backward()``; compared: the loss and every
+  parameter's gradient. A :class:`~deepep_lightning.protocols.SequenceAuditable` module is built
+  with ``audit_config(config, "L2")``, one timestep of its sequence (DeepEP: ``rollout_length=1``:
+  policy, value head, recurrent cell, loss).
+* **L3** — a ``SequenceAuditable`` module: one whole sequence forward and backward (one
+  ``training_step`` under ``audit_config(config, "L3")``; DeepEP: a rollout of ``rollout_length``
+  timesteps), compared like L2. Another module: ``steps`` consecutive
   ``training_step``/``backward``/``optimizer.step`` on the first ``steps`` batches with the first
   optimizer of ``configure_optimizers()``; compared: every step's loss, the last gradients and the
   final parameters.
+
+A ``SequenceAuditable`` class may also name *variants* (``audit_variants()``: constructor-kwarg
+overrides such as DeepEP's value heads ``"reference"``, ``"fused"``, ``"fused_atomic"``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import importlib
 import os
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,11 +34,12 @@ import yaml
 from lightning.pytorch.utilities import move_data_to_device
 
 from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state
+from deepep_lightning.protocols import AuditLevel, SequenceAuditable, step_loss
 
 __all__ = ["DEEPEP_TARGET", "ModuleTarget", "load_class", "load_config"]
 
+#: The default target: the reference workload, by import string (the audit never imports it otherwise).
 DEEPEP_TARGET = "deepep_lightning.deepep.module:DeepEPModule"
-VALUE_HEADS = ("reference", "fused", "fused_atomic")
 
 
 def load_class(spec: str) -> type:
@@ -75,22 +78,9 @@ def load_config(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
-@contextlib.contextmanager
-def _atomic_value_head() -> Iterator[None]:
-    """Route DeepEP's value head to the extension's atomic (``deterministic=False``) backward."""
-    import deepep_lightning.ops as ops
-
-    original = ops.all_action_q
-    ops.all_action_q = functools.partial(original, deterministic=False)
-    try:
-        yield
-    finally:
-        ops.all_action_q = original
-
-
 def _loss_of(output: Any) -> torch.Tensor:
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, torch.Tensor):
+    loss = step_loss(output)
+    if loss is None:
         raise TypeError(
             f"`training_step` must return a loss tensor or a dict with 'loss', got {type(output).__name__}"
             " (HINT: manual optimisation needs a Trainer; audit it at L4)"
@@ -115,12 +105,17 @@ class ModuleTarget:
         target: ``"package.module:Class"`` (default: DeepEP).
         config: constructor kwargs, or a YAML path (a LightningCLI config's ``model`` section works).
         device: ``"cpu"``/``"cuda"``; default CUDA when available.
-        steps: L3 for a generic module: number of consecutive optimizer steps.
-        value_head: DeepEP only — ``"reference"`` (PyTorch), ``"fused"`` (the extension, deterministic
-            backward) or ``"fused_atomic"`` (the extension's atomic backward); None keeps the config.
+        steps: L3 of a module that is not ``SequenceAuditable``: number of consecutive optimizer steps.
+        variant: one of the target's ``audit_variants()`` (DeepEP: ``"reference"``, the PyTorch value
+            head; ``"fused"``, the extension's op; ``"fused_atomic"``, its atomic backward), applied
+            over ``config``; None keeps the config.
 
     Raises:
-        ValueError: bad target/config/steps/value_head.
+        ValueError: bad target/config/steps/variant.
+
+    Example::
+
+        target = ModuleTarget(config="configs/default.yaml", variant="fused_atomic", device="cuda")
     """
 
     def __init__(
@@ -129,7 +124,7 @@ class ModuleTarget:
         config: Any = None,
         device: str | None = None,
         steps: int = 3,
-        value_head: str | None = None,
+        variant: str | None = None,
     ) -> None:
         self.spec = target or DEEPEP_TARGET
         self.cls = load_class(self.spec)
@@ -138,40 +133,41 @@ class ModuleTarget:
             raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
         self.steps = steps
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.is_deepep = self.cls.__name__ == "DeepEPModule" and hasattr(self.cls, "rollout_state_dict")
-        if value_head is not None and value_head not in VALUE_HEADS:
-            raise ValueError(f"`value_head` must be one of {VALUE_HEADS} or None, got {value_head!r}")
-        if value_head is not None and not self.is_deepep:
-            raise ValueError(f"`value_head` applies to DeepEP only, the target is {self.spec!r}")
-        self.value_head = value_head
-        if self.is_deepep:
-            self.config.pop("seed_everything", None)
-            if value_head is not None:
-                self.config["fused_value_head"] = value_head != "reference"
+        # asked of the class, before any instance exists: a classmethod protocol
+        self.sequence: type[SequenceAuditable] | None = self.cls if isinstance(self.cls, SequenceAuditable) else None
+        variants = self.sequence.audit_variants() if self.sequence is not None else {}
+        if variant is not None and not variants:
+            raise ValueError(
+                f"`variant` needs a target with audit_variants() (protocols.SequenceAuditable), got {variant!r} "
+                f"for {self.spec!r}"
+            )
+        if variant is not None and variant not in variants:
+            raise ValueError(f"`variant` must be one of {tuple(variants)} or None, got {variant!r}")
+        self.variant = variant
+        if variant is not None:
+            self.config.update(variants[variant])
 
-    def name(self, level: str) -> str:
-        suffix = f", value_head={self.value_head}" if self.value_head else ""
-        if self.is_deepep:
-            what = "one timestep" if level == "L2" else f"rollout of T={self._rollout_length()}"
+    def name(self, level: AuditLevel) -> str:
+        suffix = f", variant={self.variant}" if self.variant else ""
+        if self.sequence is not None:
+            what = self.sequence.audit_describe(self.sequence.audit_config(dict(self.config), level), level)
         else:
             what = "one training step" if level == "L2" else f"{self.steps} optimizer steps"
         return f"{self.cls.__name__} ({what}{suffix}, {self.device.type})"
 
-    def _rollout_length(self) -> int:
-        return int(self.config.get("rollout_length", 32))
-
-    def prepare(self, level: str) -> "PreparedRun":
+    def prepare(self, level: AuditLevel) -> "PreparedRun":
         """Build the template, draw the batches, capture the RNG state (see the module docstring)."""
         config = dict(self.config)
-        if self.is_deepep and level == "L2":
-            config["rollout_length"] = 1
+        if self.sequence is not None:
+            config = self.sequence.audit_config(config, level)
         template = self.cls(**config)
         template.setup("fit")
         if hasattr(template, "configure_model"):
             template.configure_model()
         template = template.to(self.device)
         template.train()
-        count = 1 if (level == "L2" or self.is_deepep) else self.steps
+        multi_step = level == "L3" and self.sequence is None
+        count = self.steps if multi_step else 1
         batches = []
         loader = template.train_dataloader()
         for index, batch in enumerate(loader):
@@ -180,21 +176,15 @@ class ModuleTarget:
             batches.append(move_data_to_device(batch, self.device))
         if len(batches) < count:
             raise ValueError(f"{self.spec}.train_dataloader() gave {len(batches)} batches, L3 needs {count}")
-        rng_state = capture_rng_state()
-        multi_step = level == "L3" and not self.is_deepep
-        return PreparedRun(
-            template, batches, rng_state, multi_step, _atomic_value_head if self.value_head == "fused_atomic" else None
-        )
+        return PreparedRun(template, batches, capture_rng_state(), multi_step)
 
 
 class PreparedRun:
     """Template module + fixed batches + RNG snapshot; :meth:`run` is one repeat."""
 
-    def __init__(
-        self, template: Any, batches: list, rng_state: dict, multi_step: bool, context: Callable[[], Any] | None
-    ) -> None:
+    def __init__(self, template: Any, batches: list[Any], rng_state: dict[str, Any], multi_step: bool) -> None:
         self.template, self.batches, self.rng_state = template, batches, rng_state
-        self.multi_step, self.context = multi_step, context
+        self.multi_step = multi_step
 
     def fresh_module(self) -> Any:
         restore_rng_state(self.rng_state)
@@ -202,20 +192,19 @@ class PreparedRun:
 
     def run(self, module: Any) -> dict[str, Any]:
         """One repeat on ``module`` (from :meth:`fresh_module`): outputs and gradients to compare."""
-        with self.context() if self.context else contextlib.nullcontext():
-            if not self.multi_step:
-                loss = _loss_of(module.training_step(self.batches[0], 0))
-                loss.backward()
-                grads = {f"grad/{n}": p.grad for n, p in module.named_parameters() if p.grad is not None}
-                return {"loss": loss.detach(), **grads}
-            optimizer = _first_optimizer(module.configure_optimizers())
-            result: dict[str, Any] = {}
-            for step, batch in enumerate(self.batches):
-                optimizer.zero_grad(set_to_none=True)
-                loss = _loss_of(module.training_step(batch, step))
-                loss.backward()
-                optimizer.step()
-                result[f"loss/step{step}"] = loss.detach()
-            result.update({f"grad/{n}": p.grad for n, p in module.named_parameters() if p.grad is not None})
-            result.update({f"param/{n}": p.detach() for n, p in module.named_parameters()})
-            return result
+        if not self.multi_step:
+            loss = _loss_of(module.training_step(self.batches[0], 0))
+            loss.backward()
+            grads = {f"grad/{n}": p.grad for n, p in module.named_parameters() if p.grad is not None}
+            return {"loss": loss.detach(), **grads}
+        optimizer = _first_optimizer(module.configure_optimizers())
+        result: dict[str, Any] = {}
+        for step, batch in enumerate(self.batches):
+            optimizer.zero_grad(set_to_none=True)
+            loss = _loss_of(module.training_step(batch, step))
+            loss.backward()
+            optimizer.step()
+            result[f"loss/step{step}"] = loss.detach()
+        result.update({f"grad/{n}": p.grad for n, p in module.named_parameters() if p.grad is not None})
+        result.update({f"param/{n}": p.detach() for n, p in module.named_parameters()})
+        return result

@@ -103,3 +103,39 @@ _COUNTER_INPUT = torch.randn(16, generator=torch.Generator().manual_seed(3))
 def counting_callable() -> torch.Tensor:
     """L1 negative control: the result depends on how often it was called."""
     return _COUNTER_INPUT * (1.0 + 1e-6 * next(_CALLS))
+
+
+class SequenceModule(CleanModule):
+    """A SequenceAuditable module that is not DeepEP: ``training_step`` unrolls ``length`` timesteps.
+
+    The variant ``"unseeded"`` adds noise from a generator nobody seeds, so the audit must see it.
+    """
+
+    seed_argument = "seed"
+
+    def __init__(self, hidden: int = 8, lr: float = 0.05, length: int = 5, seed: int = 0, noisy: bool = False) -> None:
+        super().__init__(hidden, lr)
+        self.length, self.seed, self.noisy = length, seed, noisy
+        self.steps_run: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        total = x.new_zeros(())
+        for _ in range(self.length):
+            x = torch.tanh(self.encoder[0](x)[:, :6])  # hidden >= 6
+            noise = torch.randn(1, generator=torch.Generator().manual_seed(next(_CALLS))) if self.noisy else 0.0
+            total = total + nn.functional.mse_loss(self(x) + noise, y)
+        self.steps_run.append(self.length)
+        return total / self.length
+
+    @classmethod
+    def audit_config(cls, config, level):
+        return {**config, "length": 1} if level == "L2" else dict(config)
+
+    @classmethod
+    def audit_describe(cls, config, level):
+        return "one timestep" if level == "L2" else f"sequence of {config.get('length', 5)}"
+
+    @classmethod
+    def audit_variants(cls):
+        return {"clean": {}, "unseeded": {"noisy": True}}

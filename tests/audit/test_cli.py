@@ -97,3 +97,13 @@ def test_unknown_argument_outside_l4_is_rejected():
     with pytest.raises(SystemExit) as done:
         main(["l2", "--model.hidden=3"])
     assert done.value.code == 2
+
+
+@pytest.mark.parametrize("flag", ["--variant", "--value-head"])
+def test_variant_flag_and_its_value_head_alias(capsys, flag):
+    args = ["l3", "--target", "_planted:SequenceModule", "--device", "cpu", "--repeats", "3"]
+    assert main([*args, flag, "clean"]) == 0
+    assert "variant=clean" in capsys.readouterr().out
+    assert main([*args, flag, "unseeded"]) == 1  # negative control: the planted variant diverges
+    assert main([*args, flag, "no_such_variant"]) == 2
+    assert "'clean', 'unseeded'" in capsys.readouterr().err

@@ -62,8 +62,10 @@ def test_bad_arguments_raise():
         load_class("_planted:Missing")
     with pytest.raises(ValueError, match="level"):
         audit_module("L5")
-    with pytest.raises(ValueError, match="value_head"):
-        ModuleTarget("_planted:CleanModule", value_head="fused")
+    with pytest.raises(ValueError, match="variant.*audit_variants"):
+        ModuleTarget("_planted:CleanModule", variant="fused")
+    with pytest.raises(ValueError, match=r"variant.*'reference', 'fused', 'fused_atomic'.*'fast'"):
+        ModuleTarget(config=TINY_DEEPEP, variant="fast")
     assert load_config({"model": {"class_path": "x.Y", "init_args": {"a": 1}}}) == {"a": 1}
     assert load_config({"model": {"a": 2}, "trainer": {}}) == {"a": 2}
 
@@ -88,10 +90,39 @@ def test_index_add_over_duplicates_is_caught_on_cuda_and_fixed_by_deterministic_
 def test_deepep_reference_is_reproducible_and_atomic_head_is_located_on_cuda():
     # 1024 rows per value-head call: 64 row chunks atomically added in the backward (16 rows per chunk)
     config = {"num_envs": 1024, "rollout_length": 16, "hidden_size": 256}
-    reference = audit_module("L3", ModuleTarget(config=config, device="cuda", value_head="reference"), repeats=5)
+    reference = audit_module("L3", ModuleTarget(config=config, device="cuda", variant="reference"), repeats=5)
     assert reference.status == "reproducible", reference.describe()
-    fused = audit_module("L3", ModuleTarget(config=config, device="cuda", value_head="fused"), repeats=5)
+    fused = audit_module("L3", ModuleTarget(config=config, device="cuda", variant="fused"), repeats=5)
     assert fused.status == "reproducible", fused.describe()
-    atomic = audit_module("L3", ModuleTarget(config=config, device="cuda", value_head="fused_atomic"), repeats=10)
+    atomic = audit_module("L3", ModuleTarget(config=config, device="cuda", variant="fused_atomic"), repeats=10)
     assert atomic.status == "divergent", atomic.describe()
     assert "all_action_q" in atomic.divergence["op"] and atomic.divergence["cause"] == "atomic accumulation"
+
+
+def test_sequence_auditable_module_is_audited_one_training_step_per_level():
+    from deepep_lightning.protocols import SequenceAuditable
+
+    cls = load_class("_planted:SequenceModule")
+    assert isinstance(cls, SequenceAuditable) and not isinstance(load_class("_planted:CleanModule"), SequenceAuditable)
+    target = ModuleTarget("_planted:SequenceModule", config={"length": 4}, device="cpu", steps=3)
+    for level, length, described in (("L2", 1, "one timestep"), ("L3", 4, "sequence of 4")):
+        prepared = target.prepare(level)
+        assert prepared.template.length == length and len(prepared.batches) == 1  # one step, never `steps`
+        assert described in target.name(level)
+        result = audit_module(level, target, repeats=3)
+        assert result.status == "reproducible", result.describe()
+    # negative control: the variant that draws from an unseeded generator is caught
+    noisy = audit_module("L3", ModuleTarget("_planted:SequenceModule", device="cpu", variant="unseeded"), repeats=3)
+    assert noisy.status == "divergent" and "variant=unseeded" in noisy.target
+
+
+def test_deepep_variants_set_constructor_arguments_without_patching_ops():
+    import deepep_lightning.ops as ops
+
+    original = ops.all_action_q
+    heads = {}
+    for variant in ("reference", "fused", "fused_atomic"):
+        template = ModuleTarget(config=TINY_DEEPEP, device="cpu", variant=variant).prepare("L2").template
+        heads[variant] = (template.agent.value_head.fused, template.agent.value_head.deterministic)
+        assert ops.all_action_q is original
+    assert heads == {"reference": (False, True), "fused": (True, True), "fused_atomic": (True, False)}
