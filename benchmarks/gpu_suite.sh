@@ -1,45 +1,232 @@
 #!/usr/bin/env bash
-# Everything the GPU machine runs, in sections: bash benchmarks/gpu_suite.sh SECTION... Results are written
-# under /tmp/r and packed into $OUT/results.tar.gz after every run (only a few files come back from the
-# device machine, and a run killed at the time limit must still return what finished).
-# Sections: setup foundation ops sanitize learning determinism health audit refused ddp ddp_ablation verify
-# graph_checks graph_health health_bench ddp_test refused_bench refused_verify refused_tests
+# The GPU machine's benchmarks and GPU tests, one section per benchmark, run from the repo root:
+#
+#   bash benchmarks/gpu_suite.sh setup SECTION...
+#
+# Sections (BENCHMARKS.md describes each):
+#   setup             build the extension once (cached in TORCH_EXTENSIONS_DIR); install the wheels in .whl/
+#   train_step        bench_train_step.py         all_action_q      bench_all_action_q.py
+#   sanitize          CSAN + memcheck runs        determinism_tax   bench_determinism_tax.py + graph tax
+#   learning          bench_learning.py           health_overhead   bench_health_overhead.py (CUDA graph)
+#   audit             audit_gpu.py                refused_ops       bench_refused_ops.py, twice
+#   refused_ops_list  list_refused_ops.py         ddp, ddp_ablation bench_ddp.py, ddp_ablation.py (2 GPUs)
+#   gpu-tests         every test marked gpu and not multigpu; gpu-tests-multi: the multigpu tests (2 GPUs)
+#
+# Each section writes its result files to /tmp/r/results/<section>/ (the layout of benchmarks/results/) and its
+# logs to /tmp/r/logs/ (<run>.txt, status.txt with one exit code per run). /tmp/r is packed into
+# $OUT/results.tar.gz after every run: one file comes back from the device machine, and a call stopped at its
+# time limit still returns every run that finished.
 set -u
+SECTIONS="setup train_step all_action_q sanitize determinism_tax learning health_overhead audit refused_ops"
+SECTIONS+=" refused_ops_list ddp ddp_ablation gpu-tests gpu-tests-multi"
+for section in "$@"; do
+  case " $SECTIONS " in
+    *" $section "*) ;;
+    *) echo "unknown section '$section'; choose from: $SECTIONS" >&2; exit 2 ;;
+  esac
+done
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_suite.sh SECTION...; sections: $SECTIONS" >&2; exit 2; }
+
 OUT=${OUT:-/tmp/out}
-R=/tmp/r
-mkdir -p "$R" "$OUT"
+STAGE=/tmp/r
+RESULTS=$STAGE/results
+LOGS=$STAGE/logs
+mkdir -p "$RESULTS" "$LOGS" "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ -d .whl ]; then  # jsonargparse (LightningCLI) is not in the GPU image
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PWD:/tmp/site
-fi
-step() { echo "=== $* ($(date +%T))"; }
-pack() { tar -czf "$OUT/results.tar.gz.tmp" -C /tmp r && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"; }
-run() {
-  local name=$1 limit=$2; shift 2; step "$name"
-  timeout "$limit" "$@" > "$R/$name.txt" 2>&1
-  echo "rc=$? $name" | tee -a "$R/status.txt"; tail -n 5 "$R/$name.txt"; pack
+SITE=/tmp/site  # the carried wheels (jsonargparse for LightningCLI is not in the GPU image), installed by setup
+[ -d "$SITE" ] && export PYTHONPATH=$PWD:$SITE
+RC=0
+
+pack() { tar -czf "$OUT/results.tar.gz.tmp" -C "$STAGE" . && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"; }
+
+run() {  # run NAME LIMIT_S COMMAND...: output to logs/NAME.txt, exit code to RC and status.txt, then pack
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$LOGS/$name.txt" 2>&1
+  RC=$?
+  echo "rc=$RC $name" | tee -a "$LOGS/status.txt"
+  tail -n 5 "$LOGS/$name.txt"
+  pack
 }
+
+keep() {  # keep FILE DIR: copy a result file out of a run's working folder (it may be missing after a failure)
+  mkdir -p "$2" && { cp -f "$1" "$2/" 2>/dev/null || echo "no $1"; }
+}
+
+to_logs() {  # to_logs FILE NAME: a side output that is not a result file goes to the logs
+  [ -f "$1" ] && mv -f "$1" "$LOGS/$2"
+}
+
+memcheck() {  # memcheck NAME LIMIT_S COMMAND...: compute-sanitizer memcheck; summary in results/sanitize/NAME.json
+  local name=$1 limit=$2
+  shift 2
+  run "$name" "$limit" env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \
+    --log-file "$LOGS/$name.log" "$@"
+  mkdir -p "$RESULTS/sanitize"
+  python3 - "$LOGS/$name.log" "$LOGS/$name.txt" "$RESULTS/sanitize/$name.json" "$RC" \
+    "PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 $*" <<'PY'
+import json, os, sys
+
+log, output, path, code, command = sys.argv[1:6]
+lines = open(log, errors="replace").read().splitlines() if os.path.exists(log) else []
+summary = next((line.strip("= ").strip() for line in reversed(lines) if "ERROR SUMMARY" in line), None)
+errors = int(summary.split(":")[1].split()[0]) if summary else None
+tail = [line.strip() for line in open(output, errors="replace") if line.strip()][-1:] if os.path.exists(output) else []
+record = {"tool": "compute-sanitizer --tool memcheck", "command": command, "exit_code": int(code), "errors": errors,
+          "error_summary": summary, "output_tail": tail[0] if tail else None}
+with open(path, "w") as handle:
+    json.dump(record, handle, indent=2)
+print(f"wrote {path}: {summary}")
+PY
+  pack
+}
+
+gpu_tests() {  # gpu_tests NAME LIMIT_S MARKER: pytest -m MARKER over tests/; per-file summary in results/NAME/NAME.json
+  local name=$1 limit=$2 marker=$3
+  rm -f "$LOGS/$name.xml"
+  run "$name" "$limit" python3 -m pytest -q -rs -m "$marker" tests --junitxml="$LOGS/$name.xml"
+  mkdir -p "$RESULTS/$name"
+  python3 - "$LOGS/$name.xml" "$LOGS/$name.txt" "$RESULTS/$name/$name.json" "$RC" \
+    "python3 -m pytest -q -rs -m \"$marker\" tests" <<'PY'
+import json, os, sys
+import xml.etree.ElementTree as ET
+
+xml_path, output, path, code, command = sys.argv[1:6]
+
+
+def split_id(classname, name):
+    """tests.ops.test_x.TestY + test_z -> (tests/ops/test_x.py, tests/ops/test_x.py::TestY::test_z)."""
+    if not classname:  # a collection error names the module in ``name``
+        classname, name = name, "<collection>"
+    parts = classname.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = "/".join(parts[:end]) + ".py"
+        if os.path.exists(candidate):
+            return candidate, "::".join([candidate, *parts[end:], name])
+    return classname, f"{classname}::{name}"
+
+
+record = {"command": command, "exit_code": int(code), "totals": {}, "files": {}, "failures": [], "skipped": []}
+totals = dict.fromkeys(("passed", "failed", "errors", "skipped"), 0)
+if os.path.exists(xml_path):
+    root = ET.parse(xml_path).getroot()
+    seconds = sum(float(suite.get("time", 0)) for suite in root.iter("testsuite"))
+    for case in root.iter("testcase"):
+        test_file, test_id = split_id(case.get("classname", ""), case.get("name", ""))
+        outcome = "passed"
+        for tag, kind in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+            child = case.find(tag)
+            if child is not None:
+                outcome = kind
+                message = (child.get("message") or "").splitlines()[:1]
+                entry = {"test": test_id, "message": message[0][:300] if message else ""}
+                (record["skipped"] if kind == "skipped" else record["failures"]).append(entry)
+                break
+        counts = record["files"].setdefault(test_file, dict.fromkeys(totals, 0))
+        counts[outcome] += 1
+        totals[outcome] += 1
+    record["totals"] = {**totals, "seconds": round(seconds, 1)}
+else:  # pytest was killed (time limit, crash) before writing its report
+    tail = open(output, errors="replace").read().splitlines()[-20:] if os.path.exists(output) else []
+    record["error"] = f"no JUnit report (pytest exit code {code})"
+    record["output_tail"] = tail
+try:
+    import torch
+
+    record["torch"] = torch.__version__
+    gpus = torch.cuda.device_count()
+    record["device"] = f"{gpus} x {torch.cuda.get_device_name(0)}" if gpus else "cpu"
+except Exception as error:  # noqa: BLE001 - the summary is written either way
+    record["device"] = f"unknown ({type(error).__name__})"
+with open(path, "w") as handle:
+    json.dump(record, handle, indent=2)
+print(f"wrote {path}: {record['totals'] or record.get('error')}")
+PY
+  pack
+}
+
+# grid_sample and interpolate forward + backward on small odd shapes, both dtypes, every padding (for memcheck)
+REFUSED_OPS_DRIVER="
+import torch
+from deepep_lightning.ops import grid_sample, interpolate
+torch.manual_seed(0)
+for dtype in (torch.float32, torch.float64):
+    for c in (1, 3, 9):
+        x = torch.randn(2, c, 9, 13, device='cuda', dtype=dtype, requires_grad=True)
+        grid = (torch.rand(2, 7, 11, 2, device='cuda', dtype=dtype) * 2.4 - 1.2).requires_grad_()
+        for padding in ('zeros', 'border', 'reflection'):
+            torch.autograd.grad(grid_sample(x, grid, padding_mode=padding, align_corners=False).sum(), (x, grid))
+        for size in ((40, 3), (4, 70), (9, 13), (600, 41)):
+            torch.autograd.grad(interpolate(x, size=size, mode='bilinear', align_corners=True).sum(), x)
+torch.cuda.synchronize()
+print('memcheck run finished')"
 
 for section in "$@"; do
   case $section in
     setup)
-      nvidia-smi > "$R/nvidia-smi.txt" 2>&1
+      nvidia-smi > "$LOGS/nvidia-smi.txt" 2>&1
+      if [ -d .whl ]; then
+        run install_wheels 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+          --target "$SITE" .whl/*.whl
+        [ "$RC" = 0 ] && export PYTHONPATH=$PWD:$SITE
+      fi
       run build 300 python3 -c "
-import time; t=time.time()
-from deepep_lightning.ops import cuda_kernels_available as c, extension_error as e
-assert c(), e(); print('extension with CUDA kernels built in', round(time.time()-t,1), 's')" ;;
-    foundation)
-      run pytest_foundation_gpu 240 python3 -m pytest -q -rs -m gpu tests/test_module_gpu.py tests/agent tests/envs
-      run bench_train_step 240 python3 benchmarks/bench_train_step.py --out "$R" ;;
-    ops)
-      run pytest_ops_gpu 240 python3 -m pytest -q -rs -m gpu tests/ops
-      run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$R" ;;
+import time; t = time.time()
+from deepep_lightning.ops import cuda_kernels_available, extension_error
+assert cuda_kernels_available(), extension_error()
+print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;;
+    train_step)
+      run bench_train_step 300 python3 benchmarks/bench_train_step.py --out "$RESULTS/train_step" ;;
+    all_action_q)
+      run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$RESULTS/all_action_q" ;;
+    sanitize)
+      run sanitize_all_action_q 60 env TORCH_CUDA_SANITIZER=1 \
+        python3 benchmarks/sanitize_all_action_q.py --out "$RESULTS/sanitize"
+      memcheck memcheck_all_action_q 100 python3 benchmarks/sanitize_all_action_q.py --quick
+      memcheck memcheck_refused_ops 150 python3 -c "$REFUSED_OPS_DRIVER" ;;
+    determinism_tax)
+      run bench_determinism_tax 240 python3 benchmarks/bench_determinism_tax.py --out "$RESULTS/determinism_tax" \
+        --fused --T 16 --rounds 3 --steps 3 --children plain,env4096,primed
+      to_logs "$RESULTS/determinism_tax/summary.txt" determinism_tax_summary.txt
+      # configs/gpu.yaml's CUDA-graph step with and without configure(0), separate processes, alternated
+      for i in 1 2; do
+        for variant in plain det; do
+          flag=$([ $variant = det ] && echo --deterministic)
+          run train_step_graph_${variant}_t32_$i 60 python3 benchmarks/bench_train_step.py \
+            --out "$RESULTS/determinism_tax" --horizon 32 --graph-only $flag --tag _graph_${variant}_t32_$i
+        done
+      done ;;
     learning)
-      run bench_learning 500 python3 benchmarks/bench_learning.py --out "$R" --budget-s 150 --memory-horizons 32 64 128 256 --memory-budget-s 80 ;;
-    *) [ -f "benchmarks/gpu_sections/$section.sh" ] && source "benchmarks/gpu_sections/$section.sh" || echo "unknown section $section" ;;
+      run bench_learning 560 python3 benchmarks/bench_learning.py --out "$RESULTS/learning" \
+        --budget-s 150 --memory-horizons 32 64 128 256 --memory-budget-s 80 ;;
+    health_overhead)
+      run bench_health_overhead 200 python3 benchmarks/bench_health_overhead.py --out "$RESULTS/health_overhead" \
+        --num-envs 256 --rollout-length 32 --hidden-size 256 --fused-value-head --cuda-graph \
+        --steps 300 --warmup 10 --repeats 5 ;;
+    audit)
+      run audit_gpu 240 python3 benchmarks/audit_gpu.py --out "$RESULTS/audit"
+      to_logs "$RESULTS/audit/audit_catalogue_h200.md" audit_catalogue_h200.md ;;
+    refused_ops)
+      for i in 1 2; do  # twice, to show how much the ratios move from one run to the next
+        run bench_refused_ops_$i 120 python3 benchmarks/bench_refused_ops.py \
+          --out "$RESULTS/refused_ops/repeat_$i" --profile
+        to_logs "$RESULTS/refused_ops/repeat_$i/refused_ops_profile.txt" refused_ops_profile_$i.txt
+      done ;;
+    refused_ops_list)
+      run list_refused_ops 120 python3 benchmarks/list_refused_ops.py --out "$RESULTS/refused_ops_list" ;;
+    ddp)
+      run bench_ddp 300 python3 benchmarks/bench_ddp.py --out "$LOGS/ddp" --gpus 2
+      keep "$LOGS/ddp/ddp.json" "$RESULTS/ddp" ;;
+    ddp_ablation)
+      run ddp_ablation 540 python3 benchmarks/ddp_ablation.py --out "$LOGS/ddp_ablation" --gpus 2 --budget-s 350
+      keep "$LOGS/ddp_ablation/ddp_ablation.json" "$RESULTS/ddp_ablation" ;;
+    gpu-tests)
+      gpu_tests gpu_tests 540 "gpu and not multigpu" ;;
+    gpu-tests-multi)
+      gpu_tests gpu_tests_multi 540 multigpu ;;
   esac
+  pack
 done
-pack
-cat "$R/status.txt"
+cat "$LOGS/status.txt"
