@@ -25,15 +25,19 @@ if TYPE_CHECKING:
 __all__ = [
     "attached_trainer",
     "cuda_in_bad_fork",
+    "current_autograd_node",
     "ddp_comm_hook",
     "ddp_kwargs",
     "epoch_result_collection",
     "metric_state_names",
     "metric_update_count",
+    "module_tracker",
+    "optimizer_step_progress",
     "privateuse1_backend_name",
     "process_group_backend",
     "random_sampler_num_samples",
     "requested_process_group_backend",
+    "run_optimization_step",
     "set_inductor_deterministic",
     "set_metric_update_count",
     "unwrap_train_dataloader_source",
@@ -205,3 +209,53 @@ def random_sampler_num_samples(sampler: torch.utils.data.RandomSampler) -> int |
     The public ``num_samples`` property fills in the dataset length, which hides a custom value.
     """
     return sampler._num_samples
+
+
+# ---------------------------------------------------------------- fit loop (health: snapshots and replays)
+def optimizer_step_progress(trainer: "pl.Trainer") -> tuple[Any, Any]:
+    """The optimizer-step counters behind ``trainer.global_step``: automatic and manual optimisation's.
+
+    Reads ``fit_loop.epoch_loop.automatic_optimization.optim_progress`` and
+    ``manual_optimization.optim_step_progress`` (loop internals): a rollback rewinds them for a
+    replay and puts them back after it, so ``global_step`` never counts a replayed step twice.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return epoch_loop.automatic_optimization.optim_progress, epoch_loop.manual_optimization.optim_step_progress
+
+
+def run_optimization_step(
+    trainer: "pl.Trainer", batch: Any, batch_idx: int, optimizer: torch.optim.Optimizer | None
+) -> Any:
+    """Run one training step through the fit loop's own optimisation object; returns its outputs.
+
+    Calls ``epoch_loop._build_kwargs`` and ``automatic_optimization.run`` (``optimizer`` given) or
+    ``manual_optimization.run`` (``optimizer=None``): the objects the loop itself calls, so closure,
+    backward, precision plugin, clipping, ``optimizer_step`` and every callback hook run exactly as
+    in the original step.
+    """
+    from collections import OrderedDict
+
+    epoch_loop = trainer.fit_loop.epoch_loop
+    kwargs = epoch_loop._build_kwargs(OrderedDict(), batch, batch_idx)
+    if optimizer is not None:
+        return epoch_loop.automatic_optimization.run(optimizer, batch_idx, kwargs)
+    return epoch_loop.manual_optimization.run(kwargs)
+
+
+# ---------------------------------------------------------------- autograd and dispatch (audit locators)
+def current_autograd_node() -> Any:
+    """The autograd node whose backward is running now, or None in forward (``torch._C._current_autograd_node``)."""
+    return torch._C._current_autograd_node()
+
+
+def module_tracker() -> Any:
+    """A ``torch.distributed._tools.mod_tracker.ModTracker`` (module paths in forward and backward), or None.
+
+    A private PyTorch tool; imported lazily (``torch.distributed`` is slow to import) and optional:
+    without it the locators report no module path.
+    """
+    try:
+        from torch.distributed._tools.mod_tracker import ModTracker
+    except Exception:  # pragma: no cover - depends on the torch build
+        return None
+    return ModTracker()
