@@ -1,0 +1,334 @@
+"""Deterministic scatter-add (:func:`segment_scatter_add`) and the ``index_add`` / ``scatter_add`` /
+``index_put_(accumulate=True)`` routes built on it.
+
+PyTorch's CUDA ``index_add_`` and ``scatter_add_`` add with float ``atomicAdd``: the last bits of the
+result change from run to run. In deterministic mode PyTorch switches them to its sort-based
+``index_put_`` path, bitwise reproducible but several times slower. ``torch.ops.deepep.segment_scatter_add``
+(``extensions/csrc/cuda/segment_scatter.cu``) sorts the indices stably and sums each output element in
+a fixed order (chunked, so one hot index does not serialise it). Routed at the dispatcher's CUDA key
+(:mod:`deepep_lightning.ops._routes`), in deterministic mode, for floating dtypes:
+
+* ``index_add`` / ``index_add_`` / ``index_add.out``: 1-D int32/int64 index, ``source`` of ``self``'s
+  dtype, any ``dim``;
+* ``scatter_add`` / ``scatter_add_`` / ``scatter_add.out``: int64 index of ``self``'s rank;
+* ``_index_put_impl_`` with ``accumulate=True``: integer index tensors for the leading dims (no ``None``,
+  no boolean masks, which need a host sync), ``values`` broadcastable.
+
+Everything else runs PyTorch's kernel unchanged. The argmax-scatter backwards (max pooling, embedding_bag
+"max") use the same op (:mod:`deepep_lightning.ops.max_pool`).
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._routes import Route, register_route
+
+__all__ = ["segment_scatter_add", "segment_scatter_add_reference"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX_DTYPES = (torch.int64, torch.int32)
+_MAX_ENTRIES = 2**31 - 2  # entry ids are int32 in the kernel
+_MAX_ROWS = 2**32 - 2  # sort keys are uint32
+
+
+def segment_scatter_add_reference(
+    src: Tensor, index: Tensor, size: int, dim: int = 0, base: Tensor | None = None, alpha: float = 1.0
+) -> Tensor:
+    """The pure-PyTorch definition: ``(base.clone() or zeros).index_add_(dim, index, src, alpha=alpha)``."""
+    shape = list(src.shape)
+    shape[dim] = size
+    out = base.clone() if base is not None else src.new_zeros(shape)
+    return out.index_add_(dim, index, src, alpha=alpha)
+
+
+def _unsupported_reason(src, index, size, dim, base) -> str | None:
+    if not isinstance(src, Tensor) or not isinstance(index, Tensor):
+        return "src and index must be torch.Tensor"
+    if src.dtype not in _DTYPES:
+        return f"src dtype {src.dtype} is not one of {list(_DTYPES)}"
+    if src.device.type not in ("cpu", "cuda") or index.device != src.device:
+        return f"src on {src.device} and index on {index.device} are not on one CPU or CUDA device"
+    if src.dim() == 0 or not 0 <= dim < src.dim():
+        return f"dim {dim} is not a dimension of src of shape {tuple(src.shape)}"
+    if src.shape[dim] > _MAX_ENTRIES or size > _MAX_ROWS:
+        return f"src.size(dim) = {src.shape[dim]} or size = {size} exceeds the kernel's 32-bit keys"
+    if base is not None and (base.dtype != src.dtype or base.device != src.device):
+        return "base must have src's dtype and device"
+    if src.is_cuda and not cuda_kernels_available():
+        return "the deepep CUDA kernels were not built (no nvcc?)"
+    if not extension_available():
+        return "the deepep C++ extension is not available"
+    return None
+
+
+def segment_scatter_add(
+    src: Tensor, index: Tensor, size: int, dim: int = 0, base: Tensor | None = None, alpha: float = 1.0
+) -> Tensor:
+    """Deterministic ``index_add``: ``out[..., index[i], ...] += alpha * src[..., i, ...]`` along ``dim``.
+
+    Args:
+        src: ``[*outer, n, *inner]`` floating tensor (float16/bfloat16/float32/float64), any strides.
+        index: ``[n]`` int64/int32 rows in ``[0, size)`` (an index out of range is a device-side assert
+            on CUDA, as in PyTorch's ``index_add_``).
+        size: number of output rows along ``dim``.
+        dim: the dimension of ``src`` that ``index`` runs along (default 0; negative counts from the end).
+        base: ``[*outer, size, *inner]`` tensor to add to (default: zeros), same dtype and device as ``src``.
+        alpha: scale of ``src`` (default 1).
+
+    Returns:
+        A new contiguous ``[*outer, size, *inner]`` tensor. On CUDA every element is summed in one fixed
+        order (sorted by index, entry order within an index), in double, so it is bitwise reproducible.
+
+    Raises:
+        TypeError: ``src``/``index``/``base`` are not tensors, ``size``/``dim`` not ints.
+        ValueError: a shape, dtype or device that the op does not take (the message names the argument).
+
+    Example::
+
+        >>> src = torch.ones(5, 2)
+        >>> segment_scatter_add(src, torch.tensor([0, 2, 0, 1, 2]), 3)
+        tensor([[2., 2.],
+                [1., 1.],
+                [2., 2.]])
+    """
+    if not isinstance(src, Tensor) or not isinstance(index, Tensor):
+        raise TypeError(f"segment_scatter_add: src and index must be tensors, got {type(src)!r}, {type(index)!r}")
+    if base is not None and not isinstance(base, Tensor):
+        raise TypeError(f"segment_scatter_add: base must be a tensor or None, got {type(base)!r}")
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise TypeError(f"segment_scatter_add: size must be an int >= 0, got {size!r}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"segment_scatter_add: dim must be an int, got {dim!r}")
+    if src.dim() == 0:
+        raise ValueError(f"segment_scatter_add: src must have at least 1 dimension, got shape {tuple(src.shape)}")
+    if not -src.dim() <= dim < src.dim():
+        raise ValueError(f"segment_scatter_add: dim must be in [{-src.dim()}, {src.dim()}), got {dim!r}")
+    dim %= src.dim()
+    if not src.is_floating_point():
+        raise ValueError(f"segment_scatter_add: src must be floating point, got {src.dtype}")
+    if index.dim() != 1 or index.shape[0] != src.shape[dim] or index.dtype not in _INDEX_DTYPES:
+        raise ValueError(
+            f"segment_scatter_add: index must be 1-D int64/int32 of length src.shape[{dim}] = {src.shape[dim]}, "
+            f"got {index.dtype} of shape {tuple(index.shape)}"
+        )
+    if index.device != src.device:
+        raise ValueError(f"segment_scatter_add: index must be on src's device {src.device}, got {index.device}")
+    shape = list(src.shape)
+    shape[dim] = size
+    if base is not None and (list(base.shape) != shape or base.dtype != src.dtype or base.device != src.device):
+        raise ValueError(
+            f"segment_scatter_add: base must be {src.dtype} of shape {tuple(shape)} on {src.device}, "
+            f"got {base.dtype} of shape {tuple(base.shape)} on {base.device}"
+        )
+    if _unsupported_reason(src, index, size, dim, base) is not None:
+        return segment_scatter_add_reference(src, index, size, dim, base, float(alpha))
+    return torch.ops.deepep.segment_scatter_add.default(src, index, size, dim, base, float(alpha))
+
+
+def _fake(src: Tensor, index: Tensor, size: int, dim: int = 0, base: Tensor | None = None, alpha: float = 1.0):
+    torch._check(0 <= dim < src.dim(), lambda: f"segment_scatter_add: dim {dim} out of range for {src.dim()}-D src")
+    torch._check(
+        index.dim() == 1 and index.shape[0] == src.shape[dim],
+        lambda: f"segment_scatter_add: index must be [{src.shape[dim]}], got {tuple(index.shape)}",
+    )
+    shape = list(src.shape)
+    shape[dim] = size
+    return src.new_empty(shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    src, index, size, dim, base, alpha = inputs
+    ctx.save_for_backward(index)
+    ctx.dim, ctx.alpha, ctx.has_base = dim, alpha, base is not None
+
+
+def _backward(ctx, grad_output):
+    (index,) = ctx.saved_tensors
+    grad_src = None
+    if ctx.needs_input_grad[0]:
+        grad_src = grad_output.index_select(ctx.dim, index)
+        if ctx.alpha != 1.0:
+            grad_src = grad_src * ctx.alpha
+    grad_base = grad_output if ctx.has_base and ctx.needs_input_grad[4] else None
+    return grad_src, None, None, None, grad_base, None
+
+
+def _register() -> None:
+    torch.library.register_fake("deepep::segment_scatter_add")(_fake)
+    torch.library.register_autograd("deepep::segment_scatter_add", _backward, setup_context=_setup_context)
+
+
+on_extension_loaded(_register)
+
+
+# ---- routes: index_add, scatter_add, _index_put_impl_(accumulate=True) ------------------------------------
+
+
+def _route_reason(self: Tensor, *others: Tensor) -> str | None:
+    if not isinstance(self, Tensor) or self.dtype not in _DTYPES:
+        return "self must be a float16/bfloat16/float32/float64 tensor"
+    if self.device.type != "cuda" or any(o.device != self.device for o in others):
+        return "all tensors must be on self's CUDA device"
+    if self.dim() == 0 or self.numel() > _MAX_ROWS:
+        return f"self of shape {tuple(self.shape)} is not covered"
+    if torch.overrides.has_torch_function(tuple((self, *others))):
+        return "tensor subclasses are left to PyTorch"
+    if not cuda_kernels_available():
+        return "the deepep CUDA kernels are not available"
+    return None
+
+
+def _real_alpha(alpha) -> bool:
+    return isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and math.isfinite(alpha)
+
+
+def _index_add_covers(self, dim, index, source, *, alpha=1, out=None) -> str | None:
+    if not isinstance(index, Tensor) or not isinstance(source, Tensor):
+        return "index and source must be tensors"
+    reason = _route_reason(self, index, source)
+    if reason is not None:
+        return reason
+    if not -self.dim() <= dim < self.dim():
+        return f"dim {dim} out of range"
+    dim %= self.dim()
+    if index.dim() != 1 or index.dtype not in _INDEX_DTYPES or source.dtype != self.dtype:
+        return "index must be 1-D int32/int64 and source of self's dtype"
+    if source.dim() != self.dim() or source.shape[dim] != index.shape[0] or source.shape[dim] > _MAX_ENTRIES:
+        return "source must have self's rank and index.numel() entries along dim"
+    if any(source.shape[d] != self.shape[d] for d in range(self.dim()) if d != dim):
+        return "source must match self outside dim"
+    if not _real_alpha(alpha):
+        return f"alpha {alpha!r} is not a finite real number"
+    if out is not None and (out.dtype != self.dtype or out.device != self.device):
+        return "out must have self's dtype and device"
+    return None
+
+
+def _index_add(self, dim, index, source, *, alpha=1):
+    dim %= self.dim()
+    return torch.ops.deepep.segment_scatter_add.default(source, index, self.shape[dim], dim, self, float(alpha))
+
+
+def _index_add_inplace(self, dim, index, source, *, alpha=1):
+    return self.copy_(_index_add(self, dim, index, source, alpha=alpha))
+
+
+def _index_add_out(self, dim, index, source, *, alpha=1, out):
+    result = _index_add(self, dim, index, source, alpha=alpha)
+    if tuple(out.shape) != tuple(result.shape):
+        out.resize_(result.shape)
+    return out.copy_(result)
+
+
+def _scatter_add_covers(self, dim, index, src, *, out=None) -> str | None:
+    if not isinstance(index, Tensor) or not isinstance(src, Tensor):
+        return "index and src must be tensors"
+    reason = _route_reason(self, index, src)
+    if reason is not None:
+        return reason
+    if index.dtype != torch.int64 or src.dtype != self.dtype:
+        return "index must be int64 and src of self's dtype"
+    if index.dim() != self.dim() or src.dim() != self.dim() or not -self.dim() <= dim < self.dim():
+        return "index and src must have self's rank"
+    dim %= self.dim()
+    for d in range(self.dim()):
+        if index.shape[d] > src.shape[d] or (d != dim and index.shape[d] > self.shape[d]):
+            return "index must not exceed src (and self outside dim)"
+    if index.numel() > _MAX_ENTRIES:
+        return "index has too many entries for the kernel's 32-bit ids"
+    if out is not None and (out.dtype != self.dtype or out.device != self.device):
+        return "out must have self's dtype and device"
+    return None
+
+
+def _scatter_add(self, dim, index, src):
+    dim %= self.dim()
+    base = self.contiguous()
+    if index.numel() == 0:
+        return base.clone()
+    torch._assert_async(((index >= 0) & (index < self.shape[dim])).all(), "scatter_add: index out of range")
+    strides = base.stride()
+    # Flat position in self of each index entry: index * stride[dim] + coordinate * stride[d], d != dim.
+    flat = index * strides[dim]
+    for d in range(self.dim()):
+        if d != dim and index.shape[d] > 1:
+            shape = [1] * self.dim()
+            shape[d] = index.shape[d]
+            flat = flat + torch.arange(index.shape[d], device=index.device).view(shape) * strides[d]
+    values = src[tuple(slice(0, n) for n in index.shape)]
+    summed = torch.ops.deepep.segment_scatter_add.default(
+        values.reshape(-1), flat.reshape(-1), base.numel(), 0, base.view(-1), 1.0
+    )
+    return summed.view(self.shape)
+
+
+def _scatter_add_inplace(self, dim, index, src):
+    return self.copy_(_scatter_add(self, dim, index, src))
+
+
+def _scatter_add_out(self, dim, index, src, *, out):
+    result = _scatter_add(self, dim, index, src)
+    if tuple(out.shape) != tuple(result.shape):
+        out.resize_(result.shape)
+    return out.copy_(result)
+
+
+def _index_put_covers(self, indices, values, accumulate=False, unsafe=False) -> str | None:
+    if not accumulate:
+        return "accumulate=False is a plain (last-writer) put"
+    if not isinstance(values, Tensor) or not isinstance(indices, Sequence) or len(indices) == 0:
+        return "values must be a tensor and indices a non-empty list"
+    if any(not isinstance(i, Tensor) or i.dtype not in _INDEX_DTYPES for i in indices):
+        return "only int32/int64 index tensors for the leading dims are covered (no None, no masks)"
+    reason = _route_reason(self, values, *indices)
+    if reason is not None:
+        return reason
+    if len(indices) > self.dim() or values.dtype != self.dtype:
+        return "too many indices, or values not of self's dtype"
+    try:
+        index_shape = torch.broadcast_shapes(*(i.shape for i in indices))
+        torch.broadcast_shapes(values.shape, tuple(index_shape) + tuple(self.shape[len(indices) :]))
+    except RuntimeError:
+        return "indices/values do not broadcast (PyTorch raises its own error)"
+    if math.prod(index_shape) > _MAX_ENTRIES:
+        return "too many index entries for the kernel's 32-bit ids"
+    if torch.broadcast_shapes(values.shape, tuple(index_shape) + tuple(self.shape[len(indices) :])) != (
+        tuple(index_shape) + tuple(self.shape[len(indices) :])
+    ):
+        return "values would broadcast beyond the indexed shape"
+    return None
+
+
+def _index_put(self, indices, values, accumulate=False, unsafe=False):
+    k = len(indices)
+    index_shape = tuple(torch.broadcast_shapes(*(i.shape for i in indices)))
+    rows = math.prod(self.shape[:k])
+    inner = tuple(self.shape[k:])
+    # Row-major flat row of each index tuple, negative indices wrapped as PyTorch does.
+    flat = None
+    for j, index in enumerate(indices):
+        size = self.shape[j]
+        torch._assert_async(((index >= -size) & (index < size)).all(), "index_put_: index out of range")
+        wrapped = torch.where(index < 0, index + size, index).to(torch.int64)
+        flat = wrapped if flat is None else flat * size + wrapped
+    flat = flat.expand(index_shape).reshape(-1)
+    vals = values.expand(index_shape + inner).reshape((flat.shape[0],) + inner)
+    base = self.contiguous().view((rows,) + inner)
+    summed = torch.ops.deepep.segment_scatter_add.default(vals, flat, rows, 0, base, 1.0)
+    return self.copy_(summed.view(self.shape))
+
+
+for _route in (
+    Route("index_add", _index_add, _index_add_covers),
+    Route("index_add_", _index_add_inplace, _index_add_covers),
+    Route("index_add.out", _index_add_out, _index_add_covers),
+    Route("scatter_add", _scatter_add, _scatter_add_covers),
+    Route("scatter_add_", _scatter_add_inplace, _scatter_add_covers),
+    Route("scatter_add.out", _scatter_add_out, _scatter_add_covers),
+    Route("_index_put_impl_", _index_put, _index_put_covers),
+):
+    register_route(_route)

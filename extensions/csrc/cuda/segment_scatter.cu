@@ -1,0 +1,273 @@
+// Deterministic CUDA segment_scatter_add (schema and CPU kernel: ../segment_scatter.cpp).
+//
+// out[o, r, c] = base[o, r, c] + alpha * sum over i with index[i] == r of src[o, i, c], for src viewed as
+// [outer, n, inner] and out as [outer, size, inner]. PyTorch's index_add_ / scatter_add_ / argmax pool
+// backwards add with float atomicAdd (run-to-run different last bits); here, with no float atomics:
+//   1. one thread per entry i writes its key index[i] (asserted in [0, size)) and its id i;
+//   2. a stable LSD radix sort (cub, only the bits a key in [0, size) can use) orders the ids by key;
+//      equal keys keep entry order, so the sorted order is a function of index alone;
+//   3. a binary search per output row r gives its segment [start, end) of the sorted entries;
+//   4. a segment of L entries splits into L / K full chunks of K sorted entries from its own start and
+//      a tail of L % K; one thread per (chunk, o, c) sums its chunk in sorted order, in double, into the
+//      fixed slot chunk_start / K (full chunks are disjoint runs of K entries: no two share a slot);
+//   5. one thread per (o, r, c) adds its segment's chunk sums in chunk order, then the tail's terms in
+//      sorted order, in double, and writes base + alpha * sum once (every output element is written).
+// Why deterministic whatever the launch configuration: which terms a sum holds and their order are a
+// function of index and of the shapes only (the chunks start at each segment's own start, so entries
+// of other rows do not move them); threads and blocks change who adds, never the order. K is a
+// function of the shapes (n / size): 32, or more for long mean segments (one hot row must not
+// serialise the kernel: K ~ sqrt(mean segment length) balances the chunk pass against the row pass).
+//
+// Outputs and scratch come from at::detail::empty_cuda (at::empty NaN-fills new memory in
+// deterministic mode; every byte here is written before it is read). All work is on the current
+// stream; nothing synchronises, no allocation size depends on data (CUDA-graph capturable).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/macros/Macros.h>
+#include <torch/library.h>
+
+#include <cub/device/device_radix_sort.cuh>
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+namespace deepep {
+
+// Defined in ../segment_scatter.cpp.
+std::vector<int64_t> segment_scatter_output_shape(const at::Tensor& src, const at::Tensor& index, int64_t size,
+                                                  int64_t dim, const std::optional<at::Tensor>& base);
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr size_t kScratchAlignment = 256;
+constexpr int kUnroll = 4;
+
+template <typename index_t>
+__global__ void segment_key_kernel(const int32_t num_entries, const int64_t size, const index_t* __restrict__ index,
+                                   uint32_t* __restrict__ keys, int32_t* __restrict__ ids) {
+  const int32_t i = static_cast<int32_t>(blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x);
+  if (i >= num_entries) return;
+  const int64_t key = static_cast<int64_t>(index[i]);
+  CUDA_KERNEL_ASSERT(key >= 0 && key < size && "segment_scatter_add: index out of range");
+  keys[i] = static_cast<uint32_t>(key);
+  ids[i] = i;
+}
+
+// segment_start[r] = first j with sorted_keys[j] >= r, r in [0, size].
+__global__ void segment_start_kernel(const int32_t num_entries, const int64_t size,
+                                     const uint32_t* __restrict__ sorted_keys, int32_t* __restrict__ segment_start) {
+  const int64_t r = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (r > size) return;
+  int32_t low = 0, high = num_entries;
+  while (low < high) {
+    const int32_t mid = low + (high - low) / 2;
+    if (static_cast<int64_t>(sorted_keys[mid]) < r) low = mid + 1; else high = mid;
+  }
+  segment_start[r] = low;
+}
+
+// One thread per (slot, o, c), c fastest. Slot b covers sorted entries [b K, (b + 1) K); the full chunk
+// that starts in it, if any, belongs to the segment of the slot's first entry (a segment starting at or
+// before b K) or, starting later in the slot, to the segment of its last entry (a full chunk starting
+// inside the slot covers the slot's last entry). Slots without a chunk are left unwritten; the row
+// pass never reads them.
+template <typename scalar_t>
+__global__ void segment_chunk_kernel(const int64_t num_items, const int64_t outer_inner, const int64_t inner,
+                                     const int64_t num_entries, const int32_t chunk_size,
+                                     const uint32_t* __restrict__ sorted_keys,   // [n]
+                                     const int32_t* __restrict__ segment_start,  // [size + 1]
+                                     const int32_t* __restrict__ order,          // [n] entry ids sorted by key
+                                     const scalar_t* __restrict__ src,           // [outer, n, inner]
+                                     double* __restrict__ partials) {            // [n / K, outer, inner]
+  const int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (item >= num_items) return;
+  const int64_t slot = item / outer_inner;
+  const int64_t within = item - slot * outer_inner;  // o * inner + c
+  const int64_t o = within / inner;
+  const int64_t c = within - o * inner;
+  const int32_t slot_begin = static_cast<int32_t>(slot * chunk_size);
+  int32_t chunk = -1;
+  {
+    const uint32_t key = sorted_keys[slot_begin];
+    const int32_t s = segment_start[key];
+    const int32_t j = s + (slot_begin - s + chunk_size - 1) / chunk_size * chunk_size;
+    if (j + chunk_size <= segment_start[key + 1]) chunk = j;
+  }
+  if (chunk < 0) {
+    const uint32_t key = sorted_keys[slot_begin + chunk_size - 1];
+    const int32_t s = segment_start[key];
+    if (s > slot_begin && s + chunk_size <= segment_start[key + 1]) chunk = s;
+  }
+  if (chunk < 0) return;
+  const scalar_t* src_o = src + o * num_entries * inner + c;
+  double acc = 0;
+#pragma unroll 8
+  for (int32_t k = 0; k < chunk_size; ++k) {
+    acc += static_cast<double>(src_o[static_cast<int64_t>(order[chunk + k]) * inner]);
+  }
+  partials[slot * outer_inner + within] = acc;
+}
+
+// One thread per (o, r, c), c fastest: coalesced stores, and the threads of one row share its bounds.
+template <typename scalar_t>
+__global__ void segment_row_kernel(const int64_t num_items, const int64_t size, const int64_t inner,
+                                   const int64_t num_entries, const int32_t chunk_size,
+                                   const int32_t* __restrict__ segment_start,  // [size + 1]
+                                   const int32_t* __restrict__ order,          // [n]
+                                   const scalar_t* __restrict__ src,           // [outer, n, inner]
+                                   const double* __restrict__ partials,        // [n / K, outer, inner]
+                                   const scalar_t* __restrict__ base,          // [outer, size, inner] or nullptr
+                                   const double alpha, const int64_t outer_inner,
+                                   scalar_t* __restrict__ out) {               // [outer, size, inner]
+  const int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (item >= num_items) return;
+  const int64_t size_inner = size * inner;
+  const int64_t o = item / size_inner;
+  const int64_t rc = item - o * size_inner;
+  const int64_t r = rc / inner;
+  const int64_t c = rc - r * inner;
+  const int32_t begin = segment_start[r], end = segment_start[r + 1];
+  const int32_t full_chunks = (end - begin) / chunk_size;
+  double acc = 0;
+  // Full chunks in chunk order (chunk m starts in slot begin / K + m).
+  const double* sums = partials + static_cast<int64_t>(begin / chunk_size) * outer_inner + o * inner + c;
+  int32_t m = 0;
+  for (; m + kUnroll <= full_chunks; m += kUnroll) {
+    double values[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) values[u] = sums[(m + u) * outer_inner];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) acc += values[u];
+  }
+  for (; m < full_chunks; ++m) acc += sums[m * outer_inner];
+  // The tail, entry by entry in sorted order.
+  const scalar_t* src_o = src + o * num_entries * inner + c;
+  int32_t j = begin + full_chunks * chunk_size;
+  for (; j + kUnroll <= end; j += kUnroll) {
+    scalar_t values[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) values[u] = src_o[static_cast<int64_t>(order[j + u]) * inner];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) acc += static_cast<double>(values[u]);
+  }
+  for (; j < end; ++j) acc += static_cast<double>(src_o[static_cast<int64_t>(order[j]) * inner]);
+  const double start = base == nullptr ? 0.0 : static_cast<double>(base[item]);
+  out[item] = static_cast<scalar_t>(start + alpha * acc);
+}
+
+unsigned int blocks_for(int64_t count) { return static_cast<unsigned int>((count + kThreads - 1) / kThreads); }
+
+at::Tensor empty_unfilled(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
+  return at::Tensor(at::detail::empty_cuda(sizes, dtype, device, std::nullopt));
+}
+
+struct ScratchLayout {
+  size_t total = 0;
+  size_t add(size_t bytes) {
+    const size_t offset = total;
+    total += (bytes + kScratchAlignment - 1) / kScratchAlignment * kScratchAlignment;
+    return offset;
+  }
+};
+
+// K: 32 sorted entries per chunk, or the power of two nearest above sqrt(mean segment length) when
+// segments are long (at most 1024). A function of the shapes only.
+int32_t chunk_size_for(int64_t num_entries, int64_t size) {
+  const double mean = static_cast<double>(num_entries) / static_cast<double>(size > 0 ? size : 1);
+  int32_t chunk = 32;
+  while (chunk < 1024 && static_cast<double>(chunk) * chunk < mean) chunk *= 2;
+  return chunk;
+}
+
+at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& index, int64_t size, int64_t dim,
+                                    const std::optional<at::Tensor>& base, double alpha) {
+  const std::vector<int64_t> shape = segment_scatter_output_shape(src, index, size, dim, base);
+  TORCH_CHECK(src.is_cuda(), "segment_scatter_add: src must be a CUDA tensor, got ", src.device());
+  const int64_t num_entries = src.size(dim);
+  TORCH_CHECK(num_entries < INT_MAX && size < static_cast<int64_t>(UINT32_MAX),
+              "segment_scatter_add: src.size(dim) must be below 2^31 - 1 and size below 2^32 - 1, got ",
+              num_entries, " and ", size);
+  const c10::cuda::CUDAGuard device_guard(src.device());
+  at::Tensor out = empty_unfilled(shape, src.scalar_type(), src.device());
+  if (out.numel() == 0) return out;
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < dim; ++d) outer *= src.size(d);
+  for (int64_t d = dim + 1; d < src.dim(); ++d) inner *= src.size(d);
+  if (num_entries == 0) {  // nothing to add: out = base
+    if (base.has_value()) return out.copy_(*base);
+    return out.zero_();
+  }
+  const at::Tensor src_c = src.contiguous();
+  const at::Tensor index_c = index.contiguous();
+  const at::Tensor base_c = base.has_value() ? base->contiguous() : at::Tensor();
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int32_t entries = static_cast<int32_t>(num_entries);
+  const int32_t chunk_size = chunk_size_for(num_entries, size);
+  const int64_t num_slots = num_entries / chunk_size;
+  const int64_t outer_inner = outer * inner;
+  int end_bit = 1;
+  while (end_bit < 32 && (static_cast<uint64_t>(size - 1) >> end_bit) != 0) ++end_bit;
+
+  cub::DoubleBuffer<uint32_t> key_buffers(nullptr, nullptr);
+  cub::DoubleBuffer<int32_t> id_buffers(nullptr, nullptr);
+  size_t sort_bytes = 0;
+  C10_CUDA_CHECK(
+      cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, key_buffers, id_buffers, entries, 0, end_bit, stream));
+  ScratchLayout layout;
+  const size_t key_bytes = sizeof(uint32_t) * num_entries;
+  const size_t keys_current = layout.add(key_bytes), keys_alternate = layout.add(key_bytes);
+  const size_t ids_current = layout.add(key_bytes), ids_alternate = layout.add(key_bytes);
+  const size_t starts_at = layout.add(sizeof(int32_t) * (size + 1));
+  const size_t partials_at = layout.add(sizeof(double) * num_slots * outer_inner);
+  const size_t sort_at = layout.add(sort_bytes);
+  const at::Tensor scratch = empty_unfilled({static_cast<int64_t>(layout.total)}, at::kByte, src.device());
+  auto* bytes = static_cast<unsigned char*>(scratch.data_ptr());
+  auto* keys = reinterpret_cast<uint32_t*>(bytes + keys_current);
+  auto* ids = reinterpret_cast<int32_t*>(bytes + ids_current);
+  auto* segment_start = reinterpret_cast<int32_t*>(bytes + starts_at);
+  auto* partials = reinterpret_cast<double*>(bytes + partials_at);
+
+  AT_DISPATCH_INDEX_TYPES(index_c.scalar_type(), "segment_scatter_add_keys", [&] {
+    segment_key_kernel<index_t><<<blocks_for(num_entries), kThreads, 0, stream>>>(
+        entries, size, index_c.data_ptr<index_t>(), keys, ids);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  key_buffers = cub::DoubleBuffer<uint32_t>(keys, reinterpret_cast<uint32_t*>(bytes + keys_alternate));
+  id_buffers = cub::DoubleBuffer<int32_t>(ids, reinterpret_cast<int32_t*>(bytes + ids_alternate));
+  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(bytes + sort_at, sort_bytes, key_buffers, id_buffers, entries, 0,
+                                                 end_bit, stream));
+  segment_start_kernel<<<blocks_for(size + 1), kThreads, 0, stream>>>(entries, size, key_buffers.Current(),
+                                                                       segment_start);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_c.scalar_type(), "segment_scatter_add_cuda", [&] {
+    const scalar_t* src_data = src_c.data_ptr<scalar_t>();
+    if (num_slots > 0) {
+      const int64_t chunk_items = num_slots * outer_inner;
+      segment_chunk_kernel<scalar_t><<<blocks_for(chunk_items), kThreads, 0, stream>>>(
+          chunk_items, outer_inner, inner, num_entries, chunk_size, key_buffers.Current(), segment_start,
+          id_buffers.Current(), src_data, partials);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    const int64_t row_items = out.numel();
+    segment_row_kernel<scalar_t><<<blocks_for(row_items), kThreads, 0, stream>>>(
+        row_items, size, inner, num_entries, chunk_size, segment_start, id_buffers.Current(), src_data, partials,
+        base_c.defined() ? base_c.data_ptr<scalar_t>() : nullptr, alpha, outer_inner, out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("segment_scatter_add", &segment_scatter_add_cuda); }
+
+}  // namespace deepep

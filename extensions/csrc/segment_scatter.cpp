@@ -1,0 +1,73 @@
+// deepep::segment_scatter_add: a deterministic scatter-add along one dimension.
+//
+//   segment_scatter_add(src, index, size, dim=0, base=None, alpha=1.0)
+//     == (base.clone() if base is given else zeros(out_shape)).index_add_(dim, index, src, alpha=alpha)
+//   src    [*outer, n, *inner]   (n = src.size(dim)), floating point
+//   index  [n]                   int64 or int32, values in [0, size)
+//   base   [*outer, size, *inner], src's dtype and device, or None (zeros)
+//   out    [*outer, size, *inner]
+//
+// It is the one scatter-add that the argmax-scatter backwards (max pooling, fractional / adaptive
+// max pooling, embedding_bag mode "max") and the index_add_ / scatter_add_ / index_put_(accumulate)
+// routes are written with (deepep_lightning/ops/scatter.py, max_pool.py). PyTorch's CUDA index_add_
+// adds with float atomicAdd, whose order changes from run to run; the CUDA kernel here
+// (cuda/segment_scatter.cu) sorts the indices stably and sums every output element in a fixed
+// order, so it is bitwise reproducible. The CPU kernel is PyTorch's CPU index_add_, a sequential
+// loop, deterministic already.
+//
+// The arguments are validated in Python before this op runs (an exception thrown inside the
+// compiled library crashes torch 2.11 on the GPU image, DESIGN.md section 7); the checks here
+// guard direct torch.ops callers.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <vector>
+
+namespace deepep {
+
+std::vector<int64_t> segment_scatter_output_shape(const at::Tensor& src, const at::Tensor& index, int64_t size,
+                                                  int64_t dim, const std::optional<at::Tensor>& base) {
+  TORCH_CHECK(src.dim() >= 1, "segment_scatter_add: src must have at least 1 dimension, got shape ", src.sizes());
+  TORCH_CHECK(dim >= 0 && dim < src.dim(), "segment_scatter_add: dim must be in [0, ", src.dim(), "), got ", dim);
+  TORCH_CHECK(at::isFloatingType(src.scalar_type()), "segment_scatter_add: src must be floating point, got ",
+              src.scalar_type());
+  TORCH_CHECK(index.dim() == 1 && index.size(0) == src.size(dim),
+              "segment_scatter_add: index must be 1-D of length src.size(dim) = ", src.size(dim), ", got shape ",
+              index.sizes());
+  TORCH_CHECK(index.scalar_type() == at::kLong || index.scalar_type() == at::kInt,
+              "segment_scatter_add: index must be int64 or int32, got ", index.scalar_type());
+  TORCH_CHECK(index.device() == src.device(), "segment_scatter_add: index must be on src's device ", src.device(),
+              ", got ", index.device());
+  TORCH_CHECK(size >= 0, "segment_scatter_add: size must be >= 0, got ", size);
+  std::vector<int64_t> shape = src.sizes().vec();
+  shape[dim] = size;
+  if (base.has_value()) {
+    TORCH_CHECK(base->sizes() == at::IntArrayRef(shape) && base->scalar_type() == src.scalar_type() &&
+                    base->device() == src.device(),
+                "segment_scatter_add: base must be ", at::IntArrayRef(shape), " ", src.scalar_type(), " on ",
+                src.device(), ", got ", base->sizes(), " ", base->scalar_type(), " on ", base->device());
+  }
+  return shape;
+}
+
+namespace {
+
+at::Tensor segment_scatter_add_cpu(const at::Tensor& src, const at::Tensor& index, int64_t size, int64_t dim,
+                                   const std::optional<at::Tensor>& base, double alpha) {
+  const std::vector<int64_t> shape = segment_scatter_output_shape(src, index, size, dim, base);
+  at::Tensor out = base.has_value() ? base->clone(at::MemoryFormat::Contiguous) : at::zeros(shape, src.options());
+  return out.index_add_(dim, index, src, alpha);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepep, m) {
+  m.def(
+      "segment_scatter_add(Tensor src, Tensor index, int size, int dim=0, Tensor? base=None, float alpha=1.0) "
+      "-> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("segment_scatter_add", &segment_scatter_add_cpu); }
+
+}  // namespace deepep
