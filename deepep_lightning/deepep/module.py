@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,8 +15,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from deepep_lightning import _checks
 from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
 from deepep_lightning.deepep.envs import ENVIRONMENTS, make_env
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean
 from deepep_lightning.determinism.streams import derive_seed
@@ -84,7 +87,19 @@ class DeepEPModule(pl.LightningModule):
             unscaled); keeps the critic's targets O(1) so Adam can fit them in a few hundred steps.
         gae_lambda: λ of the critic's λ-return targets.
         value_coef: weight of the critic loss.
-        entropy_coef: weight of the entropy bonus.
+        entropy_coef: weight of the entropy bonus; with ``target_entropy``, its floor and starting value.
+        target_entropy: mean policy entropy (nats, in ``[0, log A]``) that an adaptive entropy coefficient
+            holds the policy to: every step ``log α`` moves by ``entropy_coef_rate·(target − entropy)``,
+            within ``[entropy_coef, entropy_coef_max]``. It keeps the softmax from saturating onto one
+            action, where the all-action gradient ``π(Q − V)`` vanishes and the policy cannot recover.
+            None: the fixed ``entropy_coef``.
+        entropy_coef_max: the adaptive coefficient's ceiling (``>= entropy_coef``).
+        entropy_coef_rate: the adaptive coefficient's step on ``log α`` per nat of entropy deficit.
+        target_critic_tau: Polyak rate τ of a target critic (a slow copy of the value head) that
+            bootstraps the critic's λ-returns; it lags the online critic by about ``1/τ`` steps. None:
+            the online critic bootstraps itself.
+        chrono_horizon: chrono initialisation of the GRU's update gate for memory over up to this many
+            steps (``>= 2``); None: PyTorch's default initialisation.
         max_grad_norm: clip the gradients' global norm to this (None: no clipping). Works on both
             paths, inside the graph for ``cuda_graph=True`` (where Lightning's ``gradient_clip_val``,
             an automatic-optimisation feature, is unavailable); eager runs may use either.
@@ -122,6 +137,11 @@ class DeepEPModule(pl.LightningModule):
         gae_lambda: float = 0.95,
         value_coef: float = 0.5,
         entropy_coef: float = 0.001,
+        target_entropy: float | None = None,
+        entropy_coef_max: float = 0.1,
+        entropy_coef_rate: float = 0.05,
+        target_critic_tau: float | None = None,
+        chrono_horizon: int | None = None,
         max_grad_norm: float | None = None,
         detach_feedback: bool = True,
         bptt_truncation: int | None = None,
@@ -159,13 +179,27 @@ class DeepEPModule(pl.LightningModule):
             raise MisconfigurationException(f"`DeepEPModule(optimizer=...)` must be 'adam' or 'sgd', got {optimizer!r}")
         if optimizer == "sgd" and cuda_graph:
             raise MisconfigurationException(
-                "`DeepEPModule(optimizer='sgd')` cannot be used with cuda_graph=True (HINT: the graph needs Adam(capturable=True))"
+                "`DeepEPModule(optimizer='sgd')` cannot be used with cuda_graph=True"
+                " (HINT: the graph needs Adam(capturable=True))"
             )
         _require_in_range("gamma", gamma, 0.0, 1.0)
         _require_in_range("gae_lambda", gae_lambda, 0.0, 1.0)
         _require_in_range("reward_scale", reward_scale, 1e-12, float("inf"))
         _require_in_range("value_coef", value_coef, 0.0, float("inf"))
         _require_in_range("entropy_coef", entropy_coef, 0.0, float("inf"))
+        _checks.number("DeepEPModule", "entropy_coef_max", entropy_coef_max, minimum=entropy_coef, finite=True)
+        _checks.number("DeepEPModule", "entropy_coef_rate", entropy_coef_rate, minimum=0.0, exclusive_minimum=True)
+        _checks.number(
+            "DeepEPModule",
+            "target_critic_tau",
+            target_critic_tau,
+            minimum=0.0,
+            maximum=1.0,
+            exclusive_minimum=True,
+            allow_none=True,
+        )
+        if chrono_horizon is not None:
+            _checks.int_at_least("DeepEPModule", "chrono_horizon", chrono_horizon, 2)
         if max_grad_norm is not None:
             _require_in_range("max_grad_norm", max_grad_norm, 1e-12, float("inf"))
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -179,6 +213,20 @@ class DeepEPModule(pl.LightningModule):
             probe = make_env(env, 1, "cpu", **(env_kwargs or {}))
         except ValueError as error:
             raise MisconfigurationException(f"`DeepEPModule(env_kwargs=...)`: {error}") from error
+        max_entropy = math.log(probe.num_actions)
+        _checks.number(
+            "DeepEPModule",
+            "target_entropy",
+            target_entropy,
+            minimum=0.0,
+            maximum=round(max_entropy, 6),
+            allow_none=True,
+        )
+        if target_entropy is not None and entropy_coef <= 0:
+            raise MisconfigurationException(
+                f"`DeepEPModule(entropy_coef=...)` must be > 0 with target_entropy={target_entropy!r}, got"
+                f" {entropy_coef!r} (HINT: the adaptive coefficient starts at entropy_coef and moves in log space)"
+            )
         self.save_hyperparameters()
         if fused_value_head is None:
             fused_value_head = _extension_loads()
@@ -194,7 +242,11 @@ class DeepEPModule(pl.LightningModule):
                 detach_feedback,
                 bool(fused_value_head),
                 atomic_value_head,
+                target_critic=target_critic_tau is not None,
+                chrono_horizon=chrono_horizon,
             )
+        # log α of the adaptive entropy coefficient: a buffer, so checkpoints and rollbacks carry it.
+        self.register_buffer("log_entropy_coef", torch.tensor(math.log(entropy_coef) if entropy_coef > 0 else 0.0))
         self.episode_return = EpisodeReturnMean()
         self._agent_step = torch.compile(self.agent.step) if compile_step else self.agent.step
         self._env = None
@@ -295,7 +347,7 @@ class DeepEPModule(pl.LightningModule):
         hp = self.hparams
         policy_params = list(self.agent.policy_net.parameters())
         policy_ids = {id(p) for p in policy_params}
-        other_params = [p for p in self.parameters() if id(p) not in policy_ids]
+        other_params = [p for p in self.parameters() if id(p) not in policy_ids and p.requires_grad]
         groups = [
             {"params": other_params, "lr": hp.learning_rate},
             {"params": policy_params, "lr": hp.policy_learning_rate or hp.learning_rate},
@@ -313,22 +365,48 @@ class DeepEPModule(pl.LightningModule):
         assert self._env is not None and self._hidden is not None and self._generator is not None
         step_fn = self._agent_step
         agent = self.agent if step_fn is self.agent.step else _CompiledStepAgent(self.agent, step_fn)
+        if hp.target_critic_tau is not None:
+            # Before the rollout, so the target follows the weights of the previous optimizer step on both paths.
+            assert self.agent.target_value_head is not None
+            polyak_update_(
+                list(self.agent.target_value_head.parameters()),
+                list(self.agent.value_head.parameters()),
+                hp.target_critic_tau,
+            )
         rollout = collect_rollout(
             agent, self._env, self._hidden.clone(), hp.rollout_length, self._generator, hp.bptt_truncation
         )
         self._hidden.copy_(rollout.final_hidden)
+        target_q, bootstrap = None, rollout.bootstrap_value
+        if hp.target_critic_tau is not None:
+            all_target_q = self.agent.target_q(rollout.features)  # [T + 1, B, A]
+            target_q = all_target_q[:-1]
+            bootstrap = (torch.softmax(rollout.bootstrap_logits, dim=-1) * all_target_q[-1]).sum(dim=-1)
+        entropy_coef: float | torch.Tensor = hp.entropy_coef
+        if hp.target_entropy is not None:
+            entropy_coef = self.log_entropy_coef.exp()  # a new tensor: the in-place update below leaves it alone
         terms = deepep_loss(
             rollout.logits,
             rollout.q,
             rollout.actions,
             rollout.rewards * hp.reward_scale,
             rollout.terminateds,
-            rollout.bootstrap_value,
+            bootstrap,
             gamma=hp.gamma,
             gae_lambda=hp.gae_lambda,
             value_coef=hp.value_coef,
-            entropy_coef=hp.entropy_coef,
+            entropy_coef=entropy_coef,
+            target_q=target_q,
         )
+        if hp.target_entropy is not None:
+            adapt_entropy_coef_(
+                self.log_entropy_coef,
+                terms.entropy,
+                hp.target_entropy,
+                hp.entropy_coef_rate,
+                hp.entropy_coef,
+                hp.entropy_coef_max,
+            )
         return rollout, terms
 
     @override
@@ -353,6 +431,8 @@ class DeepEPModule(pl.LightningModule):
             self.log(
                 f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False, prog_bar=name == "loss"
             )
+        if self.hparams.target_entropy is not None:
+            self.log("train/entropy_coef", self.log_entropy_coef.exp(), on_step=True, on_epoch=False)
         self.episode_return.update(outputs["episode_return_sum"], outputs["episodes"])
         self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
         if self.hparams.cuda_graph:

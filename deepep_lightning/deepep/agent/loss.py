@@ -27,7 +27,8 @@ def lambda_returns(
 ) -> torch.Tensor:
     """λ-returns ``G_t = r_t + γ(1 − d_t)[(1 − λ) V(s_{t+1}) + λ G_{t+1}]``, ``[T, B]``.
 
-    ``dones`` are true terminals only (pass time-limit truncations as not done). ``values[t]`` is V(s_t) (for the expected-value critic, ``Σ_a π(a|s_t) Q(s_t, a)``), and the
+    ``dones`` are true terminals only (pass time-limit truncations as not done). ``values[t]`` is V(s_t)
+    (for the expected-value critic, ``Σ_a π(a|s_t) Q(s_t, a)``), and the
     recursion starts from ``G_T = V(s_T) = bootstrap_value``. ``λ = 1`` gives Monte-Carlo returns
     bootstrapped at the rollout end, ``λ = 0`` one-step expected-SARSA targets.
     """
@@ -52,7 +53,8 @@ def deepep_loss(
     gamma: float,
     gae_lambda: float,
     value_coef: float,
-    entropy_coef: float,
+    entropy_coef: float | torch.Tensor,
+    target_q: torch.Tensor | None = None,
 ) -> LossTerms:
     """The DeepEP objective over a ``[T, B]`` rollout (means over T·B).
 
@@ -61,15 +63,19 @@ def deepep_loss(
       variance from the action choice);
     - critic: ``½(Q(s_t, a_t) − G_t)²`` with ``G_t`` the λ-returns of :func:`lambda_returns`,
       bootstrapped with the expected value ``V`` (targets carry no gradient);
-    - entropy bonus, subtracted with ``entropy_coef``.
+    - entropy bonus, subtracted with ``entropy_coef`` (a float, or a 0-d tensor for an adaptive one).
 
+    ``target_q`` ``[T, B, A]`` (no grad), when given, is a slow target critic's Q at the same states:
+    the λ-returns bootstrap from ``V = Σ_a π Q_target`` instead of the online critic, so the regression
+    targets do not move with every update of the network they train (pass ``bootstrap_value`` from
+    the target critic too). The policy still follows the online critic.
     """
     log_probs = torch.log_softmax(logits, dim=-1)  # [T, B, A]
     probs = log_probs.exp()
     policy_loss = -(probs * q.detach()).sum(dim=-1).mean()
     entropy = -(probs * log_probs).sum(dim=-1).mean()
     with torch.no_grad():
-        values = (probs * q).sum(dim=-1)  # [T, B]
+        values = (probs * (q if target_q is None else target_q)).sum(dim=-1)  # [T, B]
         targets = lambda_returns(rewards, dones, values, bootstrap_value, gamma, gae_lambda)
     # One-hot product, not gather: gather's backward is a scatter-add (atomics on CUDA).
     taken = torch.nn.functional.one_hot(actions, q.shape[-1]).to(q.dtype)  # [T, B, A]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 
 from deepep_lightning.deepep.agent.value_head import AllActionValueHead
 
-__all__ = ["DeepEPAgent", "AgentStep"]
+__all__ = ["DeepEPAgent", "AgentStep", "chrono_init_"]
 
 
 @dataclass
@@ -20,6 +21,7 @@ class AgentStep:
     q: torch.Tensor  # [B, A] Q(s_t, a) for every action
     action: torch.Tensor  # [B] long
     hidden: torch.Tensor  # [B, H] h_{t+1}
+    features: torch.Tensor  # [B, obs_dim + H] the value head's input [obs_t; h_t], detached
 
 
 class DeepEPAgent(nn.Module):
@@ -42,6 +44,12 @@ class DeepEPAgent(nn.Module):
             its regression loss); ``False`` lets BPTT flow through the feedback path too.
         fused_value_head: run the value head's second layer with the compiled op.
         atomic_value_head: with the compiled op, its atomic (not bitwise reproducible) CUDA backward.
+        target_critic: keep ``target_value_head``, a copy of the value head without gradients that the
+            module moves toward the online head by Polyak averaging (see ``agent.targets``).
+        chrono_horizon: chrono initialisation of the GRU's update gate: its input bias is
+            ``log U(1, chrono_horizon - 1)``, so units start out keeping their state over time scales
+            up to ``chrono_horizon`` steps and BPTT reaches back that far from the start of training.
+            None: PyTorch's default initialisation.
     """
 
     def __init__(
@@ -53,6 +61,8 @@ class DeepEPAgent(nn.Module):
         detach_feedback: bool = True,
         fused_value_head: bool = False,
         atomic_value_head: bool = False,
+        target_critic: bool = False,
+        chrono_horizon: int | None = None,
     ) -> None:
         super().__init__()
         self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, hidden_size
@@ -68,6 +78,11 @@ class DeepEPAgent(nn.Module):
             deterministic=not atomic_value_head,
         )
         self.rnn_cell = nn.GRUCell(obs_dim + num_actions + 1, hidden_size)
+        if chrono_horizon is not None:
+            chrono_init_(self.rnn_cell, chrono_horizon)
+        self.target_value_head: AllActionValueHead | None = None
+        if target_critic:
+            self.target_value_head = copy.deepcopy(self.value_head).requires_grad_(False)
 
     def initial_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
         return torch.zeros(batch_size, self.hidden_size, device=device)
@@ -79,20 +94,52 @@ class DeepEPAgent(nn.Module):
         it as a feature. Letting the policy gradient into the shared recurrent cell would move it at
         the critic's faster learning rate and undo the two time-scale separation.
         """
+        logits, q, _ = self._evaluate(obs, hidden)
+        return logits, q
+
+    def _evaluate(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = torch.cat((obs, hidden), dim=-1)  # [B, obs_dim + H]
         policy_input = torch.cat((obs, hidden.detach()), dim=-1)
-        return self.policy_net(policy_input), self.value_head(x)
+        return self.policy_net(policy_input), self.value_head(x), x.detach()
+
+    def target_q(self, features: torch.Tensor) -> torch.Tensor:
+        """Q of every action from the target critic at ``features`` ``[..., obs_dim + H]``, no gradient.
+
+        Raises:
+            RuntimeError: the agent has no target critic (``target_critic=False``).
+        """
+        if self.target_value_head is None:
+            raise RuntimeError("DeepEPAgent.target_q needs target_critic=True")
+        with torch.no_grad():
+            return self.target_value_head(features.flatten(0, -2)).unflatten(0, features.shape[:-1])
 
     def step(self, obs: torch.Tensor, hidden: torch.Tensor, uniform: torch.Tensor) -> AgentStep:
         """One timestep; ``uniform`` ``[B]`` in [0, 1) drives the action sample (no global RNG)."""
-        logits, q = self.evaluate(obs, hidden)
+        logits, q, features = self._evaluate(obs, hidden)
         action = sample_categorical(logits, uniform)
         one_hot = nn.functional.one_hot(action, self.num_actions).to(obs.dtype)  # [B, A]
         value = (q * one_hot).sum(dim=-1, keepdim=True)  # [B, 1]; a product, so no scatter-add in backward
         if self.detach_feedback:
             value = value.detach()
         feedback = torch.cat((obs, one_hot, value), dim=-1)
-        return AgentStep(logits, q, action, self.rnn_cell(feedback, hidden))
+        return AgentStep(logits, q, action, self.rnn_cell(feedback, hidden), features)
+
+
+@torch.no_grad()
+def chrono_init_(cell: nn.GRUCell, horizon: int) -> None:
+    """Chrono initialisation (Tallec & Ollivier, 2018) of a GRU cell's update gate, in place.
+
+    PyTorch's GRU computes ``h' = (1 − z)·n + z·h`` with the gates ordered ``[r, z, n]``; an update-gate
+    bias ``b_z = log u``, ``u ~ U(1, horizon − 1)``, makes ``z`` start near ``u/(1 + u)``: unit ``i``
+    forgets over about ``u_i`` steps, spread over time scales up to ``horizon``. Draws from the global
+    RNG (the module seeds it for initialisation).
+    """
+    if horizon < 2:
+        raise ValueError(f"chrono_init_: horizon must be >= 2, got {horizon!r}")
+    size = cell.hidden_size
+    uniform = torch.empty(size).uniform_(1.0, max(float(horizon - 1), 1.0 + 1e-6))
+    cell.bias_ih[size : 2 * size].copy_(uniform.log())
+    cell.bias_hh[size : 2 * size].zero_()
 
 
 def sample_categorical(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

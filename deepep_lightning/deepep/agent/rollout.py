@@ -25,6 +25,8 @@ class Rollout:
     episode_returns: torch.Tensor  # [T, B], finished episodes' returns where dones
     bootstrap_value: torch.Tensor  # [B], V(s_T) = Σ_a π(a|s_T) Q(s_T, a), no grad
     final_hidden: torch.Tensor  # [B, H], detached
+    features: torch.Tensor  # [T + 1, B, obs_dim + H] the value head's inputs at s_0..s_T, detached
+    bootstrap_logits: torch.Tensor  # [B, A] policy logits at s_T, no grad
 
 
 def collect_rollout(
@@ -45,7 +47,7 @@ def collect_rollout(
     """
     batch = env.num_envs
     obs = env.observe()  # [B, obs_dim]
-    logits, qs, actions, rewards, dones, terminateds, returns = [], [], [], [], [], [], []
+    logits, qs, actions, rewards, dones, terminateds, returns, features = [], [], [], [], [], [], [], []
     for t in range(length):
         if bptt_truncation is not None and t > 0 and t % bptt_truncation == 0:
             hidden = hidden.detach()
@@ -55,6 +57,7 @@ def collect_rollout(
         hidden = step.hidden * (~result.done).unsqueeze(-1).to(step.hidden.dtype)
         obs = result.obs
         logits.append(step.logits)
+        features.append(step.features)
         qs.append(step.q)
         actions.append(step.action)
         rewards.append(result.reward)
@@ -63,6 +66,7 @@ def collect_rollout(
         returns.append(result.episode_return)
     with torch.no_grad():
         last_logits, last_q = agent.evaluate(obs, hidden)
+        features.append(torch.cat((obs, hidden), dim=-1))
         bootstrap = (torch.softmax(last_logits, dim=-1) * last_q).sum(dim=-1)
     return Rollout(
         torch.stack(logits),
@@ -74,4 +78,6 @@ def collect_rollout(
         torch.stack(returns),
         bootstrap,
         hidden.detach(),
+        torch.stack(features),
+        last_logits,
     )
