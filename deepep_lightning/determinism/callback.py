@@ -90,9 +90,11 @@ class DeterminismCallback(Callback):
         isolate_evaluation: validation and sanity checks run on their own stream and never shift
             the training stream (matters when ``reseed_every_step=False``).
         log_fingerprint: write the fingerprint to TensorBoard's text plugin.
-        patch_refused_ops: during fit, route ``F.grid_sample`` / ``F.interpolate`` (bilinear, 4-D)
-            to deterministic CUDA backward kernels instead of PyTorch's error in deterministic mode
-            (:func:`deepep_lightning.ops.patch_refused_ops`); every other case keeps PyTorch's behaviour.
+        patch_refused_ops: during fit, route the aten ops whose CUDA kernels PyTorch refuses in
+            deterministic mode (``nll_loss2d_forward``, adaptive/3-D pooling and padding backwards,
+            bilinear ``grid_sampler_2d_backward`` / ``upsample_bilinear2d_backward``, ...) to deterministic
+            CUDA kernels at the dispatcher (:func:`deepep_lightning.ops.patch_refused_ops`); every other
+            case keeps PyTorch's behaviour.
 
     Raises:
         MisconfigurationException: an argument has a wrong type or value.

@@ -9,7 +9,7 @@ from deepep_lightning.ops.all_action_q import all_action_q
 from deepep_lightning.ops.grid_sample import grid_sample
 from deepep_lightning.ops.interpolate import interpolate
 from deepep_lightning.ops.reference import all_action_q_reference
-from deepep_lightning.ops.routing import patch_refused_ops, refused_ops_patched, refused_ops_routing
+from deepep_lightning.ops.routing import patch_refused_ops, refused_ops_patched, refused_ops_routing, routed_aten_ops
 
 __all__ = [
     "all_action_q",
@@ -22,4 +22,5 @@ __all__ = [
     "patch_refused_ops",
     "refused_ops_patched",
     "refused_ops_routing",
+    "routed_aten_ops",
 ]

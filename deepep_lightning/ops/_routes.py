@@ -97,18 +97,30 @@ _routes: dict[str, Route] = {}
 _library: "torch.library.Library | None" = None
 _dispatch_key: str | None = None
 _installed: dict[str, str] = {}  # aten_op -> dispatch key it is installed at
+# Set while a route's deterministic implementation runs on this thread: an aten op it calls (the CPU
+# kernels call PyTorch's own) reaches PyTorch's kernel, not the route again.
+_inside = threading.local()
 
 
 def route_kernel(route: Route, original: Callable) -> Callable:
     """The kernel installed for ``route``: ``fn(keyset, *args, **kwargs)``.
 
+    Inside ``route.deterministic`` (same thread) every routed op runs its original kernel.
     ``original`` is PyTorch's kernel (``torch._C._SafeKernelFunction``); anything with
     ``call_boxed(keyset, *args, **kwargs)`` works, which lets tests drive this function directly.
     """
 
     def kernel(keyset, *args, **kwargs):
-        if torch.are_deterministic_algorithms_enabled() and route.covers(*args, **kwargs) is None:
-            return route.deterministic(*args, **kwargs)
+        if (
+            not getattr(_inside, "route", False)
+            and torch.are_deterministic_algorithms_enabled()
+            and route.covers(*args, **kwargs) is None
+        ):
+            _inside.route = True
+            try:
+                return route.deterministic(*args, **kwargs)
+            finally:
+                _inside.route = False
         return original.call_boxed(keyset, *args, **kwargs)
 
     kernel.__name__ = f"deepep_route_{route.aten_op.replace('.', '_')}"

@@ -11,26 +11,31 @@ forward (``torch.grid_sampler``, cuDNN path included, so the output is bit for b
   tensors (no ``__torch_function__`` subclasses). CUDA: sort + fixed-order segmented gather
   (``extensions/csrc/cuda/grid_sample_backward.cu``), bitwise reproducible. CPU: PyTorch's CPU
   backward, which is already deterministic.
+* at the dispatcher (``deepep_lightning.ops._routes``), the same backward serves
+  ``aten::grid_sampler_2d_backward`` on CUDA in deterministic mode, so ``F.grid_sample`` itself,
+  ``torch.grid_sampler`` and every other caller are covered once routing is on.
 * everything else (``mode="nearest"``/``"bicubic"``, 5-D input, integer dtypes, no compiled
   extension, a CUDA tensor without the CUDA kernels) is handed to ``F.grid_sample`` unchanged:
   same result, and PyTorch's own error where PyTorch raises (also its deterministic-mode error).
 """
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, register_op_python_side
+from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["grid_sample", "grid_sample_unsupported_reason"]
 
 _OP = "grid_sample"
 _PADDING_MODES = {"zeros": 0, "border": 1, "reflection": 2}
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# PyTorch's function even when the routing (routing.py) has replaced F.grid_sample.
-_torch_grid_sample = getattr(F.grid_sample, "_deepep_original", F.grid_sample)
+_PADDING_NAMES = {code: name for name, code in _PADDING_MODES.items()}
+_torch_grid_sample = F.grid_sample
 
 
 def grid_sample_unsupported_reason(
@@ -136,3 +141,43 @@ def _fake_backward(
 
 # autograd is registered in C++ (extensions/csrc/refused_ops.cpp): no Python runs per backward
 register_op_python_side("grid_sample_bilinear2d", _fake_forward, _fake_backward)
+
+
+def _backward_route_covers(
+    grad_output: Tensor,
+    input: Tensor,
+    grid: Tensor,
+    interpolation_mode: int,
+    padding_mode: int,
+    align_corners: bool,
+    output_mask: Sequence[bool],
+) -> str | None:
+    if interpolation_mode != 0:
+        return f"interpolation_mode={interpolation_mode!r} is not covered, only 0 (bilinear)"
+    if padding_mode not in _PADDING_NAMES:
+        return f"padding_mode={padding_mode!r} is not one of {sorted(_PADDING_NAMES)}"
+    reason = grid_sample_unsupported_reason(input, grid, "bilinear", _PADDING_NAMES[padding_mode])
+    if reason is not None:
+        return reason
+    expected = (input.shape[0], input.shape[1], grid.shape[1], grid.shape[2])
+    if grad_output.dtype != input.dtype or tuple(grad_output.shape) != expected:
+        return f"grad_output {grad_output.dtype} {tuple(grad_output.shape)} does not match {input.dtype} {expected}"
+    return None
+
+
+def _backward_route(
+    grad_output: Tensor,
+    input: Tensor,
+    grid: Tensor,
+    interpolation_mode: int,
+    padding_mode: int,
+    align_corners: bool,
+    output_mask: Sequence[bool],
+):
+    grad_input, grad_grid = torch.ops.deepep.grid_sample_bilinear2d_backward.default(
+        grad_output, input, grid, padding_mode, align_corners, bool(output_mask[0])
+    )
+    return (grad_input if output_mask[0] else None), grad_grid
+
+
+register_route(Route("grid_sampler_2d_backward", _backward_route, _backward_route_covers))

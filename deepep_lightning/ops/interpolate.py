@@ -13,6 +13,13 @@ covered case, uses the gather backward of ``torch.ops.deepep`` (bitwise reproduc
 * everything else (other modes, 3-D/5-D input, ``antialias=True``, invalid arguments, no compiled
   extension) is handed to ``F.interpolate`` unchanged: its result and its own errors.
 
+At the dispatcher (``deepep_lightning.ops._routes``) the same backward serves
+``aten::upsample_bilinear2d_backward`` on CUDA in deterministic mode: direct callers of the aten op,
+TorchScript and ``nn.Upsample`` inside scripted code are covered once routing is on. Eager
+``F.interpolate`` itself, in deterministic mode on CUDA, takes PyTorch's own decomposition (backward
+through ``index_put``, deterministic) and never reaches that op; :func:`interpolate` keeps the native
+forward and this backward there.
+
 The output equals ``F.interpolate``'s native-kernel output bit for bit (outside deterministic
 mode; inside it, on CUDA, PyTorch itself uses the decomposition, equal up to fp rounding).
 """
@@ -25,13 +32,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, register_op_python_side
+from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["interpolate", "interpolate_unsupported_reason"]
 
 _OP = "interpolate"
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# PyTorch's function even when the routing (routing.py) has replaced F.interpolate.
-_torch_interpolate = getattr(F.interpolate, "_deepep_original", F.interpolate)
+_torch_interpolate = F.interpolate
 
 _Resolved = tuple[list[int], float | None, float | None]
 
@@ -178,3 +185,44 @@ def _fake_backward(
 
 # autograd is registered in C++ (extensions/csrc/refused_ops.cpp): no Python runs per backward
 register_op_python_side("upsample_bilinear2d", _fake_forward, _fake_backward)
+
+
+def _backward_route_covers(
+    grad_output: Tensor,
+    output_size: Sequence[int],
+    input_size: Sequence[int],
+    align_corners: bool,
+    scales_h: float | None = None,
+    scales_w: float | None = None,
+) -> str | None:
+    if not isinstance(grad_output, Tensor) or grad_output.dim() != 4 or grad_output.dtype not in _DTYPES:
+        return "grad_output must be a 4-D float16/bfloat16/float32/float64 tensor"
+    if len(input_size) != 4 or len(output_size) != 2:
+        return f"input_size {list(input_size)} / output_size {list(output_size)} are not 4 / 2 entries"
+    if tuple(grad_output.shape) != (input_size[0], input_size[1], output_size[0], output_size[1]):
+        return f"grad_output {tuple(grad_output.shape)} does not match input_size {list(input_size)}"
+    if min(input_size[2:]) <= 0 or min(output_size) <= 0:
+        return "empty spatial sizes are left to PyTorch"
+    if grad_output.device.type not in ("cpu", "cuda"):
+        return f"device type {grad_output.device.type!r} is not covered"
+    if not extension_available():
+        return "the deepep C++ extension is not available"
+    if grad_output.is_cuda and not cuda_kernels_available():
+        return "the deepep CUDA kernels were not built (no nvcc?)"
+    return None
+
+
+def _backward_route(
+    grad_output: Tensor,
+    output_size: Sequence[int],
+    input_size: Sequence[int],
+    align_corners: bool,
+    scales_h: float | None = None,
+    scales_w: float | None = None,
+) -> Tensor:
+    return torch.ops.deepep.upsample_bilinear2d_backward.default(
+        grad_output, list(input_size), align_corners, scales_h, scales_w
+    )
+
+
+register_route(Route("upsample_bilinear2d_backward", _backward_route, _backward_route_covers))

@@ -1,19 +1,6 @@
-"""Shared by the GPU tests of the refused-ops kernels (test_refused_ops_cuda.py, test_interpolate_cuda.py)."""
+"""Plain helpers of the GPU tests of the refused-ops kernels (the fixtures are in conftest.py)."""
 
-import pytest
 import torch
-
-
-@pytest.fixture
-def cuda_kernels():
-    """Skip without CUDA and the compiled kernels; restore deterministic mode afterwards."""
-    from deepep_lightning.ops import cuda_kernels_available
-
-    if not torch.cuda.is_available() or not cuda_kernels_available():
-        pytest.skip("needs CUDA and the compiled deepep CUDA kernels")
-    was = torch.are_deterministic_algorithms_enabled()
-    yield
-    torch.use_deterministic_algorithms(was)
 
 
 def _grid_inputs(shape, seed=0, dtype=torch.float32):

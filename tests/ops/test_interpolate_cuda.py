@@ -6,7 +6,7 @@ Run on the GPU machine: ``python -m pytest tests/ops/test_interpolate_cuda.py -q
 import pytest
 import torch
 import torch.nn.functional as F
-from _refused_cuda import _assert_close_relative, _atomic_backward, cuda_kernels  # noqa: F401
+from _refused_cuda import _assert_close_relative, _atomic_backward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
 

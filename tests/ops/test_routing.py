@@ -1,16 +1,33 @@
-"""CPU tests of deepep_lightning.ops.routing: F.grid_sample / F.interpolate routing on and off."""
+"""CPU tests of the dispatcher routing (deepep_lightning.ops._routes, routing.py): on in deterministic mode,
+off otherwise, reversible. The routes are installed at the CPU key here (the same wrappers as at CUDA)."""
+
+import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from deepep_lightning.ops import extension_available, patch_refused_ops, refused_ops_patched, refused_ops_routing
-from deepep_lightning.ops.routing import ROUTED_FUNCTIONS
+from deepep_lightning.ops import (
+    _routes,
+    extension_available,
+    patch_refused_ops,
+    refused_ops_patched,
+    refused_ops_routing,
+    routed_aten_ops,
+)
+from deepep_lightning.ops._routes import Route, register_route, route_kernel
 
 pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
 
-ORIGINALS = {name: getattr(F, name) for name in ROUTED_FUNCTIONS}
+ROUTED_HERE = {
+    "nll_loss2d_forward",
+    "_adaptive_avg_pool2d_backward",
+    "_adaptive_avg_pool3d_backward",
+    "avg_pool3d_backward",
+    "grid_sampler_2d_backward",
+    "upsample_bilinear2d_backward",
+    *(f"{mode}_pad{d}d_backward" for mode in ("reflection", "replication") for d in (1, 2, 3)),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -18,93 +35,174 @@ def _restore_global_state():
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     yield
-    patch_refused_ops(False)
+    _routes.disable_routes()
     torch.use_deterministic_algorithms(was_deterministic, warn_only=was_warn_only)
-    for name, function in ORIGINALS.items():  # a failing test must not leak a patch
-        setattr(F, name, function)
 
 
-def _grad_fn_name(tensor):
-    return tensor.grad_fn.name()
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the deterministic calls of every registered route (installed at CPU by the test)."""
+    calls: list[str] = []
+    for name, route in routed_aten_ops_with_routes().items():
+
+        def counted(*args, _route=route, **kwargs):
+            calls.append(_route.aten_op)
+            return _route.deterministic(*args, **kwargs)
+
+        monkeypatch.setitem(_routes._routes, name, Route(name, counted, route.covers))
+    return calls
 
 
-def _sample():
+def routed_aten_ops_with_routes():
+    routed_aten_ops()  # imports every op module
+    return _routes.registered_routes()
+
+
+class _Original:
+    def __init__(self):
+        self.calls = 0
+
+    def call_boxed(self, keyset, *args, **kwargs):
+        self.calls += 1
+        return "original"
+
+
+def test_every_op_of_this_area_is_registered():
+    assert ROUTED_HERE <= set(routed_aten_ops())
+
+
+def test_route_kernel_picks_by_mode_and_coverage():
+    covered = {"value": None}
+    route = Route("nll_loss2d_forward", lambda *a, **k: "deterministic", lambda *a, **k: covered["value"])
+    original = _Original()
+    kernel = route_kernel(route, original)
+    torch.use_deterministic_algorithms(False)
+    assert kernel(None, 1, 2) == "original"
+    torch.use_deterministic_algorithms(True)
+    assert kernel(None, 1, 2) == "deterministic"
+    covered["value"] = "not covered"
+    assert kernel(None, 1, 2) == "original"  # negative control: an uncovered case keeps PyTorch's kernel
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    covered["value"] = None
+    assert kernel(None, 1, 2) == "deterministic"
+    assert original.calls == 2
+
+
+def test_route_validates_its_fields():
+    with pytest.raises(ValueError, match="aten_op"):
+        Route("aten::nll_loss2d_forward", lambda: None)
+    with pytest.raises(TypeError, match="deterministic must be callable"):
+        Route("nll_loss2d_forward", "not callable")
+    with pytest.raises(TypeError, match="route must be"):
+        register_route("nll_loss2d_forward")
+    with pytest.raises(TypeError, match="dispatch_key must be a str"):
+        _routes.enable_routes(1)
+
+
+def test_enable_disable_are_idempotent_and_report_the_previous_state():
+    assert not _routes.routes_enabled()
+    assert _routes.enable_routes("CPU") is False
+    assert _routes.enable_routes("CPU") is True
+    assert set(_routes.installed_ops()) >= ROUTED_HERE
+    assert set(_routes.installed_ops().values()) == {"CPU"}
+    assert _routes.disable_routes() is True
+    assert _routes.disable_routes() is False
+    assert _routes.installed_ops() == {}
+
+
+def _segmentation_step():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 12, 12, generator=generator, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 4, (2, 12, 12), generator=generator)
+    target[0, :2] = -100
+    weight = torch.rand(4, generator=generator, dtype=torch.float64) + 0.5
+    pooled = F.adaptive_avg_pool2d(x, 5)
+    logits = torch.cat([pooled, pooled.mean(1, keepdim=True)], 1)
+    up = F.interpolate(logits, size=(12, 12), mode="bilinear", align_corners=False)
+    volume = F.pad(up.unsqueeze(0), (1, 1, 1, 1, 1, 1), mode="reflect")
+    volume = F.avg_pool3d(volume, 3, stride=1, padding=1)[0, :, 1:-1, 1:-1, 1:-1]
+    loss = F.cross_entropy(volume, target, weight=weight, ignore_index=-100)
+    loss = loss + F.adaptive_avg_pool3d(x.unsqueeze(0), (2, 3, 4)).sum()
+    return loss, torch.autograd.grad(loss, x)[0]
+
+
+def test_routes_at_the_dispatcher_only_in_deterministic_mode(spy):
+    reference_loss, reference_grad = _segmentation_step()
+    _routes.enable_routes("CPU")
+    torch.use_deterministic_algorithms(False)
+    _segmentation_step()
+    assert spy == []  # outside deterministic mode nothing is routed
+    torch.use_deterministic_algorithms(True)
+    loss, grad = _segmentation_step()
+    # F.cross_entropy reaches nll_loss2d_forward inside C++: only a dispatcher route sees it.
+    assert {"nll_loss2d_forward", "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward"} <= set(spy)
+    assert {"avg_pool3d_backward", "reflection_pad3d_backward"} <= set(spy)
+    torch.testing.assert_close(loss, reference_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, reference_grad, rtol=1e-12, atol=1e-12)
+    spy.clear()
+    _routes.disable_routes()
+    _segmentation_step()
+    assert spy == []  # reversed: PyTorch's kernels again
+
+
+def test_direct_aten_callers_are_routed(spy):
+    _routes.enable_routes("CPU")
+    torch.use_deterministic_algorithms(True)
     x = torch.randn(1, 2, 6, 6, requires_grad=True)
-    grid = (torch.rand(1, 5, 5, 2) * 2 - 1).requires_grad_()
-    return x, grid
+    grid = (torch.rand(1, 4, 4, 2) * 2 - 1).requires_grad_()
+    torch.grid_sampler(x, grid, 0, 0, False).sum().backward()
+    torch._C._nn.upsample_bilinear2d(x, (9, 9), False).sum().backward()
+    torch._C._nn.replication_pad1d(x[0], (2, 3)).sum().backward()
+    torch._C._nn.reflection_pad2d(x, (1, 2, 1, 2)).sum().backward()
+    assert {
+        "grid_sampler_2d_backward",
+        "upsample_bilinear2d_backward",
+        "replication_pad1d_backward",
+        "reflection_pad2d_backward",
+    } <= set(spy)
 
 
-def test_patch_and_unpatch():
+def test_uncovered_case_keeps_pytorchs_kernel_and_errors(spy):
+    _routes.enable_routes("CPU")
+    torch.use_deterministic_algorithms(True)
+    logp = torch.randn(2, 3, 4, 4).log_softmax(1)
+    target = torch.randint(0, 3, (2, 4, 4))
+    F.nll_loss(logp, target, reduction="none")  # not refused by PyTorch: not routed
+    x = torch.randn(1, 2, 6, 6, requires_grad=True)
+    F.grid_sample(x, torch.rand(1, 4, 4, 2) * 2 - 1, mode="bicubic", align_corners=False).sum().backward()
+    assert spy == []
+    with pytest.raises(RuntimeError, match="[Tt]arget"):
+        F.nll_loss(logp, target[:, :3])  # PyTorch's own error, before any compiled op
+
+
+def test_patch_refused_ops_is_the_cuda_switch():
     assert not refused_ops_patched()
     assert patch_refused_ops(True) is False
+    assert refused_ops_patched() and set(_routes.installed_ops().values()) <= {"CUDA"}
+    with refused_ops_routing(False):
+        assert not refused_ops_patched()
     assert refused_ops_patched()
-    assert F.grid_sample is not ORIGINALS["grid_sample"] and F.interpolate is not ORIGINALS["interpolate"]
-    assert patch_refused_ops(True) is True  # idempotent
     assert patch_refused_ops(False) is True
-    assert F.grid_sample is ORIGINALS["grid_sample"] and F.interpolate is ORIGINALS["interpolate"]
     assert not refused_ops_patched()
-
-
-def test_context_manager_restores_previous_state():
-    with refused_ops_routing():
-        assert refused_ops_patched()
-        with refused_ops_routing(False):
-            assert not refused_ops_patched()
-        assert refused_ops_patched()
-    assert not refused_ops_patched()
-
-
-def test_routes_only_in_deterministic_mode():
-    x, grid = _sample()
-    with refused_ops_routing():
-        torch.use_deterministic_algorithms(False)
-        assert "deepep" not in _grad_fn_name(F.grid_sample(x, grid, align_corners=False))
-        assert "deepep" not in _grad_fn_name(F.interpolate(x, scale_factor=2, mode="bilinear"))
-        torch.use_deterministic_algorithms(True)
-        routed = F.grid_sample(x, grid, align_corners=False)
-        assert "deepep::GridSampleBilinear2d" in _grad_fn_name(routed)
-        upsampled = F.interpolate(x, scale_factor=2, mode="bilinear")
-        assert "deepep::UpsampleBilinear2d" in _grad_fn_name(upsampled)
-        # Same values and gradients as PyTorch's (CPU) kernels.
-        reference = ORIGINALS["grid_sample"](x, grid, align_corners=False)
-        assert torch.equal(routed, reference)
-        assert torch.equal(torch.autograd.grad(routed.sum(), x)[0], torch.autograd.grad(reference.sum(), x)[0])
-    torch.use_deterministic_algorithms(True)
-    assert "deepep" not in _grad_fn_name(F.grid_sample(x, grid, align_corners=False))  # unpatched again
-
-
-def test_module_callers_are_routed():
-    x, _ = _sample()
-    torch.use_deterministic_algorithms(True)
-    with refused_ops_routing():
-        assert "deepep::UpsampleBilinear2d" in _grad_fn_name(nn.Upsample(scale_factor=2, mode="bilinear")(x))
-        assert "deepep::UpsampleBilinear2d" in _grad_fn_name(nn.UpsamplingBilinear2d(scale_factor=2)(x))
-        assert "deepep" not in _grad_fn_name(nn.Upsample(scale_factor=2, mode="nearest")(x))
-
-
-def test_uncovered_cases_keep_pytorch_path_under_routing():
-    x, grid = _sample()
-    torch.use_deterministic_algorithms(True)
-    with refused_ops_routing():
-        out = F.grid_sample(x, grid, mode="bicubic", align_corners=False)
-        assert "deepep" not in _grad_fn_name(out)
-        assert torch.equal(out, ORIGINALS["grid_sample"](x, grid, mode="bicubic", align_corners=False))
-        out = F.interpolate(x, scale_factor=2, mode="bicubic", align_corners=False)
-        assert "deepep" not in _grad_fn_name(out)
-        with pytest.raises(ValueError, match="padding_mode"):
-            F.grid_sample(x, grid, padding_mode="wrap", align_corners=False)
-
-
-def test_foreign_replacement_is_left_alone_on_unpatch():
-    def foreign(*args, **kwargs):
-        return ORIGINALS["grid_sample"](*args, **kwargs)
-
-    patch_refused_ops(True)
-    F.grid_sample = foreign
-    patch_refused_ops(False)
-    assert F.grid_sample is foreign
-
-
-def test_enabled_must_be_bool():
     with pytest.raises(TypeError, match="enabled must be a bool"):
         patch_refused_ops("yes")
+
+
+def test_enable_disable_from_threads():
+    errors = []
+
+    def flip():
+        try:
+            for _ in range(20):
+                _routes.enable_routes("CPU")
+                _routes.disable_routes()
+        except Exception as error:  # noqa: BLE001 - collected and asserted below
+            errors.append(error)
+
+    threads = [threading.Thread(target=flip) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert not _routes.routes_enabled()

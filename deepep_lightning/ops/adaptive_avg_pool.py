@@ -1,0 +1,76 @@
+"""Deterministic backward of adaptive average pooling (2-D, 3-D) routed at the dispatcher.
+
+PyTorch's CUDA ``_adaptive_avg_pool2d_backward`` / ``_adaptive_avg_pool3d_backward`` are refused under
+``torch.use_deterministic_algorithms(True)`` (``adaptive_avg_pool2d_backward_cuda does not have a
+deterministic implementation``): they scatter with float ``atomicAdd``. They are reached by
+``F.adaptive_avg_pool2d/3d``, ``nn.AdaptiveAvgPool2d/3d`` and ``F.interpolate(mode="area")``.
+
+* covered: ``self`` ``[N, C, *spatial]`` or ``[C, *spatial]``, float16/bfloat16/float32/float64, any
+  strides (channels-last in gives channels-last out, as PyTorch), empty batches, ``grad_output`` of
+  ``self``'s dtype and device with the same leading dims and non-empty spatial dims. CUDA: a gather
+  (``extensions/csrc/cuda/adaptive_avg_pool_backward.cu``); CPU: PyTorch's kernel.
+* everything else goes to PyTorch's kernel: its result and its own errors.
+"""
+
+import torch
+from torch import Tensor
+
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._routes import Route, register_route
+
+__all__ = ["adaptive_avg_pool_backward_unsupported_reason"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def adaptive_avg_pool_backward_unsupported_reason(grad_output: Tensor, self: Tensor, spatial: int) -> str | None:
+    """Why the deterministic backward (``spatial`` = 2 or 3 dims) would hand these to PyTorch, or ``None``."""
+    if not isinstance(grad_output, Tensor) or not isinstance(self, Tensor):
+        return "grad_output and self must be torch.Tensor"
+    if self.dim() not in (spatial + 1, spatial + 2) or grad_output.dim() != self.dim():
+        return f"self must be {spatial + 1}-D or {spatial + 2}-D with grad_output of the same rank"
+    if self.dtype not in _DTYPES or grad_output.dtype != self.dtype:
+        return f"dtype {self.dtype} (grad_output {grad_output.dtype}) is not one of {list(_DTYPES)}"
+    lead = self.dim() - spatial
+    if grad_output.shape[:lead] != self.shape[:lead]:
+        return f"grad_output {tuple(grad_output.shape)} does not match self {tuple(self.shape)}"
+    if min(self.shape[lead:]) <= 0 or min(grad_output.shape[lead:]) <= 0:
+        return "empty spatial sizes are left to PyTorch"
+    if grad_output.device != self.device or self.device.type not in ("cpu", "cuda"):
+        return f"devices {grad_output.device} / {self.device} are not covered"
+    if not extension_available():
+        return "the deepep C++ extension is not available"
+    if self.is_cuda and not cuda_kernels_available():
+        return "the deepep CUDA kernels were not built (no nvcc?)"
+    return None
+
+
+def _covers_2d(grad_output: Tensor, self: Tensor) -> str | None:
+    return adaptive_avg_pool_backward_unsupported_reason(grad_output, self, 2)
+
+
+def _covers_3d(grad_output: Tensor, self: Tensor) -> str | None:
+    return adaptive_avg_pool_backward_unsupported_reason(grad_output, self, 3)
+
+
+def _route_2d(grad_output: Tensor, self: Tensor) -> Tensor:
+    return torch.ops.deepep.adaptive_avg_pool2d_backward.default(grad_output, self)
+
+
+def _route_3d(grad_output: Tensor, self: Tensor) -> Tensor:
+    return torch.ops.deepep.adaptive_avg_pool3d_backward.default(grad_output, self)
+
+
+def _fake(grad_output: Tensor, self: Tensor) -> Tensor:
+    torch._check(grad_output.dim() == self.dim(), lambda: "adaptive_avg_pool_backward: grad_output/self ranks differ")
+    return torch.empty_like(self)
+
+
+def _register_fake() -> None:
+    torch.library.register_fake("deepep::adaptive_avg_pool2d_backward")(_fake)
+    torch.library.register_fake("deepep::adaptive_avg_pool3d_backward")(_fake)
+
+
+on_extension_loaded(_register_fake)
+register_route(Route("_adaptive_avg_pool2d_backward", _route_2d, _covers_2d))
+register_route(Route("_adaptive_avg_pool3d_backward", _route_3d, _covers_3d))

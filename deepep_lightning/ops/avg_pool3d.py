@@ -1,0 +1,111 @@
+"""Deterministic backward of ``avg_pool3d`` routed at the dispatcher.
+
+PyTorch's CUDA ``avg_pool3d_backward`` scatters with float ``atomicAdd`` and is refused under
+``torch.use_deterministic_algorithms(True)`` (``avg_pool3d_backward_cuda does not have a deterministic
+implementation``); ``F.avg_pool3d`` and ``nn.AvgPool3d`` reach it.
+
+* covered: ``self`` ``[N, C, D, H, W]`` or ``[C, D, H, W]``, float16/bfloat16/float32/float64, any strides
+  (channels-last-3d in gives channels-last-3d out), empty batches; every ``kernel_size``/``stride``/
+  ``padding`` PyTorch accepts (1 or 3 entries, empty ``stride`` meaning ``kernel_size``), ``ceil_mode``,
+  ``count_include_pad``, ``divisor_override``. CUDA: a gather (``extensions/csrc/cuda/avg_pool3d_backward.cu``);
+  CPU: PyTorch's kernel.
+* everything else goes to PyTorch's kernel: its result and its own errors.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._routes import Route, register_route
+
+__all__ = ["avg_pool3d_backward_unsupported_reason"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _triple(values: Sequence[int], default: Sequence[int] | None = None) -> list[int] | None:
+    values = list(values)
+    if not values and default is not None:
+        return list(default)
+    if len(values) == 1:
+        return values * 3
+    return values if len(values) == 3 else None
+
+
+def _expanded(kernel_size, stride, padding) -> tuple[list[int], list[int], list[int]] | None:
+    kernel = _triple(kernel_size)
+    if kernel is None:
+        return None
+    strides, pads = _triple(stride, kernel), _triple(padding)
+    if strides is None or pads is None:
+        return None
+    return kernel, strides, pads
+
+
+def avg_pool3d_backward_unsupported_reason(
+    grad_output: Tensor,
+    self: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> str | None:
+    """Why the deterministic ``avg_pool3d_backward`` would hand these arguments to PyTorch, or ``None``."""
+    if not isinstance(grad_output, Tensor) or not isinstance(self, Tensor):
+        return "grad_output and self must be torch.Tensor"
+    if self.dim() not in (4, 5) or grad_output.dim() != self.dim():
+        return "self must be 4-D or 5-D with grad_output of the same rank"
+    if self.dtype not in _DTYPES or grad_output.dtype != self.dtype:
+        return f"dtype {self.dtype} (grad_output {grad_output.dtype}) is not one of {list(_DTYPES)}"
+    if grad_output.shape[:-3] != self.shape[:-3] or min(self.shape[-3:]) <= 0:
+        return f"grad_output {tuple(grad_output.shape)} / self {tuple(self.shape)}: left to PyTorch to validate"
+    expanded = _expanded(kernel_size, stride, padding)
+    if expanded is None:
+        return "kernel_size/stride/padding are left to PyTorch to validate"
+    for k, s, p in zip(*expanded):
+        if k <= 0 or s <= 0 or p < 0 or p > k // 2:
+            return "kernel_size/stride/padding are left to PyTorch to validate"
+    if divisor_override is not None and divisor_override == 0:
+        return "divisor_override=0 is left to PyTorch to validate"
+    if grad_output.device != self.device or self.device.type not in ("cpu", "cuda"):
+        return f"devices {grad_output.device} / {self.device} are not covered"
+    if not extension_available():
+        return "the deepep C++ extension is not available"
+    if self.is_cuda and not cuda_kernels_available():
+        return "the deepep CUDA kernels were not built (no nvcc?)"
+    return None
+
+
+def _route(
+    grad_output: Tensor,
+    self: Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> Tensor:
+    expanded = _expanded(kernel_size, stride, padding)
+    assert expanded is not None  # covers() returned None
+    kernel, strides, pads = expanded
+    return torch.ops.deepep.avg_pool3d_backward.default(
+        grad_output, self, kernel, strides, pads, ceil_mode, count_include_pad, divisor_override
+    )
+
+
+def _fake(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    torch._check(grad_output.dim() == self.dim(), lambda: "avg_pool3d_backward: ranks of grad_output/self differ")
+    return torch.empty_like(self)
+
+
+def _register_fake() -> None:
+    torch.library.register_fake("deepep::avg_pool3d_backward")(_fake)
+
+
+on_extension_loaded(_register_fake)
+register_route(Route("avg_pool3d_backward", _route, avg_pool3d_backward_unsupported_reason))

@@ -1,0 +1,96 @@
+"""Deterministic backward of reflection and replication padding (1-D, 2-D, 3-D) routed at the dispatcher.
+
+PyTorch's CUDA ``reflection_pad{1,2,3}d_backward`` and ``replication_pad{1,2,3}d_backward`` add the
+padded border into the input gradient with float ``atomicAdd`` and are refused under
+``torch.use_deterministic_algorithms(True)``. ``F.pad(mode="reflect"/"replicate")`` reaches
+``reflection_pad3d`` on CUDA in deterministic mode (for some ranks PyTorch itself switches to a
+decomposition there); direct callers of the aten ops reach every one of them.
+
+* covered: ``self`` of rank ``len(padding) / 2 + 1`` or ``+ 2``, float16/bfloat16/float32/float64, any
+  strides (channels-last in gives channels-last out), empty batches, non-negative padding (below the input
+  size for reflection), ``grad_output`` of ``self`` padded by ``padding``. CUDA: a gather
+  (``extensions/csrc/cuda/pad_backward.cu``); CPU: PyTorch's kernel.
+* everything else (negative padding, i.e. cropping, included) goes to PyTorch's kernel: its result and
+  its own errors.
+"""
+
+from collections.abc import Sequence
+from functools import partial
+
+import torch
+from torch import Tensor
+
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._routes import Route, register_route
+
+__all__ = ["pad_backward_unsupported_reason"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def pad_backward_unsupported_reason(
+    grad_output: Tensor, self: Tensor, padding: Sequence[int], *, reflect: bool, spatial: int
+) -> str | None:
+    """Why the deterministic pad backward would hand these arguments to PyTorch, or ``None``."""
+    if not isinstance(grad_output, Tensor) or not isinstance(self, Tensor):
+        return "grad_output and self must be torch.Tensor"
+    padding = list(padding)
+    if len(padding) != 2 * spatial or not all(isinstance(p, int) for p in padding):
+        return f"padding {padding!r} does not have {2 * spatial} ints"
+    if self.dim() not in (spatial + 1, spatial + 2) or grad_output.dim() != self.dim():
+        return f"self must be {spatial + 1}-D or {spatial + 2}-D with grad_output of the same rank"
+    if self.dtype not in _DTYPES or grad_output.dtype != self.dtype:
+        return f"dtype {self.dtype} (grad_output {grad_output.dtype}) is not one of {list(_DTYPES)}"
+    if grad_output.shape[:-spatial] != self.shape[:-spatial]:
+        return f"grad_output {tuple(grad_output.shape)} does not match self {tuple(self.shape)}"
+    for axis in range(spatial):
+        size, left, right = self.shape[-1 - axis], padding[2 * axis], padding[2 * axis + 1]
+        if left < 0 or right < 0:
+            return "negative padding (cropping) is left to PyTorch"
+        if size <= 0 or grad_output.shape[-1 - axis] != size + left + right:
+            return "sizes are left to PyTorch to validate"
+        if reflect and (left >= size or right >= size):
+            return "reflection padding not below the input size is left to PyTorch to validate"
+    if grad_output.device != self.device or self.device.type not in ("cpu", "cuda"):
+        return f"devices {grad_output.device} / {self.device} are not covered"
+    if not extension_available():
+        return "the deepep C++ extension is not available"
+    if self.is_cuda and not cuda_kernels_available():
+        return "the deepep CUDA kernels were not built (no nvcc?)"
+    return None
+
+
+def _reflection(grad_output: Tensor, self: Tensor, padding: Sequence[int]) -> Tensor:
+    return torch.ops.deepep.reflection_pad_backward.default(grad_output, self, list(padding))
+
+
+def _replication(grad_output: Tensor, self: Tensor, padding: Sequence[int]) -> Tensor:
+    return torch.ops.deepep.replication_pad_backward.default(grad_output, self, list(padding))
+
+
+def _fake(grad_output: Tensor, self: Tensor, padding: Sequence[int]) -> Tensor:
+    torch._check(grad_output.dim() == self.dim(), lambda: "pad_backward: ranks of grad_output/self differ")
+    return torch.empty_like(self)
+
+
+def _register_fake() -> None:
+    torch.library.register_fake("deepep::reflection_pad_backward")(_fake)
+    torch.library.register_fake("deepep::replication_pad_backward")(_fake)
+
+
+on_extension_loaded(_register_fake)
+for _spatial in (1, 2, 3):
+    register_route(
+        Route(
+            f"reflection_pad{_spatial}d_backward",
+            _reflection,
+            partial(pad_backward_unsupported_reason, reflect=True, spatial=_spatial),
+        )
+    )
+    register_route(
+        Route(
+            f"replication_pad{_spatial}d_backward",
+            _replication,
+            partial(pad_backward_unsupported_reason, reflect=False, spatial=_spatial),
+        )
+    )
