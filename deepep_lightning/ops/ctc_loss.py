@@ -164,7 +164,9 @@ def ctc_loss_backward(
     )
 
 
-def _fake(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity):
+def _fake(
+    grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity=False
+):
     torch._check(log_probs.dim() == 3, lambda: f"ctc_loss_backward: log_probs must be [T, N, C], got {log_probs.shape}")
     torch._check(
         log_alpha.dim() == 3 and log_alpha.shape[0] == log_probs.shape[1] and log_alpha.shape[1] == log_probs.shape[0],
