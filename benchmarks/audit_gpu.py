@@ -1,6 +1,6 @@
 """deepep-audit on the GPU: the L1 catalogue table, DeepEP L2/L3 per value head, and the locator's cost.
 
-    PYTHONPATH=$PWD python benchmarks/audit_gpu.py --out benchmarks/results/audit_h200
+    PYTHONPATH=$PWD python benchmarks/audit_gpu.py --out benchmarks/results/audit
 
 Writes ``OUT/audit_catalogue_h200.json`` and ``.md`` (each catalogue op 100× on fixed random inputs,
 8M float32 values into 1000 bins for the scatter family, in three columns: default,
@@ -8,8 +8,7 @@ deterministic mode, ``CUDA_LAUNCH_BLOCKING=1``), and ``OUT/audit_deepep.json``: 
 timestep) and L3 (a rollout of T steps, forward+backward) with the reference value head, the
 extension's deterministic op and its atomic variant (with the first divergent op when found),
 and the op-hash locator's slowdown on DeepEP L3 (median of repeats after warm-up, side by side
-in one process). About 2–3 minutes on an H200 (the extension's first JIT build adds ~1 min unless
-``TORCH_EXTENSIONS_DIR`` holds it).
+in one process). The extension's first JIT build adds to the run unless ``TORCH_EXTENSIONS_DIR`` holds it.
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _timing import sample_ms  # noqa: E402
+
 from deepep_lightning.audit.level1 import audit_catalogue, format_catalogue_table  # noqa: E402
 from deepep_lightning.audit.levels import audit_module  # noqa: E402
 from deepep_lightning.audit.op_hashes import OpHashMode  # noqa: E402
@@ -35,14 +36,8 @@ DEEPEP = {"num_envs": 256, "rollout_length": 64, "hidden_size": 256}
 
 
 def _timed(fn, repeats: int) -> list[float]:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
+    """Seconds of each of ``repeats`` calls (the caller warms up)."""
+    return [ms / 1e3 for ms in sample_ms(fn, repeats, warmup=0, device="cuda")]
 
 
 def locator_overhead(repeats: int) -> dict:

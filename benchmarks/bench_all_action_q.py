@@ -12,7 +12,7 @@ rate measured in the same process. Writes ``DIR/all_action_q.json``::
 
 torch.compile choice (it must fit in < 3 minutes with the compile warm-up): by default
 (``--compiled target``) the reference is compiled once with ``dynamic=False`` and measured only at
-the target shape N=65536, A=8, H=256, where the issue sets the targets; recompiling all 18 shapes
+the target shape N=65536, A=8, H=256, where BENCHMARKS.md sets its targets; recompiling all 18 shapes
 statically takes minutes. ``--compiled dynamic`` compiles once with ``dynamic=True`` and measures
 every shape with that one graph (shape-generic kernels, usually a bit slower than static ones);
 ``--compiled none`` skips it. ``--device cpu --quick`` is a smoke run of this script without a GPU.
@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import elapsed_ms, sample_ms
 
 from deepep_lightning.ops import (
     all_action_q,
@@ -59,36 +60,16 @@ def fwd_bwd(fn, leaves, grad_q):
     return (q, *torch.autograd.grad(q, leaves, grad_q))
 
 
-class Timer:
-    """Milliseconds of one call: CUDA events on a GPU, perf_counter on CPU."""
-
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def sync(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def measure(self, step, warmup, max_seconds, min_reps=5, max_reps=50):
-        for _ in range(warmup):
-            step()
-        self.sync()
-        times = [self._once(step)]
-        reps = int(min(max_reps, max(min_reps, max_seconds * 1e3 / max(times[0], 1e-3))))
-        times += [self._once(step) for _ in range(reps - 1)]
-        return times
-
-    def _once(self, step):
-        if not self.cuda:
-            start = time.perf_counter()
-            step()
-            return (time.perf_counter() - start) * 1e3
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+def measure(step, device, warmup, max_seconds, min_reps=5, max_reps=50):
+    """Milliseconds of repeated calls after warm-up: as many as fit in ``max_seconds``, within the bounds."""
+    for _ in range(warmup):
         step()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times = [elapsed_ms(step, device)]
+    reps = int(min(max_reps, max(min_reps, max_seconds * 1e3 / max(times[0], 1e-3))))
+    times += sample_ms(step, reps - 1, warmup=0, device=device) if reps > 1 else []
+    return times
 
 
 def peak_extra_bytes(step, device):
@@ -102,11 +83,11 @@ def peak_extra_bytes(step, device):
     return torch.cuda.max_memory_allocated() - base
 
 
-def copy_bandwidth_bytes_per_s(timer, device):
+def copy_bandwidth_bytes_per_s(device):
     numel = 2**28 if device.type == "cuda" else 2**22  # 1 GiB of float32 on the GPU
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
-    median_ms = statistics.median(timer.measure(lambda: dst.copy_(src), warmup=3, max_seconds=0.5))
-    return 2 * numel * 4 / (median_ms * 1e-3)  # read + write
+    median = statistics.median(measure(lambda: dst.copy_(src), device, warmup=3, max_seconds=0.5))
+    return 2 * numel * 4 / (median * 1e-3)  # read + write
 
 
 def build_methods(args, shape):
@@ -120,7 +101,7 @@ def build_methods(args, shape):
     return methods
 
 
-def bench_shape(args, shape, timer, copy_rate):
+def bench_shape(args, shape, copy_rate):
     n, a, h = shape
     leaves, grad_q = make_inputs(n, a, h, args.device)
     rows = []
@@ -132,7 +113,7 @@ def bench_shape(args, shape, timer, copy_rate):
             reference = outputs
         rel_err = max(((x - y).abs().max() / y.abs().max()).item() for x, y in zip(outputs, reference))
         del outputs
-        times = timer.measure(step, warmup=args.warmup, max_seconds=args.max_seconds)
+        times = measure(step, args.device, warmup=args.warmup, max_seconds=args.max_seconds)
         row = {
             "N": n,
             "A": a,
@@ -195,11 +176,10 @@ def main(argv=None):
     if args.compiled != "none":
         args.compiled_fn = torch.compile(all_action_q_reference, dynamic=args.compiled == "dynamic")
     start = time.perf_counter()
-    timer = Timer(args.device)
-    copy_rate = copy_bandwidth_bytes_per_s(timer, args.device)
+    copy_rate = copy_bandwidth_bytes_per_s(args.device)
     rows = []
     for shape in shapes:
-        rows += bench_shape(args, shape, timer, copy_rate)
+        rows += bench_shape(args, shape, copy_rate)
     result = {
         "command": " ".join(sys.argv),
         "torch": torch.__version__,

@@ -16,7 +16,7 @@ Runs, each a fresh ``fit`` launched by this script (Lightning's launcher re-runs
   itself is not covered): 1 GPU accumulating 2 micro-batches vs 2 GPUs, weights must be equal.
 
 DeepEP runs in eager mode with the pure-PyTorch value head (no extension build) and no
-``configure()`` (pass ``--configure`` to add deterministic algorithms; it costs per DESIGN.md §3).
+``configure()`` (pass ``--configure`` to add deterministic algorithms; BENCHMARKS.md gives its cost).
 NVLS/multicast are off in *every* run (the lent 2-GPU machines need it), so ``plain`` differs from
 ``det`` only by the profile. Step times are medians over the steps after ``--warmup``, each step
 CUDA-synchronised. Writes ``DIR/ddp.json`` (summary) and ``DIR/<run>/rank<r>.json``.
@@ -67,6 +67,41 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ------------------------------------------------------------------------------------------ worker
+def build_workload(args: argparse.Namespace, devices: int, accelerator: str, strategy, callbacks: list, root: str):
+    """DeepEP eager with the pure-PyTorch value head and its Trainer: the workload bench_ddp and ddp_ablation time.
+
+    ``args`` carries the sizes (``num_envs`` per GPU, ``rollout_length``, ``hidden_size``) and the step counts
+    (``warmup`` untimed, ``steps`` timed); the trainer runs exactly ``warmup + steps`` optimizer steps.
+    """
+    import lightning.pytorch as pl
+
+    from deepep_lightning.deepep import DeepEPModule
+
+    total = args.warmup + args.steps
+    model = DeepEPModule(
+        num_envs=args.num_envs,
+        rollout_length=args.rollout_length,
+        hidden_size=args.hidden_size,
+        steps_per_epoch=total * devices + devices,
+        seed=0,
+        fused_value_head=False,
+    )
+    trainer = pl.Trainer(
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        max_steps=total,
+        callbacks=callbacks,
+        logger=False,
+        default_root_dir=root,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        gradient_clip_val=1.0,
+    )
+    return model, trainer
+
+
 def _worker(args: argparse.Namespace) -> None:
     import deepep_lightning.strategies  # noqa: F401  (registers "ddp_deterministic")
 
@@ -76,23 +111,23 @@ def _worker(args: argparse.Namespace) -> None:
         configure(0, distributed=True)
     import lightning.pytorch as pl
     import torch
-
-    from deepep_lightning.deepep import DeepEPModule
+    from _timing import Stopwatch
 
     class StepTimer(pl.Callback):
+        """Seconds of every training step, from batch start (the GPU idle) to batch end (its kernels done)."""
+
         def __init__(self) -> None:
             self.times: list[float] = []
-            self._start = 0.0
+            self._watch: Stopwatch | None = None
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize(pl_module.device)
-            self._start = time.perf_counter()
+            self._watch = Stopwatch(pl_module.device)
+            self._watch.start()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if pl_module.device.type == "cuda":
-                torch.cuda.synchronize(pl_module.device)
-            self.times.append(time.perf_counter() - self._start)
+            self.times.append(self._watch.stop() / 1e3)
 
     pl.seed_everything(0, verbose=False)
     rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -106,29 +141,8 @@ def _worker(args: argparse.Namespace) -> None:
         callbacks += [NumericalHealthCallback(check_every_n_steps=5, spike_detection=False), rollback]
         if rank == args.devices - 1:
             callbacks.append(FaultInjectionCallback("gradient", steps=[args.fault_step], mode="once"))
-    total = args.warmup + args.steps
-    model = DeepEPModule(
-        num_envs=args.num_envs,
-        rollout_length=args.rollout_length,
-        hidden_size=args.hidden_size,
-        steps_per_epoch=total * args.devices + args.devices,
-        seed=0,
-        fused_value_head=False,
-    )
     out = os.path.join(args.out, args.worker)
-    trainer = pl.Trainer(
-        accelerator=args.accelerator,
-        devices=args.devices,
-        strategy=args.strategy,
-        max_steps=total,
-        callbacks=callbacks,
-        logger=False,
-        default_root_dir=out,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        gradient_clip_val=1.0,
-    )
+    model, trainer = build_workload(args, args.devices, args.accelerator, args.strategy, callbacks, out)
     trainer.fit(model)
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -157,6 +171,14 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------------------------------ driver
+WORKLOAD = ("num_envs", "rollout_length", "hidden_size", "warmup", "steps")
+
+
+def workload_flags(args: argparse.Namespace) -> list[str]:
+    """The workload's size arguments as command-line flags, for the worker processes of a run."""
+    return [item for name in WORKLOAD for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
 def _run_process_group(command: list[str], env: dict, out: str) -> tuple[str, str]:
     """Run ``command`` in its own process group (its ranks die with it), log to ``out/log.txt``."""
     proc = subprocess.Popen(
@@ -193,16 +215,7 @@ def _launch(args: argparse.Namespace, name: str, devices: int, strategy: str, fa
         strategy,
         "--out",
         args.out,
-        "--num-envs",
-        str(args.num_envs),
-        "--rollout-length",
-        str(args.rollout_length),
-        "--hidden-size",
-        str(args.hidden_size),
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.steps),
+        *workload_flags(args),
         "--fault-step",
         str(args.fault_step),
     ]

@@ -1,6 +1,6 @@
-"""What determinism costs on the DeepEP train step, and why (DESIGN.md §3, issue 4 part 6).
+"""What determinism costs on the DeepEP train step, and why.
 
-Run on the GPU machine (< 4 min on an H200)::
+Run on the GPU machine (``bash benchmarks/gpu_suite.sh setup determinism_tax`` runs it with its settings)::
 
     PYTHONPATH=$PWD python benchmarks/bench_determinism_tax.py --out benchmarks/results/determinism_tax
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import hashlib
 import json
 import os
@@ -52,6 +53,8 @@ import time
 import warnings
 from pathlib import Path
 
+from _timing import elapsed_ms
+
 CHILDREN = {
     "plain": ({}, ["default"]),
     "env4096": ({"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}, ["cublas_env", "det", "det_fill"]),
@@ -61,6 +64,17 @@ CHILDREN = {
 
 
 # ----------------------------------------------------------------------------- child side
+def _repeat(fn, times: int) -> None:
+    for _ in range(times):
+        fn()
+
+
+def _grad(form, tensor):
+    import torch
+
+    return torch.autograd.grad(form(), tensor)
+
+
 def _sync(device):
     import torch
 
@@ -159,14 +173,11 @@ def _time_steps(args, device, variants):
                 workload, params, step = _build_step(args, device)
                 step()  # warm-up (also allocator, cuBLAS handles)
                 _sync(device)
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    step()
-                _sync(device)
+                steps_ms = elapsed_ms(functools.partial(_repeat, step, args.steps), device)
             except Exception as error:  # noqa: BLE001 - e.g. an op without a deterministic kernel
                 errors[variant] = f"{type(error).__name__}: {str(error)[:300]}"
                 continue
-            results[variant]["s_per_step"].append((time.perf_counter() - start) / args.steps)
+            results[variant]["s_per_step"].append(steps_ms / 1e3 / args.steps)
             results[variant]["hashes"].add(_param_hash(params))
     summary = {}
     for variant, r in results.items():
@@ -203,7 +214,7 @@ def _gemm_probe(args, device):
         a = torch.randn(m, k, device=device)
         w = torch.randn(n, k, device=device)
         b = torch.randn(n, device=device) if bias else None
-        fn = lambda: torch.nn.functional.linear(a, w, b)
+        fn = functools.partial(torch.nn.functional.linear, a, w, b)
         for _ in range(20):
             fn()
         _sync(device)
@@ -225,13 +236,8 @@ def _gemm_probe(args, device):
             torch.cuda.current_stream().wait_stream(stream)
             graph.replay()
             _sync(device)
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(5):
-                graph.replay()
-            end.record()
-            _sync(device)
-            entry["gpu_us_per_call"] = begin.elapsed_time(end) * 1e3 / 500
+            replays_ms = elapsed_ms(functools.partial(_repeat, graph.replay, 5), device)
+            entry["gpu_us_per_call"] = replays_ms * 1e3 / 500  # 5 replays of 100 calls
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 fn()
                 _sync(device)
@@ -323,11 +329,8 @@ def _det_mode_kernels(args, device):
             for _ in range(10):
                 torch.autograd.grad(form(), q)
             _sync(device)
-            start = time.perf_counter()
-            for _ in range(200):
-                torch.autograd.grad(form(), q)
-            _sync(device)
-            gather[f"{name}_{'det' if det else 'default'}_us"] = (time.perf_counter() - start) / 200 * 1e6
+            total_ms = elapsed_ms(functools.partial(_repeat, functools.partial(_grad, form, q), 200), device)
+            gather[f"{name}_{'det' if det else 'default'}_us"] = total_ms / 200 * 1e3
     torch.use_deterministic_algorithms(False)
     return {
         "kernel_count_delta_det_minus_default": dict(sorted(delta.items(), key=lambda kv: -abs(kv[1]))[:25]),

@@ -8,7 +8,7 @@ timed window is the last ``--steps`` (CUDA-synchronised at both ends only). Writ
 ``DIR/health_overhead.json`` with the median seconds per step of each configuration
 and the ratios against ``off``. Targets: health ≤ 1.01×, health+rollback ≤ 1.02×.
 
-    PYTHONPATH=$PWD python benchmarks/bench_health_overhead.py --out benchmarks/results/health
+    PYTHONPATH=$PWD python benchmarks/bench_health_overhead.py --out benchmarks/results/health_overhead
 """
 
 from __future__ import annotations
@@ -28,25 +28,27 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from _timing import Stopwatch  # noqa: E402
+
 from deepep_lightning.health import NaNRollbackCallback, NumericalHealthCallback  # noqa: E402
 
 
 class _Timer(pl.Callback):
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.start, self.end = warmup, None, None
+    """Seconds from the first step after ``warmup`` (the GPU idle) to the end of training (its kernels done)."""
 
-    def _sync(self, pl_module: pl.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.seconds = warmup, None
+        self._watch: Stopwatch | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.warmup and self.start is None:
-            self._sync(pl_module)
-            self.start = time.perf_counter()
+        if trainer.global_step == self.warmup and self._watch is None:
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize(pl_module.device)
+            self._watch = Stopwatch(pl_module.device)
+            self._watch.start()
 
     def on_train_end(self, trainer, pl_module):
-        self._sync(pl_module)
-        self.end = time.perf_counter()
+        self.seconds = self._watch.stop() / 1e3
 
 
 def _module(args: argparse.Namespace) -> pl.LightningModule:
@@ -85,7 +87,7 @@ def _run(config: str, args: argparse.Namespace, accelerator: str) -> float:
             enable_checkpointing=False,
         )
         trainer.fit(module)
-    return (timer.end - timer.start) / args.steps
+    return timer.seconds / args.steps
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,10 +1,8 @@
-"""Why is ``ddp_deterministic`` slower than plain ``"ddp"``? Step time of one DeepEP workload, variant by variant.
+"""What ``ddp_deterministic`` costs against plain ``"ddp"``: step time of one DeepEP workload, variant by variant.
 
-Issue #7: on 2 H200s ``bench_ddp.py`` measured the deterministic strategy at 0.182 s/step against
-0.138 s for plain ``"ddp"`` and 0.139 s for itself on 1 GPU. This script runs bench_ddp's workload
-(DeepEP eager, pure-PyTorch value head, 256 envs per GPU, T=64, H=256, Adam, ``gradient_clip_val=1``,
-no ``configure()``) once per variant, each in fresh processes, so that every difference between the
-two strategies is switched on or off alone:
+It runs bench_ddp's workload (DeepEP eager, pure-PyTorch value head, 256 envs per GPU, T=64, H=256, Adam,
+``gradient_clip_val=1``, no ``configure()``) once per variant, each in fresh processes, so that every
+difference between the two strategies is switched on or off alone:
 
 =========================  ==================================================================
 ``ddp`` / ``det``          plain ``"ddp"`` / ``"ddp_deterministic"`` on ``--gpus`` GPUs
@@ -20,8 +18,8 @@ two strategies is switched on or off alone:
 =========================  ==================================================================
 
 Optional (``--variants``): ``det_static_graph``, ``det_nccl_ll128``, ``det_configure``, and
-``det_manual_seed_reseed`` (the per-step reseed through ``torch.manual_seed``, as before
-``seed_everything_from`` got its fast path: its host cost shows in the ``own us`` column).
+``det_manual_seed_reseed`` (the per-step reseed through ``torch.manual_seed`` instead of the fast path of
+``seed_everything_from``: its host cost shows in the ``own us`` column).
 
 NVLS/multicast are off in every run, as in ``bench_ddp.py`` (the lent 2-GPU machines need it). The
 ranks of a variant are started side by side by this script (``LOCAL_RANK``/``WORLD_SIZE``/
@@ -58,6 +56,8 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _REPO)
+
+from bench_ddp import build_workload, workload_flags  # noqa: E402  (the same workload, launched the same way)
 
 #: The strategy's NCCL profile minus what every run has anyway (NVLS/multicast off).
 _PROFILE_ENV = {"NCCL_ALGO": "Ring", "NCCL_PROTO": "Simple", "NCCL_COLLNET_ENABLE": "0"}
@@ -143,9 +143,9 @@ DEFAULT_VARIANTS = (
 )
 #: (numerator, denominator, meaning) of the ratios in the summary.
 RATIOS = (
-    ("det", "ddp", "det / plain (issue #7: 1.32)"),
+    ("det", "ddp", "det / plain"),
     ("det_repeat", "ddp_repeat", "det / plain, repeated at the end"),
-    ("det_1gpu", "det", "weak-scaling efficiency, det (issue #7: 0.77)"),
+    ("det_1gpu", "det", "weak-scaling efficiency, det"),
     ("ddp_1gpu", "ddp", "weak-scaling efficiency, plain"),
     ("det_1gpu", "ddp_1gpu", "det / plain on 1 GPU"),
     ("ddp_nccl_profile", "ddp", "cost of the NCCL profile on plain ddp"),
@@ -242,13 +242,12 @@ def _worker(args: argparse.Namespace) -> None:
     import torch
 
     import deepep_lightning.strategies  # noqa: F401  (registers "ddp_deterministic")
-    from deepep_lightning.deepep import DeepEPModule
 
     own_times: list[float] = []
     strategy: Any = variant.strategy
     if variant.strategy == "ddp_deterministic":
         import deepep_lightning.strategies.deterministic_ddp as deterministic_ddp
-        from deepep_lightning.strategies.nccl_profile import NCCL_RECORDED_ENV
+        from deepep_lightning.determinism.nccl_profile import NCCL_RECORDED_ENV
 
         if variant.no_nccl_profile:
             deterministic_ddp.apply_nccl_profile = lambda algorithm, protocol: (
@@ -316,30 +315,10 @@ def _worker(args: argparse.Namespace) -> None:
     pl.seed_everything(0, verbose=False)
     if args.cpu:
         torch.set_num_threads(1)  # two ranks on a small CPU box
-    total = args.warmup + args.steps
     timer = PhaseTimer()
-    model = DeepEPModule(
-        num_envs=args.num_envs,
-        rollout_length=args.rollout_length,
-        hidden_size=args.hidden_size,
-        steps_per_epoch=total * devices + devices,
-        seed=0,
-        fused_value_head=False,
-    )
+    accelerator = "cpu" if args.cpu else "gpu"
     out = os.path.join(args.out, name)
-    trainer = pl.Trainer(
-        accelerator="cpu" if args.cpu else "gpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=total,
-        callbacks=[timer],
-        logger=False,
-        default_root_dir=out,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        gradient_clip_val=1.0,
-    )
+    model, trainer = build_workload(args, devices, accelerator, strategy, [timer], out)
     trainer.fit(model)
     active = trainer.strategy
     record = {
@@ -458,16 +437,7 @@ def _launch(args: argparse.Namespace, name: str, timeout_s: float) -> dict[str, 
         args.out,
         "--gpus",
         str(args.gpus),
-        "--num-envs",
-        str(args.num_envs),
-        "--rollout-length",
-        str(args.rollout_length),
-        "--hidden-size",
-        str(args.hidden_size),
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.steps),
+        *workload_flags(args),
     ]
     command += ["--cpu"] if args.cpu else []
     machine = _machine_state()
@@ -688,9 +658,8 @@ def main() -> None:
             json.dump(result, handle, indent=1)
     print(_table(result["variants"]))
     print(json.dumps(result["ratios"], indent=1))
-    print(
-        f"[ddp_ablation] total {time.perf_counter() - started:.1f} s; wrote {os.path.join(args.out, 'ddp_ablation.json')}"
-    )
+    written = os.path.join(args.out, "ddp_ablation.json")
+    print(f"[ddp_ablation] total {time.perf_counter() - started:.1f} s; wrote {written}")
 
 
 if __name__ == "__main__":

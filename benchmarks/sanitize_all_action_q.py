@@ -23,23 +23,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench_all_action_q import make_inputs
 
 from deepep_lightning.ops import all_action_q, all_action_q_reference, cuda_kernels_available, extension_error
 
 FULL_SHAPES = [(333, 33, 100), (257, 3, 300), (4096, 8, 256), (1000, 18, 128), (1, 1, 1), (65, 2, 31)]
 QUICK_SHAPES = [(333, 33, 100), (257, 3, 300), (1, 1, 1), (65, 2, 31)]
-
-
-def _inputs(n, a, h, seed):
-    gen = torch.Generator().manual_seed(seed)
-    host = [
-        torch.randn(n, h, generator=gen),
-        torch.randn(a, h, generator=gen),
-        torch.randn(h, generator=gen) / h**0.5,
-        torch.randn(1, generator=gen),
-        torch.randn(n, a, generator=gen),
-    ]
-    return [t.cuda() for t in host]
 
 
 def _fwd_bwd(fn, z, e, w, b, grad_q, **kwargs):
@@ -57,7 +46,8 @@ def run(shapes):
     records = []
     side = torch.cuda.Stream()
     for seed, (n, a, h) in enumerate(shapes):
-        z, e, w, b, grad_q = _inputs(n, a, h, seed)
+        leaves, grad_q = make_inputs(n, a, h, "cuda", seed)
+        z, e, w, b = (t.detach() for t in leaves)
         want = _fwd_bwd(all_action_q_reference, z.double(), e.double(), w.double(), b.double(), grad_q.double())
         for deterministic in (True, False):
             got_default = _fwd_bwd(all_action_q, z, e, w, b, grad_q, deterministic=deterministic)
