@@ -12,30 +12,22 @@ call that created the autograd node, recorded by anomaly mode with
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-import sysconfig
 import traceback
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-
-def _mod_tracker() -> Any:
-    """A ``ModTracker`` (module paths in forward and backward), or None where this torch lacks it."""
-    try:  # imported lazily: torch.distributed is slow to import and the module path is optional
-        from torch.distributed._tools.mod_tracker import ModTracker
-    except Exception:  # pragma: no cover - depends on the torch build
-        return None
-    return ModTracker()
-
+from deepep_lightning._lightning_compat import current_autograd_node, module_tracker
+from deepep_lightning.audit._provenance import in_backward, innermost_module, is_user_file, normalise_files
+from deepep_lightning.protocols import step_loss
 
 __all__ = ["DEFAULT_ALLOW_INF_OPS", "NonFiniteOp", "locate_nonfinite"]
 
@@ -59,16 +51,8 @@ DEFAULT_ALLOW_INF_OPS: frozenset[str] = frozenset(
 # ops whose output is uninitialised memory (garbage may look like NaN until written)
 _UNINITIALISED_PREFIXES = ("aten.empty", "aten.new_empty", "aten.resize_", "aten.set_")
 
-_SKIP_DIRS = tuple(
-    os.path.normpath(p) + os.sep
-    for p in {
-        os.path.dirname(torch.__file__),
-        sysconfig.get_paths()["stdlib"],
-        sysconfig.get_paths()["purelib"],
-        sysconfig.get_paths()["platlib"],
-    }
-)
-_SKIP_FILES = ("_step_hooks.py", "rollback.py", "_replay.py", os.path.basename(__file__))
+#: Where the first non-finite value appeared: an op's output in forward or backward, or a parameter before the step.
+Phase = Literal["forward", "backward", "before"]
 
 
 @dataclass
@@ -76,7 +60,7 @@ class NonFiniteOp:
     """The first op whose output was non-finite."""
 
     op: str  # aten overload, e.g. "aten.log.default"; "parameter" when a parameter was already non-finite
-    phase: str  # "forward" | "backward" | "before"
+    phase: Phase
     module_path: str | None
     output_dtype: str
     output_shape: tuple[int, ...]
@@ -108,16 +92,9 @@ class NonFiniteOp:
         return {**self.__dict__, "output_shape": list(self.output_shape), "inputs_finite": self.inputs_finite}
 
 
-def _is_user_path(filename: str) -> bool:
-    path = os.path.normpath(os.path.abspath(filename))
-    if filename.startswith("<") or path.startswith(_SKIP_DIRS) or os.path.basename(path) in _SKIP_FILES:
-        return False
-    return f"{os.sep}lightning{os.sep}" not in path and f"{os.sep}lightning_utilities{os.sep}" not in path
-
-
-def _frame_from_stack() -> str | None:
+def _frame_from_stack(internal: frozenset[str]) -> str | None:
     for frame in reversed(traceback.extract_stack()):
-        if _is_user_path(frame.filename):
+        if is_user_file(frame.filename, internal):
             return f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
     return None
 
@@ -125,12 +102,12 @@ def _frame_from_stack() -> str | None:
 _NODE_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)\s*(?P<code>.*)', re.S)
 
 
-def _frame_from_node(node: Any) -> str | None:
+def _frame_from_node(node: Any, internal: frozenset[str]) -> str | None:
     """The user frame of the forward call that created autograd ``node`` (anomaly-mode traceback)."""
     lines = getattr(node, "metadata", {}).get("traceback_") if node is not None else None
     for entry in reversed(lines or []):
         match = _NODE_FRAME.search(entry)
-        if match and _is_user_path(match["file"]):
+        if match and is_user_file(match["file"], internal):
             return f"{match['file']}:{match['line']} in {match['func']}: {match['code'].strip()}"
     return None
 
@@ -151,19 +128,16 @@ def _stats(index: int, value: Tensor) -> dict[str, Any]:
 
 
 class _CheckNumerics(TorchDispatchMode):
-    def __init__(self, tracker: Any, allow_inf_ops: Iterable[str]) -> None:
+    def __init__(self, tracker: Any, allow_inf_ops: Iterable[str], internal_files: frozenset[str]) -> None:
         super().__init__()
         self.tracker = tracker
         self.allow = frozenset(allow_inf_ops)
+        self.internal = internal_files
         self.found: NonFiniteOp | None = None
 
-    def _module_path(self) -> str | None:
-        if self.tracker is None:
-            return None
-        names = [n for n in self.tracker.parents if n != "Global"]
-        return max(names, key=lambda n: (n.count("."), len(n))) if names else None
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         out = func(*args, **(kwargs or {}))
         if self.found is not None:
             return out
@@ -181,19 +155,20 @@ class _CheckNumerics(TorchDispatchMode):
             has_nan = bool(torch.isnan(value).any())
             if not has_nan and name in self.allow:
                 continue
-            node = torch._C._current_autograd_node()
-            backward = bool(getattr(self.tracker, "is_bw", False)) or node is not None
+            node = current_autograd_node()
+            backward = in_backward(self.tracker, node)
             inputs, _ = tree_flatten((args, kwargs or {}))
+            frame = _frame_from_stack(self.internal)
             self.found = NonFiniteOp(
                 op=name,
                 phase="backward" if backward else "forward",
-                module_path=self._module_path(),
+                module_path=innermost_module(self.tracker),
                 output_dtype=str(value.dtype).replace("torch.", ""),
                 output_shape=tuple(value.shape),
                 output_nan=has_nan,
                 output_inf=bool(torch.isinf(value).any()),
                 inputs=[_stats(i, t) for i, t in enumerate(x for x in inputs if isinstance(x, Tensor))],
-                user_frame=(_frame_from_node(node) or _frame_from_stack()) if backward else _frame_from_stack(),
+                user_frame=(_frame_from_node(node, self.internal) or frame) if backward else frame,
                 autograd_node=type(node).__name__ if node is not None else None,
             )
             break
@@ -215,20 +190,13 @@ def _nonfinite_parameter(module: torch.nn.Module) -> NonFiniteOp | None:
     return None
 
 
-def _loss_of(output: Any) -> Tensor | None:
-    if isinstance(output, Tensor):
-        return output
-    if isinstance(output, dict) and isinstance(output.get("loss"), Tensor):
-        return output["loss"]
-    return None
-
-
 def locate_nonfinite(
     fn: Callable[..., Any],
     *args: Any,
     module: torch.nn.Module | None = None,
     backward: bool = True,
     allow_inf_ops: Iterable[str] = DEFAULT_ALLOW_INF_OPS,
+    internal_files: Iterable[str] = (),
     **kwargs: Any,
 ) -> NonFiniteOp | None:
     """Run ``fn(*args, **kwargs)`` (and the backward of its loss) and return the first non-finite op.
@@ -241,6 +209,9 @@ def locate_nonfinite(
         backward: call ``.backward()`` on the returned loss inside the check (when it requires grad).
         allow_inf_ops: aten overload names (``str(func)``, e.g. ``"aten.masked_fill.Scalar"``)
             allowed to output ±inf; NaN is never allowed.
+        internal_files: paths of the caller's own wrappers around the step (a rollback's replay),
+            whose frames are never reported as the user's; torch, Lightning, the standard library
+            and installed packages never are either.
 
     Returns:
         A :class:`NonFiniteOp`, or None when every op stayed finite.
@@ -255,8 +226,8 @@ def locate_nonfinite(
         bad_param = _nonfinite_parameter(module)
         if bad_param is not None:
             return bad_param
-    tracker = _mod_tracker() if module is not None else None
-    mode = _CheckNumerics(tracker, allow_inf_ops)
+    tracker = module_tracker() if module is not None else None
+    mode = _CheckNumerics(tracker, allow_inf_ops, normalise_files(list(internal_files)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly mode announces itself on every entry
         with torch.autograd.detect_anomaly(check_nan=False):
@@ -265,7 +236,7 @@ def locate_nonfinite(
             try:
                 with mode:
                     output = fn(*args, **kwargs)
-                    loss = _loss_of(output)
+                    loss = step_loss(output)
                     if backward and loss is not None and loss.requires_grad and mode.found is None:
                         loss.sum().backward() if loss.numel() != 1 else loss.backward()
             finally:

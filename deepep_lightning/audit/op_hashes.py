@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
-import os
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -27,38 +27,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from deepep_lightning._lightning_compat import current_autograd_node, module_tracker
+from deepep_lightning.audit._provenance import in_backward, innermost_module, is_user_file
 from deepep_lightning.audit.causes import EMPTY_LIKE_OPS, base_name, likely_cause
 from deepep_lightning.audit.hashing import hashes_to_ints, max_abs_diff, tensor_hash
 
-try:  # private PyTorch tool; present in 2.4+, but never let its absence break the audit
-    from torch.distributed._tools.mod_tracker import ModTracker
-except ImportError:  # pragma: no cover
-    ModTracker = None  # type: ignore[assignment,misc]
-
 __all__ = ["Divergence", "OpHashMode", "OpRecord", "first_divergence", "locate"]
 
-_SKIP_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch,)
-    + tuple(sys.modules[n] for n in ("lightning", "lightning_utilities", "pytorch_lightning") if n in sys.modules)
-)
-_AUDIT_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _STACK_DEPTH = 3
 
 
 def _user_frames() -> list[tuple[str, int, str]]:
-    """Up to three innermost frames outside torch/lightning/this package (cheap: no source read)."""
+    """Up to three innermost frames of the user's code (:func:`._provenance.is_user_file`; no source read)."""
     frames: list[tuple[str, int, str]] = []
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None and len(frames) < _STACK_DEPTH:
-        filename = frame.f_code.co_filename
-        if (
-            not filename.startswith("<")
-            and not filename.startswith(_SKIP_DIRS)
-            and not filename.startswith(_AUDIT_DIR)
-            and f"{os.sep}lightning{os.sep}" not in filename
-        ):
-            frames.append((filename, frame.f_lineno, frame.f_code.co_name))
+        if is_user_file(frame.f_code.co_filename):
+            frames.append((frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
     return frames
 
@@ -131,7 +116,8 @@ class Divergence:
         lines = [
             f"first divergent op #{self.index}: {self.op} ({self.phase}) in module {where}"
             + (f", autograd node {self.autograd_node}" if self.autograd_node else ""),
-            f"  outputs: {', '.join(f'{d}{s}' for d, s in zip(self.output_dtypes, self.output_shapes))}; max |diff| {diff}",
+            f"  outputs: {', '.join(f'{d}{s}' for d, s in zip(self.output_dtypes, self.output_shapes))};"
+            f" max |diff| {diff}",
             f"  inputs identical: {self.inputs_identical}; likely cause: {self.cause} ({self.explanation})",
         ]
         lines += [f"  at {frame}" for frame in self.stack]
@@ -163,7 +149,7 @@ class OpHashMode(TorchDispatchMode):
         self.records: list[OpRecord] = []
         self.kept: dict[int, list[Tensor]] = {}
         self._keep_left = keep_bytes
-        self._tracker = ModTracker() if (ModTracker is not None and module is not None) else None
+        self._tracker = module_tracker() if module is not None else None
         self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # tensor -> (version counter, hash): an input that an earlier op produced (or that was hashed
         # before) and has not been written since is not hashed again
@@ -182,12 +168,6 @@ class OpHashMode(TorchDispatchMode):
             self._tracker.__exit__(*exc)
         self.finish()
 
-    def _module_path(self) -> str | None:
-        if self._tracker is None:
-            return None
-        names = [n for n in self._tracker.parents if n != "Global"]
-        return max(names, key=lambda n: (n.count("."), len(n))) if names else None
-
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if getattr(func, "is_view", False):
@@ -200,14 +180,12 @@ class OpHashMode(TorchDispatchMode):
         flat_inputs = tree_flatten((args, kwargs))[0]
         tensors_in = [v for v in flat_inputs if isinstance(v, Tensor)]
         in_hashes = [self._hash(t) for t in tensors_in]
-        node = torch._C._current_autograd_node()
+        node = current_autograd_node()
         record = OpRecord(
             index=len(self.records),
             op=str(func),
-            phase="backward"
-            if (node is not None or (self._tracker is not None and self._tracker.is_bw))
-            else "forward",
-            module_path=self._module_path(),
+            phase="backward" if in_backward(self._tracker, node) else "forward",
+            module_path=innermost_module(self._tracker),
             autograd_node=type(node).__name__ if node is not None else None,
             frames=_user_frames(),
             scalars=_scalar_repr([v for v in flat_inputs if not isinstance(v, Tensor)]),

@@ -11,7 +11,6 @@ LR schedulers with ``interval="step"`` are stepped as the epoch loop does.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,9 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+
+from deepep_lightning._lightning_compat import run_optimization_step
+from deepep_lightning.protocols import ReplayAware
 
 __all__: list[str] = []
 
@@ -44,7 +46,7 @@ def _noop(*args: Any, **kwargs: Any) -> None:
 
 
 @contextlib.contextmanager
-def silenced_logging(pl_module: "pl.LightningModule") -> Iterator[None]:
+def silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
     had = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
     saved = {name: pl_module.__dict__.get(name) for name in had}
     pl_module.__dict__["log"] = _noop
@@ -59,32 +61,31 @@ def silenced_logging(pl_module: "pl.LightningModule") -> Iterator[None]:
                 pl_module.__dict__.pop(name, None)
 
 
-def call_replay_hooks(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: ReplayEntry) -> None:
-    """Call every callback's ``on_replay_batch_start`` before a step is run again (replay or diagnosis).
+def call_replay_hooks(trainer: pl.Trainer, pl_module: pl.LightningModule, entry: ReplayEntry) -> None:
+    """Call every :class:`~deepep_lightning.protocols.ReplayAware` callback before a step is run again.
 
     Callbacks that set per-step state in on_train_batch_start (DeterminismCallback reseeds the global
-    RNG there) get the same chance before a replayed step; other on_train_batch_start work (batch
-    copies, fault injection) must not run twice, so this is an opt-in hook, not that one.
+    RNG there) get the same chance before a replayed step (a replay or a diagnosis); other
+    on_train_batch_start work (batch copies, fault injection) must not run twice, so this is an
+    opt-in hook, not that one.
     """
     for callback in trainer.callbacks:
-        hook = getattr(callback, "on_replay_batch_start", None)
-        if callable(hook):
-            hook(trainer, pl_module, entry.batch, entry.batch_idx, entry.epoch)
+        if isinstance(callback, ReplayAware):
+            callback.on_replay_batch_start(trainer, pl_module, entry.batch, entry.batch_idx, entry.epoch)
 
 
-def run_step(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: ReplayEntry) -> Any:
+def run_step(trainer: pl.Trainer, pl_module: pl.LightningModule, entry: ReplayEntry) -> Any:
     """Run one recorded step (forward, backward, optimizer step, step-interval LR schedulers).
 
-    With manual optimisation (e.g. ``DeepEPModule(cuda_graph=True)``) this calls ``training_step``,
-    which runs the whole step itself (replays the CUDA graph).
+    With manual optimisation (e.g. a step that is one CUDA graph) this calls ``training_step``,
+    which runs the whole step itself.
     """
     if trainer.global_step != entry.step:
         raise RuntimeError(f"replay out of order: trainer is at step {trainer.global_step}, entry is step {entry.step}")
     call_replay_hooks(trainer, pl_module, entry)
-    epoch_loop = trainer.fit_loop.epoch_loop
-    kwargs = epoch_loop._build_kwargs(OrderedDict(), clone_batch(entry.batch), entry.batch_idx)
+    batch = clone_batch(entry.batch)
     if pl_module.automatic_optimization:
-        outputs = epoch_loop.automatic_optimization.run(trainer.optimizers[0], entry.batch_idx, kwargs)
+        outputs = run_optimization_step(trainer, batch, entry.batch_idx, trainer.optimizers[0])
         for config in trainer.lr_scheduler_configs:
             if (
                 not config.reduce_on_plateau
@@ -100,5 +101,5 @@ def run_step(trainer: "pl.Trainer", pl_module: "pl.LightningModule", entry: Repl
             ):
                 pl_module.lr_scheduler_step(config.scheduler, None)
     else:
-        outputs = epoch_loop.manual_optimization.run(kwargs)
+        outputs = run_optimization_step(trainer, batch, entry.batch_idx, None)
     return outputs

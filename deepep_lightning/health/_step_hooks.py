@@ -22,6 +22,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from deepep_lightning._lightning_compat import attached_trainer
+
 __all__: list[str] = []
 
 _ATTR = "_deepep_health_step_hooks"
@@ -44,10 +46,10 @@ class _Hooks:
         ]
 
 
-def _wrapper(module: "pl.LightningModule", original: Callable[..., Any]) -> Callable[..., Any]:
+def _wrapper(module: pl.LightningModule, original: Callable[..., Any]) -> Callable[..., Any]:
     def training_step(batch: Any, *args: Any, **kwargs: Any) -> Any:
         hooks: _Hooks = module.__dict__[_ATTR]
-        trainer = module._trainer
+        trainer = attached_trainer(module)
         step = trainer.global_step if trainer is not None else 0
         for fn in hooks.ordered_pre():
             batch = fn(step, batch)
@@ -61,10 +63,10 @@ def _wrapper(module: "pl.LightningModule", original: Callable[..., Any]) -> Call
 
 
 def add_step_hook(
-    module: "pl.LightningModule",
+    module: pl.LightningModule,
     name: str,
-    pre: Callable | None = None,
-    post: Callable | None = None,
+    pre: Callable[[int, Any], Any] | None = None,
+    post: Callable[[int, Any], Any] | None = None,
     innermost: bool = False,
 ) -> None:
     hooks = module.__dict__.get(_ATTR)
@@ -80,7 +82,7 @@ def add_step_hook(
         hooks.innermost.add(name)
 
 
-def remove_step_hook(module: "pl.LightningModule", name: str) -> None:
+def remove_step_hook(module: pl.LightningModule, name: str) -> None:
     hooks = module.__dict__.get(_ATTR)
     if hooks is None:
         return

@@ -7,18 +7,43 @@ import logging
 import math
 import os
 import time
+from enum import Enum
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-__all__ = ["HealthEventLog"]
+from deepep_lightning._enums import StrEnum
+
+__all__ = ["DEFAULT_EVENTS_FILENAME", "EventKind", "HealthEventLog", "run_log_dir"]
 
 log = logging.getLogger(__name__)
 
+#: The JSON-lines event log's name inside the run's log directory.
+DEFAULT_EVENTS_FILENAME = "health_events.jsonl"
+
+
+class EventKind(StrEnum):
+    """The ``kind`` of a health event."""
+
+    DETECTED = "detected"  # a check failed
+    SPIKE_IGNORED = "spike_ignored"  # a loss spike, with rollback_on_spike=False
+    LARGE_PARAM = "large_param"  # max |w| > param_max_abs at an epoch end
+    ROLLBACK = "rollback"  # a snapshot restored, a replay starts
+    TRANSIENT = "transient"  # the first replay was clean
+    RECOVERED = "recovered"  # a replay after a policy was clean
+    REPRODUCIBLE = "reproducible"  # the replay failed the same way
+    NONDETERMINISTIC = "nondeterministic"  # the replay failed otherwise
+    DIAGNOSIS = "diagnosis"  # the non-finite locator's report
+    POLICY = "policy"  # skip or lower_lr applied
+    STOPPED = "stopped"  # rollback gave up; training stops
+    CORRUPT_SNAPSHOT = "corrupt_snapshot"  # a snapshot file failed verification
+
 
 def _jsonable(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return _jsonable(value.value)
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)  # JSON has no NaN/Infinity; keep them readable
     if isinstance(value, dict):
@@ -30,7 +55,7 @@ def _jsonable(value: Any) -> Any:
     return repr(value)
 
 
-def run_log_dir(trainer: "pl.Trainer") -> str:
+def run_log_dir(trainer: pl.Trainer) -> str:
     """The run's log directory: the logger's ``log_dir`` when there is one, else ``default_root_dir``."""
     for logger in trainer.loggers:
         directory = getattr(logger, "log_dir", None)
@@ -46,29 +71,30 @@ class HealthEventLog:
         filename: name of the JSON-lines file inside the run's log directory.
     """
 
-    def __init__(self, filename: str = "health_events.jsonl") -> None:
+    def __init__(self, filename: str = DEFAULT_EVENTS_FILENAME) -> None:
         self.filename = filename
         self.events: list[dict[str, Any]] = []
         self.path: str | None = None
         self._counts: dict[str, int] = {}
 
-    def attach(self, trainer: "pl.Trainer") -> None:
+    def attach(self, trainer: pl.Trainer) -> None:
         self.path = os.path.join(run_log_dir(trainer), self.filename)
 
-    def emit(self, trainer: "pl.Trainer" | None, kind: str, step: int, **fields: Any) -> dict[str, Any]:
-        """Record one event (``kind`` like ``"detected"``, ``"transient"``, ``"stopped"``) at ``step``."""
+    def emit(self, trainer: pl.Trainer | None, kind: EventKind, step: int, **fields: Any) -> dict[str, Any]:
+        """Record one event of ``kind`` at ``step``; enum values are written as their strings."""
         event = _jsonable({"kind": kind, "step": int(step), "time": time.time(), **fields})
         self.events.append(event)
-        self._counts[kind] = self._counts.get(kind, 0) + 1
+        self._counts[event["kind"]] = self._counts.get(event["kind"], 0) + 1
         log.info("health event %s at step %d: %s", kind, step, fields)
         if trainer is not None:
             self._write(trainer, event)
         return event
 
     @rank_zero_only
-    def _write(self, trainer: "pl.Trainer", event: dict[str, Any]) -> None:
+    def _write(self, trainer: pl.Trainer, event: dict[str, Any]) -> None:
         if self.path is None:
             self.attach(trainer)
+        assert self.path is not None
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(event, sort_keys=True) + "\n")
@@ -79,7 +105,7 @@ class HealthEventLog:
                 logger.experiment.add_text(f"health/{kind}", text, global_step=step)
             logger.log_metrics({f"health/events/{kind}": float(self._counts[kind])}, step=step)
 
-    def log_scalars(self, trainer: "pl.Trainer", metrics: dict[str, float], step: int) -> None:
+    def log_scalars(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)

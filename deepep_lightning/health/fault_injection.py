@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -14,14 +14,22 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from typing_extensions import override
 
+from deepep_lightning import _checks
 from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
+from deepep_lightning.protocols import step_loss
 
 __all__ = ["FaultInjectionCallback"]
 
 log = logging.getLogger(__name__)
 
-_TARGETS = ("loss", "gradient", "parameter", "batch")
-_MODES = ("once", "always")
+#: Where the fault is planted.
+Target = Literal["loss", "gradient", "parameter", "batch"]
+#: ``"once"`` per listed step (a transient fault) or ``"always"`` (every time the step runs: persistent).
+Mode = Literal["once", "always"]
+#: The planted value.
+Value = Literal["nan", "inf", "-inf"]
+_TARGETS: tuple[str, ...] = get_args(Target)
+_MODES: tuple[str, ...] = get_args(Mode)
 _VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -37,10 +45,10 @@ class FaultInjectionCallback(Callback):
     Injection also fires inside rollback replays, so ``mode="once"`` models a transient fault
     (a replay is clean) and ``mode="always"`` a persistent one (a replay fails the same way).
 
-    Under manual optimisation the optimizer step happens inside ``training_step``; for
-    ``DeepEPModule(cuda_graph=True)`` it is a CUDA graph replay. There, ``"parameter"`` is the
-    fault that reaches training: it is written into the parameter in place, which the graph
-    reads, so the loss, the gradients and the updated weights turn non-finite. ``"loss"`` only
+    Under manual optimisation the optimizer step happens inside ``training_step``; for a module
+    whose step is one CUDA graph (e.g. ``DeepEPModule(cuda_graph=True)``) it is a graph replay.
+    There, ``"parameter"`` is the fault that reaches training: it is written into the parameter
+    in place, which the graph reads, so the loss, the gradients and the updated weights turn non-finite. ``"loss"`` only
     poisons the loss the step *reports* (the update is already done), which tests detection
     alone; ``"gradient"`` needs ``on_after_backward``, which a captured backward never calls, so
     it raises instead of silently planting nothing.
@@ -66,26 +74,20 @@ class FaultInjectionCallback(Callback):
 
     def __init__(
         self,
-        target: str = "loss",
+        target: Target = "loss",
         steps: Sequence[int] = (5,),
-        mode: str = "once",
-        value: str = "nan",
+        mode: Mode = "once",
+        value: Value = "nan",
         parameter: str | None = None,
     ) -> None:
-        if target not in _TARGETS:
-            raise MisconfigurationException(f"`target` must be one of {_TARGETS}, got {target!r}.")
-        if mode not in _MODES:
-            raise MisconfigurationException(f"`mode` must be one of {_MODES}, got {mode!r}.")
-        if value not in _VALUES:
-            raise MisconfigurationException(f"`value` must be one of {tuple(_VALUES)}, got {value!r}.")
+        self.target: Target = _checks.choice(None, "target", target, _TARGETS)
+        self.mode: Mode = _checks.choice(None, "mode", mode, _MODES)
+        self.value: Value = _checks.choice(None, "value", value, tuple(_VALUES))
         if isinstance(steps, (int, str)) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in steps
         ):
             raise MisconfigurationException(f"`steps` must be a list of ints >= 0, got {steps!r}.")
-        self.target = target
         self.steps = sorted(set(steps))
-        self.mode = mode
-        self.value = value
         self.parameter = parameter
         self.injections: list[tuple[int, str]] = []  # (step, target) each time a fault was planted
         self._fired: set[int] = set()
@@ -105,7 +107,7 @@ class FaultInjectionCallback(Callback):
         return True
 
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.target in ("gradient", "parameter"):
             params = dict(pl_module.named_parameters())
             name = self.parameter or next((n for n, p in params.items() if p.requires_grad), None)
@@ -122,18 +124,15 @@ class FaultInjectionCallback(Callback):
             add_step_hook(pl_module, f"fault:{id(self)}", pre=self._poison_input)
 
     @override
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         remove_step_hook(pl_module, f"fault:{id(self)}")
 
     def _poison_loss(self, step: int, output: Any) -> Any:
-        if output is None or not self._fire(step):
+        loss = step_loss(output)
+        if loss is None or not self._fire(step):
             return output
-        factor = _VALUES[self.value]
-        if isinstance(output, Tensor):
-            return output * factor
-        if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-            return {**output, "loss": output["loss"] * factor}
-        return output
+        poisoned = loss * _VALUES[self.value]
+        return poisoned if isinstance(output, Tensor) else {**output, "loss": poisoned}
 
     def _poison_input(self, step: int, batch: Any) -> Any:
         if not self._fire(step):
@@ -147,22 +146,22 @@ class FaultInjectionCallback(Callback):
         apply_to_collection(batch, Tensor, lambda t: floats.append(t) if t.is_floating_point() else None)
         if not floats:
             raise ValueError(
-                f"FaultInjectionCallback(target='batch') needs a floating-point tensor in the batch, got {type(batch).__name__}. "
-                "HINT: use target='loss' or 'parameter' for index-only batches (DeepEP)."
+                "FaultInjectionCallback(target='batch') needs a floating-point tensor in the batch, got "
+                f"{type(batch).__name__}. HINT: use target='loss' or 'parameter' for index-only batches."
             )
         _poison(floats[0], _VALUES[self.value])
         return batch
 
     @override
     def on_train_batch_start(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
         due = self.target == "gradient" and step in self.steps and not (self.mode == "once" and step in self._fired)
         self._gradient_due = step if due else None
 
     @override
-    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.target == "gradient" and self._param is not None and self._param.grad is not None:
             if self._fire(trainer.global_step):
                 _poison(self._param.grad, _VALUES[self.value])
@@ -170,14 +169,14 @@ class FaultInjectionCallback(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step, self._gradient_due = self._gradient_due, None
         if step is not None and not pl_module.automatic_optimization:
             raise RuntimeError(
                 f"FaultInjectionCallback(target='gradient') could not plant its fault at step {step}: "
                 "`on_after_backward` was not called, as in a manually optimised step without `manual_backward` "
-                "(e.g. DeepEPModule(cuda_graph=True), whose backward runs inside a CUDA graph). "
+                "(e.g. a module whose backward runs inside a CUDA graph, see protocols.UncapturedSteps). "
                 "HINT: use target='parameter', which the graph reads."
             )
 

@@ -23,7 +23,20 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["StepRecord", "StepFlags"]
+from deepep_lightning._enums import StrEnum
+
+__all__ = ["HealthReason", "StepFlags", "StepRecord"]
+
+
+class HealthReason(StrEnum):
+    """Why a check failed (the ``reason`` of verdicts and health events)."""
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRAD = "nonfinite_grad"
+    NONFINITE_PARAM = "nonfinite_param"
+    LOSS_SPIKE = "loss_spike"
+    OTHER_RANK = "other_rank"  # under DDP: another rank failed first
+
 
 # columns of the device table
 _LOSS, _GRAD_MAX, _GRAD_L2, _PARAM_MAX = 0, 1, 2, 3
@@ -51,13 +64,13 @@ class StepRecord:
         return self.loss_finite and self.grads_finite and self.params_finite
 
     @property
-    def reason(self) -> str | None:
+    def reason(self) -> HealthReason | None:
         if not self.loss_finite:
-            return "nonfinite_loss"
+            return HealthReason.NONFINITE_LOSS
         if not self.grads_finite:
-            return "nonfinite_grad"
+            return HealthReason.NONFINITE_GRAD
         if not self.params_finite:
-            return "nonfinite_param"
+            return HealthReason.NONFINITE_PARAM
         return None
 
 

@@ -4,27 +4,28 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, Protocol, get_args
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 from typing_extensions import override
 
-from deepep_lightning.health.events import HealthEventLog
-from deepep_lightning.health.flags import StepFlags, StepRecord
+from deepep_lightning import _checks
+from deepep_lightning.health.events import DEFAULT_EVENTS_FILENAME, EventKind, HealthEventLog
+from deepep_lightning.health.flags import HealthReason, StepFlags, StepRecord
 from deepep_lightning.health.spike import LossSpikeDetector
+from deepep_lightning.protocols import step_grad_norm, step_loss
 
-__all__ = ["HealthVerdict", "NonFiniteError", "NumericalHealthCallback"]
+__all__ = ["Action", "FailureHandler", "HealthVerdict", "NonFiniteError", "NumericalHealthCallback"]
 
 log = logging.getLogger(__name__)
 
-_ACTIONS = ("raise", "warn", "stop")
+#: What a failed check does without a rollback: raise :class:`NonFiniteError`, warn, or stop cleanly.
+Action = Literal["raise", "warn", "stop"]
+_ACTIONS: tuple[str, ...] = get_args(Action)
 
 
 class NonFiniteError(RuntimeError):
@@ -39,7 +40,7 @@ class HealthVerdict:
     end_step: int
     healthy: bool
     bad_step: int | None = None
-    reason: str | None = None  # nonfinite_loss | nonfinite_grad | nonfinite_param | loss_spike
+    reason: HealthReason | None = None
     records: list[StepRecord] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -49,24 +50,13 @@ class HealthVerdict:
         return f"{self.reason} at step {self.bad_step} ({self.details})"
 
 
-def _loss_of(outputs: Any) -> Tensor | None:
-    if isinstance(outputs, Tensor):
-        return outputs
-    if isinstance(outputs, Mapping) and isinstance(outputs.get("loss"), Tensor):
-        return outputs["loss"]
-    return None
+class FailureHandler(Protocol):
+    """A callback that takes over failed checks from :class:`NumericalHealthCallback` (see ``attach_rollback``)."""
 
-
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MisconfigurationException(f"`{name}` must be an int >= {minimum}, got {value!r}.")
-    return value
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise MisconfigurationException(f"`{name}` must be one of {choices}, got {value!r}.")
-    return value
+    @property
+    def stopped(self) -> bool:
+        """True once the handler has stopped training (the epoch-end checks then rest)."""
+        ...
 
 
 class NumericalHealthCallback(Callback):
@@ -82,6 +72,11 @@ class NumericalHealthCallback(Callback):
 
     With a :class:`~deepep_lightning.NaNRollbackCallback` in the trainer, failed checks are
     handed to it (roll back and replay); alone, ``on_nonfinite`` / ``on_spike`` decide.
+
+    The contract with such a handler is public: :meth:`attach_rollback` hands failed checks over
+    (this callback then records each step but neither polls nor acts in ``on_train_batch_end``);
+    the handler calls :meth:`begin_step`, :meth:`end_step`, :meth:`poll` and :meth:`check_steps`,
+    and :meth:`resume_checks_at` after it restored and replayed steps.
 
     Args:
         check_every_n_steps: steps between host reads; 1 detects on the very step.
@@ -109,27 +104,25 @@ class NumericalHealthCallback(Callback):
         check_every_n_steps: int = 10,
         check_loss: bool = True,
         check_gradients: bool = True,
-        on_nonfinite: str = "raise",
+        on_nonfinite: Action = "raise",
         param_max_abs: float | None = None,
-        on_large_param: str = "warn",
+        on_large_param: Action = "warn",
         log_norms: bool = True,
         spike_detection: bool = True,
         spike_window: int = 100,
         spike_z_threshold: float = 6.0,
         spike_warmup: int | None = None,
         spike_persistence: int = 2,
-        on_spike: str = "warn",
-        events_filename: str = "health_events.jsonl",
+        on_spike: Action = "warn",
+        events_filename: str = DEFAULT_EVENTS_FILENAME,
     ) -> None:
-        self.check_every_n_steps = _check_int("check_every_n_steps", check_every_n_steps, 1)
-        self.on_nonfinite = _check_choice("on_nonfinite", on_nonfinite, _ACTIONS)
-        self.on_large_param = _check_choice("on_large_param", on_large_param, _ACTIONS)
-        self.on_spike = _check_choice("on_spike", on_spike, _ACTIONS)
-        if param_max_abs is not None and (
-            isinstance(param_max_abs, bool) or not isinstance(param_max_abs, (int, float)) or not param_max_abs > 0
-        ):
-            raise MisconfigurationException(f"`param_max_abs` must be a number > 0 or None, got {param_max_abs!r}.")
-        self.param_max_abs = param_max_abs
+        self.check_every_n_steps: int = _checks.int_at_least(None, "check_every_n_steps", check_every_n_steps, 1)
+        self.on_nonfinite: Action = _checks.choice(None, "on_nonfinite", on_nonfinite, _ACTIONS)
+        self.on_large_param: Action = _checks.choice(None, "on_large_param", on_large_param, _ACTIONS)
+        self.on_spike: Action = _checks.choice(None, "on_spike", on_spike, _ACTIONS)
+        self.param_max_abs: float | None = _checks.number(
+            None, "param_max_abs", param_max_abs, minimum=0, exclusive_minimum=True, allow_none=True
+        )
         self.check_loss = bool(check_loss)
         self.check_gradients = bool(check_gradients)
         self.log_norms = bool(log_norms)
@@ -143,7 +136,7 @@ class NumericalHealthCallback(Callback):
         self.last_verdict: HealthVerdict | None = None
         self._next_unchecked = 0  # first step not yet read by a check
         self._cache: tuple[int, HealthVerdict] | None = None
-        self._delegate: Any = None  # a NaNRollbackCallback handling failed checks
+        self._handler: FailureHandler | None = None
         self._grad_checks_enabled = True
         self._loss_recorded: int | None = None
         self._grads_recorded: int | None = None
@@ -152,20 +145,33 @@ class NumericalHealthCallback(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(check_every_n_steps=self.check_every_n_steps)
 
+    # ---------------------------------------------------------------- the contract with a rollback
+    def attach_rollback(self, handler: FailureHandler) -> None:
+        """Hand failed checks to ``handler``: from now on it polls after each step and decides."""
+        self._handler = handler
+
+    def detach_rollback(self) -> None:
+        """Act on failed checks again (``on_nonfinite``, ``on_spike``)."""
+        self._handler = None
+
+    def resume_checks_at(self, step: int) -> None:
+        """Count every step before ``step`` as checked and drop the cached verdict (after a restore and replay)."""
+        self._next_unchecked = int(step)
+        self._cache = None
+
     # ---------------------------------------------------------------- per-step recording
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.flags = StepFlags(self.check_every_n_steps, pl_module.device)
         self.events.attach(trainer)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._grad_checks_enabled = self.check_gradients and scaler is None
 
     @override
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.flags is None or self.flags.device != pl_module.device:
             self.flags = StepFlags(self.check_every_n_steps, pl_module.device)
-        self._next_unchecked = trainer.global_step
-        self._cache = None
+        self.resume_checks_at(trainer.global_step)
 
     def begin_step(self, step: int) -> None:
         """Open the slot of optimizer step ``step`` (called at batch start and by replays)."""
@@ -179,24 +185,24 @@ class NumericalHealthCallback(Callback):
         if self._loss_recorded == step:
             return
         self._loss_recorded = step
-        loss = _loss_of(outputs)
+        loss = step_loss(outputs)
         if self.check_loss and loss is not None and self.flags is not None:
             self.flags.record_loss(step, loss)
         # manual optimisation (e.g. a CUDA-graphed step) never calls on_before_optimizer_step:
         # a "grad_norm" tensor in the outputs stands in for the gradients
-        grad_norm = outputs.get("grad_norm") if isinstance(outputs, Mapping) else None
-        if self._grad_checks_enabled and self._grads_recorded != step and isinstance(grad_norm, Tensor):
+        grad_norm = step_grad_norm(outputs)
+        if self._grad_checks_enabled and self._grads_recorded != step and grad_norm is not None:
             assert self.flags is not None
             self.flags.record_grad_norm(step, grad_norm)
 
     @override
     def on_train_batch_start(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self.begin_step(trainer.global_step)
 
     @override
-    def on_before_optimizer_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: Any) -> None:
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if self._grad_checks_enabled and self.flags is not None:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             self.flags.record_grads(trainer.global_step, grads)
@@ -204,18 +210,18 @@ class NumericalHealthCallback(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # global_step already counts this step, so the step just computed is global_step - 1
         self.end_step(trainer.global_step - 1, outputs)
-        if self._delegate is not None:
+        if self._handler is not None:
             return  # the rollback callback polls and decides
         verdict = self.poll(trainer, pl_module)
         if verdict is not None and not verdict.healthy:
             self._act(trainer, verdict)
 
     # ---------------------------------------------------------------- checks
-    def _check_due(self, trainer: "pl.Trainer") -> bool:
+    def _check_due(self, trainer: pl.Trainer) -> bool:
         end = trainer.global_step
         if end - self._next_unchecked >= self.check_every_n_steps:
             return True
@@ -223,7 +229,7 @@ class NumericalHealthCallback(Callback):
             return True
         return trainer.max_steps >= 0 and end >= trainer.max_steps
 
-    def poll(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", force: bool = False) -> HealthVerdict | None:
+    def poll(self, trainer: pl.Trainer, pl_module: pl.LightningModule, force: bool = False) -> HealthVerdict | None:
         """The verdict for the steps since the last check, when a check is due (or ``force``); else None.
 
         Idempotent within a step: the first caller reads, later callers get the cached verdict.
@@ -237,9 +243,7 @@ class NumericalHealthCallback(Callback):
         self._cache = (end, verdict)
         return verdict
 
-    def check_steps(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", first: int, end: int
-    ) -> HealthVerdict:
+    def check_steps(self, trainer: pl.Trainer, pl_module: pl.LightningModule, first: int, end: int) -> HealthVerdict:
         """Read steps ``[first, end)`` (one host transfer), test the parameters, run the spike detector."""
         assert self.flags is not None
         steps = list(range(first, end))
@@ -250,14 +254,16 @@ class NumericalHealthCallback(Callback):
             reason = record.reason
             if reason is None and self.spike_detector is not None and record.loss is not None:
                 if self.spike_detector.update(record.step, record.loss):
-                    reason = "loss_spike"
+                    reason = HealthReason.LOSS_SPIKE
                     verdict.details = {"loss": record.loss, "z": self.spike_detector.last_z}
             if reason is not None:
                 verdict.healthy = False
                 verdict.reason = reason
-                start = self.spike_detector.spike_start if reason == "loss_spike" else None
+                start = None
+                if reason == HealthReason.LOSS_SPIKE and self.spike_detector is not None:
+                    start = self.spike_detector.spike_start
                 verdict.bad_step = start if start is not None else record.step
-                if reason != "loss_spike":
+                if reason != HealthReason.LOSS_SPIKE:
                     verdict.details = {"loss": record.loss, "grad_norm": record.grad_norm}
                 break
         verdict = self._agree(trainer, verdict)
@@ -272,7 +278,7 @@ class NumericalHealthCallback(Callback):
             self.events.log_scalars(trainer, {k: v for k, v in metrics.items() if math.isfinite(v)}, end)
         return verdict
 
-    def _agree(self, trainer: "pl.Trainer", verdict: HealthVerdict) -> HealthVerdict:
+    def _agree(self, trainer: pl.Trainer, verdict: HealthVerdict) -> HealthVerdict:
         """Make the verdict rank-consistent: all ranks adopt the earliest bad step seen by any rank."""
         if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
             return verdict
@@ -286,12 +292,12 @@ class NumericalHealthCallback(Callback):
             return verdict
         if verdict.healthy or verdict.bad_step != earliest_step:
             verdict.healthy, verdict.bad_step = False, earliest_step
-            verdict.reason = verdict.reason if verdict.bad_step == mine else "other_rank"
+            verdict.reason = verdict.reason if verdict.bad_step == mine else HealthReason.OTHER_RANK
         return verdict
 
-    def _act(self, trainer: "pl.Trainer", verdict: HealthVerdict) -> None:
-        action = self.on_spike if verdict.reason == "loss_spike" else self.on_nonfinite
-        self.events.emit(trainer, "detected", verdict.bad_step, reason=verdict.reason, details=verdict.details)
+    def _act(self, trainer: pl.Trainer, verdict: HealthVerdict) -> None:
+        action = self.on_spike if verdict.reason == HealthReason.LOSS_SPIKE else self.on_nonfinite
+        self.events.emit(trainer, EventKind.DETECTED, verdict.bad_step, reason=verdict.reason, details=verdict.details)
         message = f"NumericalHealthCallback: {verdict.describe()}"
         if action == "raise":
             raise NonFiniteError(message + ". HINT: add NaNRollbackCallback to roll back and recover.")
@@ -300,8 +306,8 @@ class NumericalHealthCallback(Callback):
         rank_zero_warn(message)
 
     @override
-    def on_train_epoch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if getattr(self._delegate, "stopped", False):
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._handler is not None and self._handler.stopped:
             return
         params = {n: p.detach() for n, p in pl_module.named_parameters()}
         if not params:
@@ -322,13 +328,15 @@ class NumericalHealthCallback(Callback):
                 trainer.global_step,
                 False,
                 trainer.global_step,
-                "nonfinite_param",
+                HealthReason.NONFINITE_PARAM,
                 details={"parameters": bad[:10]},
             )
-            if self._delegate is None:
+            if self._handler is None:
                 self._act(trainer, verdict)
         elif self.param_max_abs is not None and host[worst] > self.param_max_abs:
-            self.events.emit(trainer, "large_param", trainer.global_step, parameter=names[worst], max_abs=host[worst])
+            self.events.emit(
+                trainer, EventKind.LARGE_PARAM, trainer.global_step, parameter=names[worst], max_abs=host[worst]
+            )
             message = (
                 f"parameter {names[worst]!r} has max |w| = {host[worst]:.4g} > param_max_abs={self.param_max_abs!r}"
             )
@@ -348,7 +356,6 @@ class NumericalHealthCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._next_unchecked = int(state_dict.get("next_unchecked", 0))
         if self.spike_detector is not None and state_dict.get("spike") is not None:
             self.spike_detector.load_state_dict(state_dict["spike"])
-        self._cache = None
+        self.resume_checks_at(int(state_dict.get("next_unchecked", 0)))

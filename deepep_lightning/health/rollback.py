@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
-from typing import Any
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -14,18 +15,44 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from deepep_lightning.audit.nonfinite import locate_nonfinite
+from deepep_lightning import _checks
+from deepep_lightning._enums import StrEnum
+from deepep_lightning._lightning_compat import optimizer_step_progress
+from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite
+from deepep_lightning.health import _replay, _step_hooks
 from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
 from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
-from deepep_lightning.health.events import run_log_dir
-from deepep_lightning.health.health_callback import HealthVerdict, NumericalHealthCallback, _check_choice, _check_int
+from deepep_lightning.health.events import EventKind, run_log_dir
+from deepep_lightning.health.flags import HealthReason
+from deepep_lightning.health.health_callback import HealthVerdict, NumericalHealthCallback
 from deepep_lightning.health.snapshot import Snapshot, SnapshotRing, clone_update_state, restore_update_state
+from deepep_lightning.protocols import RolloutStateful, UncapturedSteps
 
-__all__ = ["NaNRollbackCallback"]
+__all__ = ["Classification", "NaNRollbackCallback", "Outcome", "Policy"]
 
 log = logging.getLogger(__name__)
 
-_POLICIES = ("skip", "lower_lr", "stop")
+#: What a reproducible failure gets: skip its batches, lower every learning rate, or stop.
+Policy = Literal["skip", "lower_lr", "stop"]
+_POLICIES: tuple[str, ...] = get_args(Policy)
+
+# the frames a diagnosis runs through on its way to the step: never reported as the user's code
+_PLUMBING_FILES = (__file__, _replay.__file__, _step_hooks.__file__)
+
+
+class Classification(StrEnum):
+    """What the first replay of a failed step showed."""
+
+    REPRODUCIBLE = "reproducible"  # the same failure at the same step: a numerical bug
+    NONDETERMINISTIC = "nondeterministic"  # a failure, but another one: the step is not reproducible
+
+
+class Outcome(StrEnum):
+    """How an incident ended."""
+
+    TRANSIENT = "transient"  # the first replay was clean
+    RECOVERED = "recovered"  # a replay after the policy was clean
+    STOPPED = "stopped"  # gave up: weights at the last healthy snapshot, training stopped
 
 
 class NaNRollbackCallback(Callback):
@@ -35,8 +62,8 @@ class NaNRollbackCallback(Callback):
     detects; this callback acts). After every healthy check that is at least
     ``snapshot_every_n_steps`` steps past the last snapshot (and at every epoch's last batch)
     it keeps a snapshot: model, optimizers, LR schedulers, AMP scaler, RNG, loop counters and
-    the module's rollout state (``rollout_state_dict()``/``load_rollout_state_dict(d)`` when
-    the module defines them). It also keeps a private copy of each batch since the oldest
+    the module's rollout state (when it implements
+    :class:`~deepep_lightning.protocols.RolloutStateful`). It also keeps a private copy of each batch since the oldest
     snapshot, so any map-style or iterable data can be replayed.
 
     On a failed check (non-finite loss, gradient or parameter; or a loss spike when
@@ -65,17 +92,17 @@ class NaNRollbackCallback(Callback):
     ``accumulate_grad_batches=1``; batches are copied at ``on_train_batch_start`` (host memory
     grows with ``keep_snapshots × snapshot_every_n_steps`` batches).
 
-    Manual optimisation and CUDA graphs (``DeepEPModule(cuda_graph=True)``): the step's outputs
-    must carry ``"loss"`` (and ``"grad_norm"``, standing in for the gradients no hook sees). A
-    replay calls ``training_step`` again, which replays the graph on the restored tensors: every
-    restore copies in place, so the graph's pointers stay valid (a replaced tensor makes
-    ``GraphedTrainStep`` refuse to replay). A skipped step has already updated the weights inside
+    Manual optimisation and CUDA graphs (e.g. ``DeepEPModule(cuda_graph=True)``): the step's outputs
+    must carry ``"loss"`` (and ``"grad_norm"``, standing in for the gradients no hook sees; see
+    :func:`~deepep_lightning.protocols.step_grad_norm`). A replay calls ``training_step`` again,
+    which replays the graph on the restored tensors: every restore copies in place, so the
+    graph's pointers stay valid. A skipped step has already updated the weights inside
     ``training_step``, so its update is undone in place (parameters and optimizer state; its
-    rollout, i.e. data position, stays). ``lower_lr`` works because a changed learning rate makes
-    the module capture its graph again on the next step. The locator runs the bad step under the
-    module's ``uncaptured_steps()`` when it has one, to see the ops inside the graph. The
-    bitwise guarantee holds for snapshots taken after the graph was captured (the first
-    ``warmup_steps`` steps run eagerly; replaying them through the graph matches to fp32 rounding).
+    rollout, i.e. data position, stays). ``lower_lr`` needs a module that captures its graph
+    again when the learning rate changes. The locator runs the bad step under the module's
+    ``uncaptured_steps()`` when it implements :class:`~deepep_lightning.protocols.UncapturedSteps`,
+    to see the ops inside the graph. The bitwise guarantee holds for snapshots taken after the
+    graph was captured (steps run eagerly before the capture match the graph to fp32 rounding).
 
     Args:
         snapshot_every_n_steps: minimum steps between snapshots (taken only at healthy checks).
@@ -103,24 +130,26 @@ class NaNRollbackCallback(Callback):
         snapshot_every_n_steps: int = 100,
         keep_snapshots: int = 2,
         snapshot_dir: str | None = None,
-        policy: str = "skip",
+        policy: Policy = "skip",
         skip_batches: int = 1,
         lr_factor: float = 0.5,
         max_retries: int = 3,
         locate: bool = True,
         rollback_on_spike: bool = True,
     ) -> None:
-        self.snapshot_every_n_steps = _check_int("snapshot_every_n_steps", snapshot_every_n_steps, 1)
-        self.keep_snapshots = _check_int("keep_snapshots", keep_snapshots, 1)
-        self.policy = _check_choice("policy", policy, _POLICIES)
-        self.skip_batches = _check_int("skip_batches", skip_batches, 1)
-        if isinstance(lr_factor, bool) or not isinstance(lr_factor, (int, float)) or not 0 < lr_factor < 1:
-            raise MisconfigurationException(f"`lr_factor` must be a number in (0, 1), got {lr_factor!r}.")
+        self.snapshot_every_n_steps: int = _checks.int_at_least(
+            None, "snapshot_every_n_steps", snapshot_every_n_steps, 1
+        )
+        self.keep_snapshots: int = _checks.int_at_least(None, "keep_snapshots", keep_snapshots, 1)
+        self.policy: Policy = _checks.choice(None, "policy", policy, _POLICIES)
+        self.skip_batches: int = _checks.int_at_least(None, "skip_batches", skip_batches, 1)
+        _checks.number(
+            None, "lr_factor", lr_factor, minimum=0, maximum=1, exclusive_minimum=True, exclusive_maximum=True
+        )
         self.lr_factor = float(lr_factor)
-        self.max_retries = _check_int("max_retries", max_retries, 0)
-        if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
-            raise MisconfigurationException(f"`snapshot_dir` must be a path or None, got {snapshot_dir!r}.")
-        self.snapshot_dir = None if snapshot_dir is None else os.fspath(snapshot_dir)
+        self.max_retries: int = _checks.int_at_least(None, "max_retries", max_retries, 0)
+        directory = _checks.path(None, "snapshot_dir", snapshot_dir, allow_none=True)
+        self.snapshot_dir = None if directory is None else os.fspath(directory)
         self.locate = bool(locate)
         self.rollback_on_spike = bool(rollback_on_spike)
         self.ring = SnapshotRing(self.keep_snapshots)
@@ -132,7 +161,8 @@ class NaNRollbackCallback(Callback):
         self._skip_steps: set[int] = set()
         self._lr_scale = 1.0
         self._last_snapshot_step: int | None = None
-        self._undo: tuple[Any, ...] | None = None  # the update state before a skipped manual-optimisation step
+        # the update state before a skipped manual-optimisation step, and what to put it back into
+        self._undo: tuple[list[Any], pl.LightningModule, list[torch.optim.Optimizer]] | None = None
 
     @property
     def state_key(self) -> str:
@@ -140,7 +170,7 @@ class NaNRollbackCallback(Callback):
 
     # ---------------------------------------------------------------- wiring
     @override
-    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         health = [cb for cb in trainer.callbacks if isinstance(cb, NumericalHealthCallback)]
         if not health:
             raise MisconfigurationException(
@@ -153,7 +183,7 @@ class NaNRollbackCallback(Callback):
                 f"got {trainer.accumulate_grad_batches!r}."
             )
         self._health = health[0]
-        self._health._delegate = self
+        self._health.attach_rollback(self)
         if self.snapshot_dir is not None:
             directory = self.snapshot_dir
             if not os.path.isabs(directory):
@@ -169,16 +199,16 @@ class NaNRollbackCallback(Callback):
         )
 
     @override
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         remove_step_hook(pl_module, "rollback")
         self._undo = None
         if self._health is not None:
-            self._health._delegate = None
+            self._health.detach_rollback()
 
     def _skips(self, step: int) -> bool:
         return self.stopped or step in self._skip_steps
 
-    def _before_step(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", step: int, batch: Any) -> Any:
+    def _before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: Any) -> Any:
         # Returning None skips the update only under automatic optimisation; a manual step (a CUDA
         # graph) updates inside training_step, so keep what it will change and put it back after.
         if self._skips(step) and not pl_module.automatic_optimization:
@@ -194,12 +224,12 @@ class NaNRollbackCallback(Callback):
             restore_update_state(pl_module, optimizers, saved)
         return None
 
-    def _emit(self, trainer: "pl.Trainer", kind: str, step: int, **fields: Any) -> dict[str, Any]:
+    def _emit(self, trainer: pl.Trainer, kind: EventKind, step: int, **fields: Any) -> dict[str, Any]:
         assert self._health is not None
         return self._health.events.emit(trainer, kind, step, **fields)
 
     # ---------------------------------------------------------------- snapshots
-    def _snapshot(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert self._health is not None
         snapshot = Snapshot.capture(trainer, pl_module, self._health.state_dict(), self._lr_scale)
         self.ring.push(snapshot)
@@ -207,15 +237,15 @@ class NaNRollbackCallback(Callback):
         oldest = self.ring.steps()[0]
         self._buffer = [entry for entry in self._buffer if entry.step >= oldest]
 
-    def _latest_snapshot(self, trainer: "pl.Trainer", before_step: int | None = None) -> Snapshot | None:
+    def _latest_snapshot(self, trainer: pl.Trainer, before_step: int | None = None) -> Snapshot | None:
         def on_corrupt(path: str, error: Exception) -> None:
-            self._emit(trainer, "corrupt_snapshot", trainer.global_step, path=path, error=str(error))
+            self._emit(trainer, EventKind.CORRUPT_SNAPSHOT, trainer.global_step, path=path, error=str(error))
             rank_zero_warn(f"NaNRollbackCallback: {error}; falling back to the previous snapshot.")
 
         return self.ring.latest(on_corrupt, before_step)
 
     @override
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         finite = all(bool(torch.isfinite(p.detach()).all()) for p in pl_module.parameters())
         if not finite:
             raise RuntimeError("NaNRollbackCallback: the model has non-finite parameters before training starts.")
@@ -224,7 +254,7 @@ class NaNRollbackCallback(Callback):
 
     @override
     def on_train_batch_start(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         entry = ReplayEntry(trainer.global_step, clone_batch(batch), batch_idx, trainer.current_epoch)
         if self._buffer and self._buffer[-1].step == entry.step:
@@ -234,7 +264,7 @@ class NaNRollbackCallback(Callback):
 
     @override
     def on_train_batch_end(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._health is not None
         is_last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
@@ -246,15 +276,18 @@ class NaNRollbackCallback(Callback):
         verdict = self._health.poll(trainer, pl_module)
         if verdict is None:
             return
-        if not verdict.healthy and (verdict.reason != "loss_spike" or self.rollback_on_spike):
+        if not verdict.healthy and self._rolls_back(verdict):
             self._handle_failure(trainer, pl_module, verdict)
         elif not verdict.healthy:
-            self._emit(trainer, "spike_ignored", verdict.bad_step, details=verdict.details)
+            self._emit(trainer, EventKind.SPIKE_IGNORED, verdict.bad_step, details=verdict.details)
         elif is_last or trainer.global_step - (self._last_snapshot_step or 0) >= self.snapshot_every_n_steps:
             self._snapshot(trainer, pl_module)
 
     # ---------------------------------------------------------------- rollback and replay
-    def _apply_lr_scale(self, trainer: "pl.Trainer", snapshot_scale: float) -> None:
+    def _rolls_back(self, verdict: HealthVerdict) -> bool:
+        return verdict.reason != HealthReason.LOSS_SPIKE or self.rollback_on_spike
+
+    def _apply_lr_scale(self, trainer: pl.Trainer, snapshot_scale: float) -> None:
         ratio = self._lr_scale / snapshot_scale
         if ratio == 1.0:
             return
@@ -267,12 +300,12 @@ class NaNRollbackCallback(Callback):
             if hasattr(config.scheduler, "base_lrs"):
                 config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
 
-    def _restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", snapshot: Snapshot) -> None:
+    def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: Snapshot) -> None:
         assert self._health is not None
-        if not snapshot.rollout and hasattr(pl_module, "rollout_state_dict") and pl_module.rollout_state_dict():
+        if not snapshot.rollout and isinstance(pl_module, RolloutStateful) and pl_module.rollout_state_dict():
             rank_zero_warn(
-                f"NaNRollbackCallback: the snapshot of step {snapshot.step} has no rollout state (the module created it "
-                "later), so the replay starts from the current one and is not bitwise. HINT: create the rollout "
+                f"NaNRollbackCallback: the snapshot of step {snapshot.step} has no rollout state (the module created "
+                "it later), so the replay starts from the current one and is not bitwise. HINT: create the rollout "
                 "state before `on_train_start` (e.g. in the module's `on_fit_start`)."
             )
         snapshot.restore(trainer, pl_module)
@@ -286,7 +319,7 @@ class NaNRollbackCallback(Callback):
         return entries
 
     def _replay(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", snapshot: Snapshot, end: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: Snapshot, end: int
     ) -> HealthVerdict:
         """Restore ``snapshot`` and replay up to step ``end`` (exclusive), checking after every step."""
         assert self._health is not None
@@ -297,13 +330,13 @@ class NaNRollbackCallback(Callback):
                 outputs = run_step(trainer, pl_module, entry)
                 self._health.end_step(entry.step, outputs)
                 verdict = self._health.check_steps(trainer, pl_module, entry.step, entry.step + 1)
-                if not verdict.healthy and (verdict.reason != "loss_spike" or self.rollback_on_spike):
+                if not verdict.healthy and self._rolls_back(verdict):
                     return verdict
         return HealthVerdict(snapshot.step, end, healthy=True)
 
     def _diagnose(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", snapshot: Snapshot, bad_step: int
-    ) -> Any:
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: Snapshot, bad_step: int
+    ) -> NonFiniteOp | None:
         """Replay up to ``bad_step`` and run that step under the non-finite locator."""
         assert self._health is not None
         self._restore(trainer, pl_module, snapshot)
@@ -313,82 +346,64 @@ class NaNRollbackCallback(Callback):
                 run_step(trainer, pl_module, entry)
             entry = self._entries(bad_step, bad_step + 1)[0]
             call_replay_hooks(trainer, pl_module, entry)  # reseeded like the original step and the replays
+            # DDP's no_sync: the diagnosis backward must not all-reduce (the other ranks run no such step)
             no_sync = getattr(trainer.strategy.model, "no_sync", None)
-            # a captured graph is one opaque launch: run the step eagerly so the locator sees its ops
-            uncaptured = getattr(pl_module, "uncaptured_steps", None)
-            with (
-                no_sync() if callable(no_sync) else _nullcontext(),
-                uncaptured() if callable(uncaptured) else _nullcontext(),
-            ):
+            with contextlib.ExitStack() as stack:
+                if callable(no_sync):
+                    stack.enter_context(no_sync())
+                if isinstance(pl_module, UncapturedSteps):
+                    # a captured graph is one opaque launch: run the step eagerly so the locator sees its ops
+                    stack.enter_context(pl_module.uncaptured_steps())
                 found = locate_nonfinite(
                     lambda: pl_module.training_step(clone_batch(entry.batch), entry.batch_idx),
                     module=pl_module,
                     backward=pl_module.automatic_optimization,
+                    internal_files=_PLUMBING_FILES,
                 )
         for optimizer in trainer.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return found
 
-    def _handle_failure(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", verdict: HealthVerdict) -> None:
-        automatic, manual = (
-            trainer.fit_loop.epoch_loop.automatic_optimization,
-            trainer.fit_loop.epoch_loop.manual_optimization,
-        )
-        progress = (
-            copy.deepcopy(automatic.optim_progress.state_dict()),
-            copy.deepcopy(manual.optim_step_progress.state_dict()),
-        )
+    def _handle_failure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: HealthVerdict) -> None:
+        """Roll back and replay until a replay is clean or the policy gives up (see the class docstring)."""
+        assert self._health is not None
         end = trainer.global_step
-        incident: dict[str, Any] = {
-            "step": verdict.bad_step,
-            "reason": verdict.reason,
-            "detected_at": end,
-            "attempts": 0,
-        }
+        counters = optimizer_step_progress(trainer)
+        saved_counters = [copy.deepcopy(counter.state_dict()) for counter in counters]
+        # plain values only: incidents are checkpointed (state_dict) and loaded with weights_only
+        incident: dict[str, Any] = {"step": verdict.bad_step, "reason": str(verdict.reason), "detected_at": end}
+        incident["attempts"] = 0
         self.incidents.append(incident)
         self._emit(
-            trainer, "detected", verdict.bad_step, reason=verdict.reason, details=verdict.details, checked_at=end
+            trainer,
+            EventKind.DETECTED,
+            verdict.bad_step,
+            reason=verdict.reason,
+            details=verdict.details,
+            checked_at=end,
         )
         failing = verdict
         restart_before: int | None = None
         try:
             while True:
-                snapshot = self._latest_snapshot(trainer)
-                if incident["attempts"] > 0:
-                    # a changed replay must change the state *before* the bad step (its loss is a function
-                    # of that state): restart strictly before it, one snapshot further back per retry
-                    before = failing.bad_step if restart_before is None else min(restart_before, failing.bad_step)
-                    snapshot = self._latest_snapshot(trainer, before_step=before) or snapshot
-                    restart_before = snapshot.step
+                snapshot = self._pick_snapshot(trainer, failing, incident["attempts"], restart_before)
                 if snapshot is None:
                     self._stop(trainer, pl_module, incident, "no healthy snapshot to roll back to")
                     return
-                self._emit(trainer, "rollback", snapshot.step, to_step=snapshot.step, replay_until=end)
+                if incident["attempts"] > 0:
+                    restart_before = snapshot.step
+                self._emit(trainer, EventKind.ROLLBACK, snapshot.step, to_step=snapshot.step, replay_until=end)
                 replayed = self._replay(trainer, pl_module, snapshot, end)
                 if replayed.healthy:
-                    incident["outcome"] = "transient" if incident["attempts"] == 0 else "recovered"
-                    self._emit(trainer, incident["outcome"], incident["step"], **_public(incident))
+                    outcome = Outcome.TRANSIENT if incident["attempts"] == 0 else Outcome.RECOVERED
+                    incident["outcome"] = outcome.value
+                    self._emit(trainer, EventKind(outcome.value), incident["step"], **_public(incident))
                     self._snapshot(trainer, pl_module)
                     return
                 if incident["attempts"] == 0:
-                    same = replayed.bad_step == failing.bad_step and replayed.reason == failing.reason
-                    same = bool(trainer.strategy.reduce_boolean_decision(same, all=True))  # one label on all ranks
-                    incident["classification"] = "reproducible" if same else "nondeterministic"
-                    self._emit(trainer, incident["classification"], replayed.bad_step, reason=replayed.reason)
+                    incident["classification"] = self._classify(trainer, failing, replayed).value
                     if self.locate:
-                        found = self._diagnose(trainer, pl_module, snapshot, replayed.bad_step)
-                        incident["diagnosis"] = found.to_dict() if found is not None else None
-                        text = found.describe() if found is not None else "no op produced a non-finite value"
-                        self._emit(
-                            trainer,
-                            "diagnosis",
-                            replayed.bad_step,
-                            report=text,
-                            op=found and found.op,
-                            module=found and found.module_path,
-                            phase=found and found.phase,
-                        )
-                        rank_zero_warn(f"NaNRollbackCallback diagnosis at step {replayed.bad_step}:\n{text}")
+                        incident["diagnosis"] = self._report_diagnosis(trainer, pl_module, snapshot, replayed)
                 if self.policy == "stop" or incident["attempts"] >= self.max_retries:
                     self._stop(trainer, pl_module, incident, f"{replayed.reason} at step {replayed.bad_step} persists")
                     return
@@ -396,27 +411,70 @@ class NaNRollbackCallback(Callback):
                 self._apply_policy(trainer, replayed)
                 failing = replayed
         finally:
-            automatic.optim_progress.load_state_dict(progress[0])
-            manual.optim_step_progress.load_state_dict(progress[1])
-            self._health._next_unchecked = end
-            self._health._cache = None
+            for counter, saved in zip(counters, saved_counters):
+                counter.load_state_dict(saved)
+            self._health.resume_checks_at(end)
 
-    def _apply_policy(self, trainer: "pl.Trainer", verdict: HealthVerdict) -> None:
+    def _pick_snapshot(
+        self, trainer: pl.Trainer, failing: HealthVerdict, attempts: int, restart_before: int | None
+    ) -> Snapshot | None:
+        """The snapshot to restart from: the latest one, and for a retry one strictly before the bad step.
+
+        A changed replay must change the state *before* the bad step (its loss is a function of that
+        state): each retry restarts strictly before it, one snapshot further back than the last retry.
+        """
+        snapshot = self._latest_snapshot(trainer)
+        if attempts == 0:
+            return snapshot
+        assert failing.bad_step is not None
+        before = failing.bad_step if restart_before is None else min(restart_before, failing.bad_step)
+        return self._latest_snapshot(trainer, before_step=before) or snapshot
+
+    def _classify(self, trainer: pl.Trainer, failing: HealthVerdict, replayed: HealthVerdict) -> Classification:
+        """Reproducible when the replay fails at the same step for the same reason (one label on all ranks)."""
+        same = replayed.bad_step == failing.bad_step and replayed.reason == failing.reason
+        same = bool(trainer.strategy.reduce_boolean_decision(same, all=True))
+        label = Classification.REPRODUCIBLE if same else Classification.NONDETERMINISTIC
+        self._emit(trainer, EventKind(label.value), replayed.bad_step, reason=replayed.reason)
+        return label
+
+    def _report_diagnosis(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: Snapshot, replayed: HealthVerdict
+    ) -> dict[str, Any] | None:
+        """Run the non-finite locator on the failing step, log and warn its report; returns it as a dict."""
+        assert replayed.bad_step is not None
+        found = self._diagnose(trainer, pl_module, snapshot, replayed.bad_step)
+        text = found.describe() if found is not None else "no op produced a non-finite value"
+        self._emit(
+            trainer,
+            EventKind.DIAGNOSIS,
+            replayed.bad_step,
+            report=text,
+            op=found and found.op,
+            module=found and found.module_path,
+            phase=found and found.phase,
+        )
+        rank_zero_warn(f"NaNRollbackCallback diagnosis at step {replayed.bad_step}:\n{text}")
+        return found.to_dict() if found is not None else None
+
+    def _apply_policy(self, trainer: pl.Trainer, verdict: HealthVerdict) -> None:
+        """``skip``: drop the updates of ``skip_batches`` batches from the bad one; ``lower_lr``: scale every LR."""
+        assert verdict.bad_step is not None
         if self.policy == "skip":
             skipped = list(range(verdict.bad_step, verdict.bad_step + self.skip_batches))
             self._skip_steps.update(skipped)
-            self._emit(trainer, "policy", verdict.bad_step, policy="skip", skipped_steps=skipped)
+            self._emit(trainer, EventKind.POLICY, verdict.bad_step, policy="skip", skipped_steps=skipped)
         else:
             self._lr_scale *= self.lr_factor
-            self._emit(trainer, "policy", verdict.bad_step, policy="lower_lr", lr_scale=self._lr_scale)
+            self._emit(trainer, EventKind.POLICY, verdict.bad_step, policy="lower_lr", lr_scale=self._lr_scale)
 
-    def _stop(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", incident: dict[str, Any], why: str) -> None:
+    def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, incident: dict[str, Any], why: str) -> None:
         snapshot = self._latest_snapshot(trainer)
         if snapshot is not None:
             self._restore(trainer, pl_module, snapshot)
         self.stopped = True
         trainer.should_stop = True
-        incident["outcome"] = "stopped"
+        incident["outcome"] = Outcome.STOPPED.value
         self.stop_report = {
             "why": why,
             "weights_at_step": snapshot.step if snapshot is not None else None,
@@ -426,7 +484,7 @@ class NaNRollbackCallback(Callback):
             "lr_scale": self._lr_scale,
             **_public(incident),
         }
-        self._emit(trainer, "stopped", incident["step"], **self.stop_report)
+        self._emit(trainer, EventKind.STOPPED, incident["step"], **self.stop_report)
         rank_zero_warn(
             f"NaNRollbackCallback stopped training: {why}. Weights restored to the snapshot of step "
             f"{self.stop_report['weights_at_step']}; see the health event log."
@@ -452,11 +510,3 @@ class NaNRollbackCallback(Callback):
 
 def _public(incident: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in incident.items() if k != "step"} | {"incident_step": incident["step"]}
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: Any) -> None:
-        return None

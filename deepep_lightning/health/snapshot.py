@@ -1,23 +1,24 @@
 """Healthy-state snapshots: capture to host memory (async pinned copies), restore exactly, atomic disk files.
 
 A snapshot holds everything a replay needs to recompute the same steps bit for
-bit: model and optimizer tensors, LR schedulers, the AMP scaler, every RNG, the
-loop's optimizer-step counters, the module's rollout state
-(``rollout_state_dict()``/``load_rollout_state_dict(d)``, a duck-typed protocol
-any LightningModule may implement for state that lives outside parameters),
+bit: model and optimizer tensors, LR schedulers, the AMP scaler, every RNG
+(:func:`~deepep_lightning.determinism.rng.capture_rng_state`), the loop's optimizer-step
+counters, the module's rollout state (when it implements
+:class:`~deepep_lightning.protocols.RolloutStateful`: state that lives outside parameters),
 the health callback's state (spike window), the LR scale applied by rollback and the accumulated
 states of the module's torchmetrics metrics, so replayed steps are not counted twice
-(:mod:`._metric_state`).
+(:mod:`deepep_lightning._metric_state`).
 
 Restoring is **in place**: parameters, buffers, optimizer state and the rollout
 state are copied into the live tensors, never replaced, because a captured CUDA
-graph (``DeepEPModule(cuda_graph=True)``) keeps raw pointers to them and would
+graph (e.g. a module whose step is one graph) keeps raw pointers to them and would
 otherwise go on reading freed memory.
 
 On disk a snapshot is ``MAGIC | payload length | sha256 | torch.save payload``,
 written to a temporary file, fsynced and renamed, so a file is either complete
 or absent; a truncated or corrupted file fails verification with
-:class:`CorruptSnapshotError` and the ring falls back to the previous one.
+:class:`CorruptSnapshotError` and the ring falls back to the previous one. The payload is
+tensors and plain values, read with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import copy
 import hashlib
 import io
 import os
+import pickle
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +35,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from torch import Tensor
 
-from deepep_lightning.health._metric_state import capture_metric_states, restore_metric_states
+from deepep_lightning._lightning_compat import optimizer_step_progress
+from deepep_lightning._metric_state import capture_metric_states, restore_metric_states
+from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state
+from deepep_lightning.protocols import RolloutStateful
 
 __all__ = [
     "CorruptSnapshotError",
@@ -57,7 +61,7 @@ class CorruptSnapshotError(RuntimeError):
     """An on-disk snapshot is truncated, corrupted or not a snapshot."""
 
 
-def _to_host(tree: Any, events: list) -> Any:
+def _to_host(tree: Any, events: list[torch.device]) -> Any:
     """Copy every tensor of ``tree`` to host memory; CUDA tensors go to pinned memory asynchronously."""
     if isinstance(tree, Tensor):
         source = tree.detach()
@@ -135,7 +139,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
     absent from the snapshot (no step taken yet) is zeroed in place for Adam/AdamW (identical to
     their lazily created state) and removed for other optimizers, as in a fresh optimizer. Only a
     changed number of param groups falls back to ``optimizer.load_state_dict`` (new tensors; a
-    :class:`~deepep_lightning.deepep.agent.graphed_step.GraphedTrainStep` then refuses to replay).
+    captured graph reading the old ones must then be captured again).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if len(saved["param_groups"]) != len(optimizer.param_groups):
@@ -169,7 +173,7 @@ def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) 
                 live[key] = restored
 
 
-def clone_update_state(pl_module: "pl.LightningModule", optimizers: list) -> list[Any]:
+def clone_update_state(pl_module: pl.LightningModule, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
     """Device copies of what an optimizer step changes: the parameters and the optimizer state.
 
     With :func:`restore_update_state`, this drops one step's update after the fact, for modules
@@ -186,7 +190,9 @@ def clone_update_state(pl_module: "pl.LightningModule", optimizers: list) -> lis
     return [params, states]
 
 
-def restore_update_state(pl_module: "pl.LightningModule", optimizers: list, saved: list[Any]) -> None:
+def restore_update_state(
+    pl_module: pl.LightningModule, optimizers: list[torch.optim.Optimizer], saved: list[Any]
+) -> None:
     """Copy :func:`clone_update_state`'s copies back, in place; state created since is reset as in a fresh optimizer."""
     params, states = saved
     with torch.no_grad():
@@ -204,11 +210,6 @@ def restore_update_state(pl_module: "pl.LightningModule", optimizers: list, save
                     live[key] = value
 
 
-def _loops(trainer: "pl.Trainer") -> tuple[Any, Any]:
-    epoch_loop = trainer.fit_loop.epoch_loop
-    return epoch_loop.automatic_optimization.optim_progress, epoch_loop.manual_optimization.optim_step_progress
-
-
 @dataclass
 class Snapshot:
     """A healthy training state taken after optimizer step ``step - 1`` (``step`` steps done)."""
@@ -224,18 +225,17 @@ class Snapshot:
     rollout: Any
     callback_state: dict[str, Any]
     lr_scale: float
-    metrics: dict = field(default_factory=dict)  # accumulated metric states (absent in older files)
-    _cuda_devices: list = field(default_factory=list, repr=False)
-    _events: list = field(default_factory=list, repr=False)
+    metrics: dict[str, Any] = field(default_factory=dict)  # accumulated metric states (absent in older files)
+    _events: list[torch.cuda.Event] = field(default_factory=list, repr=False)
 
     @classmethod
     def capture(
-        cls, trainer: "pl.Trainer", pl_module: "pl.LightningModule", callback_state: dict[str, Any], lr_scale: float
-    ) -> "Snapshot":
-        devices: list = []
-        automatic, manual = _loops(trainer)
+        cls, trainer: pl.Trainer, pl_module: pl.LightningModule, callback_state: dict[str, Any], lr_scale: float
+    ) -> Snapshot:
+        devices: list[torch.device] = []
+        automatic, manual = optimizer_step_progress(trainer)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        rollout = pl_module.rollout_state_dict() if hasattr(pl_module, "rollout_state_dict") else None
+        rollout = pl_module.rollout_state_dict() if isinstance(pl_module, RolloutStateful) else None
         snapshot = cls(
             step=trainer.global_step,
             epoch=trainer.current_epoch,
@@ -243,7 +243,7 @@ class Snapshot:
             optimizers=[_to_host(opt.state_dict(), devices) for opt in trainer.optimizers],
             schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
             scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
-            rng=_collect_rng_states(include_cuda=torch.cuda.is_available() and torch.cuda.is_initialized()),
+            rng=capture_rng_state(),
             progress={"automatic": copy.deepcopy(automatic.state_dict()), "manual": copy.deepcopy(manual.state_dict())},
             rollout=_to_host(rollout, devices) if rollout is not None else None,
             callback_state=copy.deepcopy(callback_state),
@@ -262,7 +262,7 @@ class Snapshot:
             event.synchronize()
         self._events.clear()
 
-    def restore(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", restore_progress: bool = True) -> None:
+    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, restore_progress: bool = True) -> None:
         """Put the trainer and module back to this state (counters too when ``restore_progress``)."""
         self.wait()
         _restore_module(pl_module, self.model)
@@ -274,13 +274,13 @@ class Snapshot:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and self.scaler is not None:
             scaler.load_state_dict(copy.deepcopy(self.scaler))
-        _set_rng_states(copy.deepcopy(self.rng))
-        if self.rollout is not None and hasattr(pl_module, "load_rollout_state_dict"):
+        restore_rng_state(self.rng)
+        if self.rollout is not None and isinstance(pl_module, RolloutStateful):
             pl_module.load_rollout_state_dict(_to_device(self.rollout))
         if self.epoch == trainer.current_epoch:  # replayed steps must not be counted twice in epoch metrics
-            restore_metric_states(pl_module, _to_device(self.metrics))
+            restore_metric_states(pl_module, _to_device(self.metrics), reset_missing=True)
         if restore_progress:
-            automatic, manual = _loops(trainer)
+            automatic, manual = optimizer_step_progress(trainer)
             automatic.load_state_dict(copy.deepcopy(self.progress["automatic"]))
             manual.load_state_dict(copy.deepcopy(self.progress["manual"]))
 
@@ -319,8 +319,11 @@ def load_snapshot_file(path: str) -> Snapshot:
         raise CorruptSnapshotError(f"{path!r} is truncated: {len(data)} of {length} payload bytes")
     if hashlib.sha256(data).digest() != digest:
         raise CorruptSnapshotError(f"{path!r} is corrupted: sha256 checksum mismatch")
-    # our own verified file; it holds RNG states (numpy arrays, tuples), so not weights_only
-    payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    try:
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # a state_dict holding a Python object (e.g. a custom LR scheduler's); the file passed its checksum
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     return Snapshot(**payload)
 
 
@@ -335,7 +338,7 @@ class SnapshotRing:
     def __init__(self, keep: int = 2, directory: str | None = None) -> None:
         self.keep = keep
         self.directory = directory
-        self._items: list[Any] = []  # Snapshot objects, or (step, path) on disk
+        self._items: list[Snapshot | tuple[int, str]] = []  # in memory, or (step, path) on disk
 
     def __len__(self) -> int:
         return len(self._items)

@@ -12,7 +12,7 @@ import math
 from collections import deque
 from typing import Any
 
-from lightning.fabric.utilities.exceptions import MisconfigurationException
+from deepep_lightning import _checks
 
 __all__ = ["LossSpikeDetector"]
 
@@ -41,20 +41,13 @@ class LossSpikeDetector:
     def __init__(
         self, window: int = 100, z_threshold: float = 6.0, warmup: int | None = None, persistence: int = 1
     ) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
-            raise MisconfigurationException(f"`spike_window` must be an int >= 2, got {window!r}.")
-        if isinstance(z_threshold, bool) or not isinstance(z_threshold, (int, float)) or not z_threshold > 0:
-            raise MisconfigurationException(f"`spike_z_threshold` must be a number > 0, got {z_threshold!r}.")
-        if warmup is None:
-            warmup = window
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 2:
-            raise MisconfigurationException(f"`spike_warmup` must be an int >= 2 or None, got {warmup!r}.")
-        if isinstance(persistence, bool) or not isinstance(persistence, int) or persistence < 1:
-            raise MisconfigurationException(f"`spike_persistence` must be an int >= 1, got {persistence!r}.")
-        self.window = window
+        # named as NumericalHealthCallback's arguments, which pass straight through
+        self.window: int = _checks.int_at_least(None, "spike_window", window, 2)
+        _checks.number(None, "spike_z_threshold", z_threshold, minimum=0, exclusive_minimum=True)
         self.z_threshold = float(z_threshold)
-        self.warmup = warmup
-        self.persistence = persistence
+        warmup = _checks.int_at_least(None, "spike_warmup", warmup, 2, allow_none=True)
+        self.warmup: int = window if warmup is None else warmup
+        self.persistence: int = _checks.int_at_least(None, "spike_persistence", persistence, 1)
         self._history: deque[float] = deque(maxlen=window)
         self._seen = 0
         self._run: list[int] = []  # steps of the current run of spiking losses

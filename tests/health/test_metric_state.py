@@ -44,7 +44,7 @@ def test_transient_fault_leaves_epoch_aggregates_equal(tmp_path):
 
 def test_without_restoring_metric_states_the_replay_is_counted_twice(tmp_path, monkeypatch):
     clean = _epoch_values(tmp_path / "clean", faulty=False)
-    monkeypatch.setattr(snapshot_module, "restore_metric_states", lambda *args: None)  # negative control
+    monkeypatch.setattr(snapshot_module, "restore_metric_states", lambda *args, **kwargs: None)  # negative control
     faulty = _epoch_values(tmp_path / "faulty", faulty=True)
     assert faulty["train/metric_loss"] != clean["train/metric_loss"]  # the torchmetrics mean saw steps twice
     assert faulty["train/epoch_loss"] == clean["train/epoch_loss"]  # self.log is silenced during replays

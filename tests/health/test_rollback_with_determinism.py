@@ -14,7 +14,7 @@ def _fit(tmp_path, fault, replay_hook=True):
     module = ToyModule()
     determinism = DeterminismCallback(seed=3, seekable_data=False)
     if not replay_hook:  # negative control: the replay does not reseed like the original step did
-        determinism.on_replay_batch_start = None
+        determinism.on_replay_batch_start = lambda *args: None
     callbacks = [
         determinism,
         NumericalHealthCallback(check_every_n_steps=1, spike_detection=False),
