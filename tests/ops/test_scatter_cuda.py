@@ -1,0 +1,235 @@
+"""GPU tests of deepep::segment_scatter_add and the index_add / scatter_add / index_put_(accumulate) routes.
+
+Run on the GPU machine: ``python -m pytest tests/ops/test_scatter_cuda.py -q``.
+"""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("cuda_kernels")]
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# Tolerance against the float64 oracle, relative to the largest |oracle| (the sums are in double, rounded once).
+RTOL = {torch.float32: 1e-6, torch.float64: 1e-12, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+SHAPES = [  # (src shape, dim, size, description)
+    ((1000,), 0, 10, "short segments"),
+    ((200_000,), 0, 3, "hot rows: chunked segments, K > 32"),
+    ((5000, 33), 0, 700, "rows with inner columns"),
+    ((3, 4096, 5), 1, 17, "outer and inner dims"),
+    ((64,), 0, 100_000, "more rows than entries: mostly empty rows"),
+    ((4099,), 0, 1, "one row, a tail of 3 after full chunks"),
+]
+
+
+def _inputs(shape, dim, size, dtype, seed=0, skew=False):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    src = torch.randn(shape, device="cuda", generator=generator).to(dtype)
+    if skew:  # half of the entries on row 0: one very long segment among short ones
+        index = torch.randint(0, size, (shape[dim],), device="cuda", generator=generator)
+        index[: shape[dim] // 2] = 0
+    else:
+        index = torch.randint(0, size, (shape[dim],), device="cuda", generator=generator)
+    return src, index
+
+
+def _oracle(src, index, size, dim, base=None, alpha=1.0):
+    shape = list(src.shape)
+    shape[dim] = size
+    out = base.double().cpu().clone() if base is not None else torch.zeros(shape, dtype=torch.float64)
+    return out.index_add_(dim, index.cpu(), src.double().cpu(), alpha=alpha)
+
+
+def _assert_near_oracle(actual, oracle, dtype):
+    scale = oracle.abs().max().clamp_min(1e-30).item()
+    torch.testing.assert_close(actual.double().cpu(), oracle, rtol=0, atol=RTOL[dtype] * scale * 4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim,size,description", SHAPES)
+def test_segment_scatter_add_matches_oracle_and_repeats_bitwise(shape, dim, size, description, dtype):
+    from deepep_lightning.ops.scatter import segment_scatter_add
+
+    src, index = _inputs(shape, dim, size, dtype)
+    ours = segment_scatter_add(src, index, size, dim)
+    _assert_near_oracle(ours, _oracle(src, index, size, dim), dtype)
+    for _ in range(20):
+        assert torch.equal(segment_scatter_add(src, index, size, dim), ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_skewed_index_and_base_alpha(dtype):
+    from deepep_lightning.ops.scatter import segment_scatter_add
+
+    src, index = _inputs((300_000, 2), 0, 1000, dtype, skew=True)
+    base = torch.randn(1000, 2, device="cuda").to(dtype)
+    ours = segment_scatter_add(src, index, 1000, 0, base, -0.25)
+    _assert_near_oracle(ours, _oracle(src, index, 1000, 0, base, -0.25), dtype)
+    assert torch.equal(segment_scatter_add(src, index, 1000, 0, base, -0.25), ours)
+
+
+def test_oracle_check_catches_a_lost_entry():
+    """Negative control: dropping one entry's contribution fails the oracle comparison."""
+    from deepep_lightning.ops.scatter import segment_scatter_add
+
+    src, index = _inputs((5000, 33), 0, 700, torch.float32)
+    ours = segment_scatter_add(src, index, 700)
+    src_missing = src.clone()
+    src_missing[17] = 0
+    with pytest.raises(AssertionError):
+        _assert_near_oracle(segment_scatter_add(src_missing, index, 700), _oracle(src, index, 700, 0), torch.float32)
+    _assert_near_oracle(ours, _oracle(src, index, 700, 0), torch.float32)
+
+
+def test_row_results_do_not_depend_on_other_rows():
+    """A row's sum is the same bits whatever the other rows hold (chunks start at each segment's own start)."""
+    from deepep_lightning.ops.scatter import segment_scatter_add
+
+    src, index = _inputs((100_000,), 0, 50, torch.float32)
+    ours = segment_scatter_add(src, index, 50)
+    keep = index == 7
+    alone = segment_scatter_add(src[keep], index[keep], 50)
+    assert torch.equal(alone[7], ours[7])
+    # More entries on lower rows shift row 7's segment in the sorted array, not its bits.
+    extra = torch.zeros(12345, dtype=index.dtype, device="cuda")
+    shifted = segment_scatter_add(torch.cat([torch.randn(12345, device="cuda"), src]), torch.cat([extra, index]), 50)
+    assert torch.equal(shifted[7], ours[7])
+
+
+def test_empty_and_non_contiguous_inputs():
+    from deepep_lightning.ops.scatter import segment_scatter_add
+
+    base = torch.randn(4, 3, device="cuda")
+    empty = torch.empty(0, 3, device="cuda")
+    assert torch.equal(segment_scatter_add(empty, torch.empty(0, dtype=torch.long, device="cuda"), 4, 0, base), base)
+    assert segment_scatter_add(
+        torch.empty(5, 0, device="cuda"), torch.zeros(5, dtype=torch.long, device="cuda"), 4
+    ).shape == (4, 0)
+    src = torch.randn(6, 40, device="cuda").t()  # [40, 6], not contiguous
+    index = torch.randint(0, 4, (40,), device="cuda", dtype=torch.int32)
+    _assert_near_oracle(segment_scatter_add(src, index, 4), _oracle(src, index.long(), 4, 0), torch.float32)
+
+
+# ---- the routes: PyTorch's own ops in deterministic mode -----------------------------------------------------
+
+
+def _index_add(self, index, source):
+    return self.index_add(0, index, source, alpha=0.5)
+
+
+def _index_add_dim1(self, index, source):
+    return self.t().contiguous().index_add(1, index, source.t().contiguous()).t()
+
+
+def _index_add_inplace(self, index, source):
+    return self.clone().index_add_(0, index, source)
+
+
+def _scatter_add(self, index, source):
+    return self.scatter_add(0, index.view(-1, 1).expand(-1, self.shape[1]), source)
+
+
+def _scatter_add_inplace(self, index, source):
+    return self.clone().scatter_add_(0, index.view(-1, 1).expand(-1, self.shape[1]), source)
+
+
+def _index_put(self, index, source):
+    return self.clone().index_put_((index,), source, accumulate=True)
+
+
+def _embedding_backward_like(self, index, source):  # index_put_ with broadcast values and two index tensors
+    columns = torch.arange(self.shape[1], device=self.device).view(1, -1)
+    return self.clone().index_put_((index.view(-1, 1), columns), source, accumulate=True)
+
+
+ROUTED_OPS = {
+    "index_add": (_index_add, "index_add"),
+    "index_add_dim1": (_index_add_dim1, "index_add"),
+    "index_add_": (_index_add_inplace, "index_add_"),
+    "scatter_add": (_scatter_add, "scatter_add"),
+    "scatter_add_": (_scatter_add_inplace, "scatter_add_"),
+    "index_put_accumulate": (_index_put, "_index_put_impl_"),
+    "index_put_two_indices": (_embedding_backward_like, "_index_put_impl_"),
+}
+
+
+def _route_inputs(dtype=torch.float32, rows=1000, entries=200_000, features=8, seed=0):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    self = torch.randn(rows, features, device="cuda", generator=generator).to(dtype)
+    index = torch.randint(0, rows, (entries,), device="cuda", generator=generator)
+    source = torch.randn(entries, features, device="cuda", generator=generator).to(dtype)
+    return self, index, source
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(ROUTED_OPS))
+def test_routed_op_matches_pytorch_and_repeats_bitwise(name, dtype, deterministic_routing):
+    from deepep_lightning.ops._routes import installed_ops
+
+    fn, aten_op = ROUTED_OPS[name]
+    assert aten_op in installed_ops()
+    self, index, source = _route_inputs(dtype)
+    ours = fn(self, index, source)
+    for _ in range(20):
+        assert torch.equal(fn(self, index, source), ours)
+    oracle = fn(self.double().cpu(), index.cpu(), source.double().cpu())
+    _assert_near_oracle(ours, oracle, dtype)
+    torch.use_deterministic_algorithms(False)  # PyTorch's atomic kernel, same inputs: same values to rounding
+    _assert_near_oracle(fn(self, index, source), oracle, dtype)
+
+
+def test_route_is_the_deepep_kernel_and_off_outside_deterministic_mode(deterministic_routing):
+    from deepep_lightning.ops.scatter import segment_scatter_add
+
+    self, index, source = _route_inputs()
+    routed = self.index_add(0, index, source)
+    assert torch.equal(routed, segment_scatter_add(source, index, 1000, 0, self))
+    torch.use_deterministic_algorithms(False)
+    atomic = [self.index_add(0, index, source) for _ in range(5)]
+    # Outside deterministic mode the route hands the call to PyTorch's atomic kernel (bits may vary).
+    assert all(torch.allclose(a, routed, rtol=1e-5, atol=1e-4) for a in atomic)
+
+
+def test_uncovered_cases_keep_pytorch_results(deterministic_routing):
+    self = torch.zeros(10, dtype=torch.int64, device="cuda")
+    index = torch.tensor([1, 1, 3], device="cuda")
+    assert self.index_add(0, index, torch.ones(3, dtype=torch.int64, device="cuda")).tolist() == [0, 2, 0, 1] + [0] * 6
+    values = torch.ones(3, device="cuda")
+    mask = torch.zeros(10, dtype=torch.bool, device="cuda")
+    mask[[2, 4, 6]] = True
+    assert torch.zeros(10, device="cuda").index_put_((mask,), values, accumulate=True).sum().item() == 3
+
+
+@pytest.mark.parametrize("name", ["index_add", "scatter_add", "index_put_accumulate"])
+def test_routed_op_under_torch_compile(name, deterministic_routing):
+    fn, _ = ROUTED_OPS[name]
+    self, index, source = _route_inputs(entries=50_000)
+    eager = fn(self, index, source)
+    compiled = torch.compile(fn, fullgraph=False)
+    # Inductor may decompose the op (index_add -> index_put with alpha applied first), so the bits can
+    # differ from eager's by rounding; deterministic mode makes it fall back to the routed aten ops.
+    first = compiled(self, index, source)
+    for _ in range(3):
+        assert torch.equal(compiled(self, index, source), first)
+    torch.testing.assert_close(first, eager, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["index_add", "index_add_", "scatter_add", "index_put_accumulate"])
+def test_routed_op_in_a_cuda_graph(name, deterministic_routing):
+    fn, _ = ROUTED_OPS[name]
+    self, index, source = _route_inputs(entries=50_000)
+    eager = fn(self, index, source)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (allocator, lazy init)
+        fn(self, index, source)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(self, index, source)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    source.mul_(2)  # the replay reads the new values
+    graph.replay()
+    assert torch.equal(captured, fn(self, index, source))
