@@ -147,7 +147,7 @@ def _worker(args: argparse.Namespace) -> None:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())  # 0-dim too
     strategy = trainer.strategy
     record = {
         "run": args.worker,
@@ -272,7 +272,7 @@ def _launch_invariance(args: argparse.Namespace, name: str, devices: int) -> dic
     digest = hashlib.sha256()
     for key, tensor in sorted(torch.load(path, weights_only=True).items()):
         digest.update(key.encode())
-        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return {"status": status, "ranks": [{"weights_sha256": digest.hexdigest(), "median_step_s": None, "incidents": []}]}
 
 
