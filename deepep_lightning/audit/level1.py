@@ -28,7 +28,7 @@ import torch
 from deepep_lightning.audit.catalogue import CATALOGUE, catalogue_names, size_of
 from deepep_lightning.audit.op_hashes import locate
 from deepep_lightning.audit.repeat import run_repeats
-from deepep_lightning.audit.report import LevelResult
+from deepep_lightning.audit.report import LevelResult, Status
 
 __all__ = ["COLUMNS", "audit_callable", "audit_catalogue", "format_catalogue_table"]
 
@@ -60,20 +60,22 @@ def audit_callable(
             return LevelResult(
                 "L1",
                 label,
-                "error",
+                Status.ERROR,
                 seconds=time.perf_counter() - start,
                 error=f"raises: {str(error).splitlines()[0]}",
                 details={"raises": True},
             )
-        return LevelResult("L1", label, "error", seconds=time.perf_counter() - start, error=f"RuntimeError: {error}")
+        return LevelResult(
+            "L1", label, Status.ERROR, seconds=time.perf_counter() - start, error=f"RuntimeError: {error}"
+        )
     except Exception as error:
         return LevelResult(
-            "L1", label, "error", seconds=time.perf_counter() - start, error=f"{type(error).__name__}: {error}"
+            "L1", label, Status.ERROR, seconds=time.perf_counter() - start, error=f"{type(error).__name__}: {error}"
         )
     result = LevelResult(
         "L1",
         label,
-        "reproducible" if stats.reproducible else "divergent",
+        Status.REPRODUCIBLE if stats.reproducible else Status.DIVERGENT,
         repeats=stats.repeats,
         distinct_results=stats.distinct_results,
         max_abs_diff=stats.max_abs_diff,

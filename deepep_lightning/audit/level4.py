@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from deepep_lightning.audit.hashing import bitwise_equal, iter_named_tensors, max_abs_diff
-from deepep_lightning.audit.report import LevelResult
+from deepep_lightning.audit.report import LevelResult, Status
 from deepep_lightning.audit.targets import DEEPEP_TARGET
 
 __all__ = ["audit_training", "compare_states"]
@@ -152,7 +152,7 @@ def audit_training(
                     return LevelResult(
                         "L4",
                         label,
-                        "error",
+                        Status.ERROR,
                         seconds=time.perf_counter() - start,
                         error=error,
                         details={"commands": commands},
@@ -181,7 +181,7 @@ def _compare(root: str, label: str, commands: list[str]) -> LevelResult:
     return LevelResult(
         "L4",
         label,
-        "reproducible" if reproducible else "divergent",
+        Status.REPRODUCIBLE if reproducible else Status.DIVERGENT,
         repeats=2,
         distinct_results=1 if reproducible else 2,
         max_abs_diff=max(known, default=0.0 if reproducible else None),

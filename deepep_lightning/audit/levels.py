@@ -14,7 +14,7 @@ from typing import Any
 
 from deepep_lightning.audit.op_hashes import Divergence, locate
 from deepep_lightning.audit.repeat import run_repeats
-from deepep_lightning.audit.report import LevelResult
+from deepep_lightning.audit.report import LevelResult, Status
 from deepep_lightning.audit.targets import ModuleTarget, PreparedRun
 
 __all__ = ["audit_module", "locate_divergence"]
@@ -86,7 +86,7 @@ def audit_module(
             return LevelResult(
                 level,
                 name,
-                "error",
+                Status.ERROR,
                 seconds=time.perf_counter() - start,
                 error=f"{type(error).__name__}: {error}",
                 details={"traceback": traceback.format_exc(limit=6)},
@@ -94,7 +94,7 @@ def audit_module(
         result = LevelResult(
             level,
             name,
-            "reproducible" if stats.reproducible else "divergent",
+            Status.REPRODUCIBLE if stats.reproducible else Status.DIVERGENT,
             repeats=stats.repeats,
             distinct_results=stats.distinct_results,
             max_abs_diff=stats.max_abs_diff,

@@ -9,13 +9,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["EXIT_COULD_NOT_RUN", "EXIT_DIVERGENT", "EXIT_REPRODUCIBLE", "AuditReport", "LevelResult"]
+from deepep_lightning._enums import StrEnum
+
+__all__ = ["EXIT_COULD_NOT_RUN", "EXIT_DIVERGENT", "EXIT_REPRODUCIBLE", "AuditReport", "LevelResult", "Status"]
 
 EXIT_REPRODUCIBLE = 0
 EXIT_DIVERGENT = 1
 EXIT_COULD_NOT_RUN = 2
 
-_STATUSES = ("reproducible", "divergent", "error")
+
+class Status(StrEnum):
+    """The verdict of one check (written as its string in JSON reports)."""
+
+    REPRODUCIBLE = "reproducible"
+    DIVERGENT = "divergent"
+    ERROR = "error"  # could not run
+
+
+_STATUSES = tuple(status.value for status in Status)
 
 
 @dataclasses.dataclass
@@ -38,29 +49,30 @@ class LevelResult:
 
     level: str
     target: str
-    status: str
+    status: Status
     repeats: int = 0
     distinct_results: int = 0
     max_abs_diff: float | None = None
-    differing: list = dataclasses.field(default_factory=list)
-    divergence: dict | None = None
+    differing: list[str] = dataclasses.field(default_factory=list)
+    divergence: dict[str, Any] | None = None
     seconds: float = 0.0
     error: str | None = None
-    details: dict = dataclasses.field(default_factory=dict)
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in _STATUSES:
             raise ValueError(f"`status` must be one of {_STATUSES}, got {self.status!r}")
+        self.status = Status(self.status)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "status": self.status.value}
 
     def describe(self) -> str:
         head = f"[{self.level}] {self.target}: {self.status.upper()}"
-        if self.status == "error":
+        if self.status == Status.ERROR:
             return f"{head} — {self.error}"
         head += f" ({self.repeats} repeats, {self.distinct_results} distinct result(s)"
-        if self.status == "divergent":
+        if self.status == Status.DIVERGENT:
             head += f", max |diff| {self.max_abs_diff:.6g}" if self.max_abs_diff is not None else ""
         head += f", {self.seconds:.2f} s)"
         lines = [head]
@@ -69,7 +81,7 @@ class LevelResult:
             lines.append(f"  differing: {shown}")
         if self.divergence:
             lines.append(_describe_divergence(self.divergence))
-        elif self.status == "divergent" and "locator" in self.details:
+        elif self.status == Status.DIVERGENT and "locator" in self.details:
             lines.append(f"  locator: {self.details['locator']}")
         for key in ("table", "note"):
             if key in self.details:
@@ -95,8 +107,8 @@ def _describe_divergence(d: dict) -> str:
 class AuditReport:
     """All checks of one ``deepep-audit`` invocation."""
 
-    results: list = dataclasses.field(default_factory=list)
-    environment: dict = dataclasses.field(default_factory=dict)
+    results: list[LevelResult] = dataclasses.field(default_factory=list)
+    environment: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.environment:
@@ -106,9 +118,9 @@ class AuditReport:
     def exit_code(self) -> int:
         """0: all reproducible; 1: some divergence (even if another check errored); 2: nothing could be decided."""
         statuses = {r.status for r in self.results}
-        if "divergent" in statuses:
+        if Status.DIVERGENT in statuses:
             return EXIT_DIVERGENT
-        if not self.results or "error" in statuses:
+        if not self.results or Status.ERROR in statuses:
             return EXIT_COULD_NOT_RUN
         return EXIT_REPRODUCIBLE
 
