@@ -95,9 +95,14 @@ class DeepEPModule(pl.LightningModule):
             None: the fixed ``entropy_coef``.
         entropy_coef_max: the adaptive coefficient's ceiling (``>= entropy_coef``).
         entropy_coef_rate: the adaptive coefficient's step on ``log α`` per nat of entropy deficit.
-        target_critic_tau: Polyak rate τ of a target critic (a slow copy of the value head) that
-            bootstraps the critic's λ-returns; it lags the online critic by about ``1/τ`` steps. None:
-            the online critic bootstraps itself.
+        target_tau: Polyak rate τ of the target networks, slow copies that lag the online ones by about
+            ``1/τ`` steps: the target critic bootstraps the critic's λ-returns, and with ``kl_coef > 0``
+            the target policy anchors a per-state KL trust region. None: no target networks (the online
+            critic bootstraps itself; ``kl_coef`` must be 0).
+        kl_coef: weight of ``KL(π_target(·|s) ‖ π(·|s))``, averaged over the rollout's states: it bounds
+            how fast the policy can move away from its own recent average (actions are enumerable, so
+            the KL is exact), which stops a run of same-signed Adam steps on a near-flat critic from
+            carrying the policy onto one action within a few dozen steps. 0: off.
         chrono_horizon: chrono initialisation of the GRU's update gate for memory over up to this many
             steps (``>= 2``); None: PyTorch's default initialisation.
         max_grad_norm: clip the gradients' global norm to this (None: no clipping). Works on both
@@ -138,9 +143,10 @@ class DeepEPModule(pl.LightningModule):
         value_coef: float = 0.5,
         entropy_coef: float = 0.001,
         target_entropy: float | None = None,
-        entropy_coef_max: float = 0.1,
-        entropy_coef_rate: float = 0.05,
-        target_critic_tau: float | None = None,
+        entropy_coef_max: float = 0.05,
+        entropy_coef_rate: float = 0.2,
+        target_tau: float | None = None,
+        kl_coef: float = 0.0,
         chrono_horizon: int | None = None,
         max_grad_norm: float | None = None,
         detach_feedback: bool = True,
@@ -191,13 +197,19 @@ class DeepEPModule(pl.LightningModule):
         _checks.number("DeepEPModule", "entropy_coef_rate", entropy_coef_rate, minimum=0.0, exclusive_minimum=True)
         _checks.number(
             "DeepEPModule",
-            "target_critic_tau",
-            target_critic_tau,
+            "target_tau",
+            target_tau,
             minimum=0.0,
             maximum=1.0,
             exclusive_minimum=True,
             allow_none=True,
         )
+        _checks.number("DeepEPModule", "kl_coef", kl_coef, minimum=0.0, finite=True)
+        if kl_coef > 0 and target_tau is None:
+            raise MisconfigurationException(
+                f"`DeepEPModule(kl_coef=...)` must be 0 without target networks, got {kl_coef!r} with target_tau=None"
+                " (HINT: set target_tau, e.g. 0.05)"
+            )
         if chrono_horizon is not None:
             _checks.int_at_least("DeepEPModule", "chrono_horizon", chrono_horizon, 2)
         if max_grad_norm is not None:
@@ -242,7 +254,8 @@ class DeepEPModule(pl.LightningModule):
                 detach_feedback,
                 bool(fused_value_head),
                 atomic_value_head,
-                target_critic=target_critic_tau is not None,
+                target_critic=target_tau is not None,
+                target_policy=kl_coef > 0,
                 chrono_horizon=chrono_horizon,
             )
         # log α of the adaptive entropy coefficient: a buffer, so checkpoints and rollbacks carry it.
@@ -365,20 +378,18 @@ class DeepEPModule(pl.LightningModule):
         assert self._env is not None and self._hidden is not None and self._generator is not None
         step_fn = self._agent_step
         agent = self.agent if step_fn is self.agent.step else _CompiledStepAgent(self.agent, step_fn)
-        if hp.target_critic_tau is not None:
+        if hp.target_tau is not None:
             # Before the rollout, so the target follows the weights of the previous optimizer step on both paths.
             assert self.agent.target_value_head is not None
             polyak_update_(
-                list(self.agent.target_value_head.parameters()),
-                list(self.agent.value_head.parameters()),
-                hp.target_critic_tau,
+                list(self.agent.target_parameters()), list(self.agent.online_parameters_of_targets()), hp.target_tau
             )
         rollout = collect_rollout(
             agent, self._env, self._hidden.clone(), hp.rollout_length, self._generator, hp.bptt_truncation
         )
         self._hidden.copy_(rollout.final_hidden)
         target_q, bootstrap = None, rollout.bootstrap_value
-        if hp.target_critic_tau is not None:
+        if hp.target_tau is not None:
             all_target_q = self.agent.target_q(rollout.features)  # [T + 1, B, A]
             target_q = all_target_q[:-1]
             bootstrap = (torch.softmax(rollout.bootstrap_logits, dim=-1) * all_target_q[-1]).sum(dim=-1)
@@ -397,6 +408,8 @@ class DeepEPModule(pl.LightningModule):
             value_coef=hp.value_coef,
             entropy_coef=entropy_coef,
             target_q=target_q,
+            target_logits=self.agent.target_logits(rollout.features[:-1]) if hp.kl_coef > 0 else None,
+            kl_coef=hp.kl_coef,
         )
         if hp.target_entropy is not None:
             adapt_entropy_coef_(

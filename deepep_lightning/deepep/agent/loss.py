@@ -15,6 +15,7 @@ class LossTerms:
     policy_loss: torch.Tensor
     value_loss: torch.Tensor
     entropy: torch.Tensor
+    kl: torch.Tensor  # mean KL(π_target ‖ π) over the states (0 without target logits)
 
 
 def lambda_returns(
@@ -55,6 +56,8 @@ def deepep_loss(
     value_coef: float,
     entropy_coef: float | torch.Tensor,
     target_q: torch.Tensor | None = None,
+    target_logits: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> LossTerms:
     """The DeepEP objective over a ``[T, B]`` rollout (means over T·B).
 
@@ -69,6 +72,11 @@ def deepep_loss(
     the λ-returns bootstrap from ``V = Σ_a π Q_target`` instead of the online critic, so the regression
     targets do not move with every update of the network they train (pass ``bootstrap_value`` from
     the target critic too). The policy still follows the online critic.
+
+    ``target_logits`` ``[T, B, A]`` (no grad), when given, are a slow target policy's logits: the loss
+    adds ``kl_coef · KL(π_target ‖ π)`` per state (exact over the enumerable actions), whose gradient
+    w.r.t. the logits is ``kl_coef·(π − π_target)``: it is zero when the policies match and pulls the
+    policy back toward its recent average otherwise.
     """
     log_probs = torch.log_softmax(logits, dim=-1)  # [T, B, A]
     probs = log_probs.exp()
@@ -82,4 +90,10 @@ def deepep_loss(
     q_taken = (q * taken).sum(dim=-1)  # [T, B]
     value_loss = 0.5 * (q_taken - targets).square().mean()
     loss = policy_loss + value_coef * value_loss - entropy_coef * entropy
-    return LossTerms(loss, policy_loss, value_loss, entropy)
+    if target_logits is None:
+        kl = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    else:
+        target_log_probs = torch.log_softmax(target_logits.detach(), dim=-1)
+        kl = (target_log_probs.exp() * (target_log_probs - log_probs)).sum(dim=-1).mean()
+        loss = loss + kl_coef * kl
+    return LossTerms(loss, policy_loss, value_loss, entropy, kl)

@@ -46,6 +46,8 @@ class DeepEPAgent(nn.Module):
         atomic_value_head: with the compiled op, its atomic (not bitwise reproducible) CUDA backward.
         target_critic: keep ``target_value_head``, a copy of the value head without gradients that the
             module moves toward the online head by Polyak averaging (see ``agent.targets``).
+        target_policy: keep ``target_policy_net``, the same for the policy network (the anchor of
+            the loss's KL trust region).
         chrono_horizon: chrono initialisation of the GRU's update gate: its input bias is
             ``log U(1, chrono_horizon - 1)``, so units start out keeping their state over time scales
             up to ``chrono_horizon`` steps and BPTT reaches back that far from the start of training.
@@ -62,6 +64,7 @@ class DeepEPAgent(nn.Module):
         fused_value_head: bool = False,
         atomic_value_head: bool = False,
         target_critic: bool = False,
+        target_policy: bool = False,
         chrono_horizon: int | None = None,
     ) -> None:
         super().__init__()
@@ -83,6 +86,32 @@ class DeepEPAgent(nn.Module):
         self.target_value_head: AllActionValueHead | None = None
         if target_critic:
             self.target_value_head = copy.deepcopy(self.value_head).requires_grad_(False)
+        self.target_policy_net: nn.Module | None = None
+        if target_policy:
+            self.target_policy_net = copy.deepcopy(self.policy_net).requires_grad_(False)
+
+    def _target_pairs(self) -> list[tuple[nn.Module, nn.Module]]:
+        pairs = [(self.target_value_head, self.value_head), (self.target_policy_net, self.policy_net)]
+        return [(target, online) for target, online in pairs if target is not None]
+
+    def target_parameters(self) -> list[torch.Tensor]:
+        """The target networks' parameters, in the order of :meth:`online_parameters_of_targets`."""
+        return [p for target, _ in self._target_pairs() for p in target.parameters()]
+
+    def online_parameters_of_targets(self) -> list[torch.Tensor]:
+        """The online parameters the target networks average."""
+        return [p for _, online in self._target_pairs() for p in online.parameters()]
+
+    def target_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Logits of the target policy at ``features`` ``[..., obs_dim + H]`` (the policy's input), no gradient.
+
+        Raises:
+            RuntimeError: the agent has no target policy (``target_policy=False``).
+        """
+        if self.target_policy_net is None:
+            raise RuntimeError("DeepEPAgent.target_logits needs target_policy=True")
+        with torch.no_grad():
+            return self.target_policy_net(features)
 
     def initial_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
         return torch.zeros(batch_size, self.hidden_size, device=device)
