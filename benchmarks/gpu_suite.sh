@@ -199,8 +199,7 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
         done
       done ;;
     learning)
-      run bench_learning 560 python3 benchmarks/bench_learning.py --out "$RESULTS/learning" \
-        --budget-s 150 --memory-horizons 32 64 128 256 --memory-budget-s 80 ;;
+      run bench_learning 560 python3 benchmarks/bench_learning.py --out "$RESULTS/learning" ;;
     health_overhead)
       run bench_health_overhead 200 python3 benchmarks/bench_health_overhead.py --out "$RESULTS/health_overhead" \
         --num-envs 256 --rollout-length 32 --hidden-size 256 --fused-value-head --cuda-graph \
