@@ -42,7 +42,7 @@ def _timed(fn, repeats: int) -> list[float]:
 
 def locator_overhead(repeats: int) -> dict:
     """DeepEP L3 (one rollout fwd+bwd) plain vs under OpHashMode (hash only, and keeping outputs)."""
-    prepared = ModuleTarget(config=DEEPEP, device="cuda", value_head="reference").prepare("L3")
+    prepared = ModuleTarget(config=DEEPEP, device="cuda", variant="reference").prepare("L3")
 
     def plain():
         prepared.run(prepared.fresh_module())
@@ -101,7 +101,7 @@ def main() -> int:
     deepep: dict = {"environment": environment_summary(), "command": command, "config": DEEPEP, "audits": []}
     for value_head in ("reference", "fused", "fused_atomic"):
         for level in ("L2", "L3"):
-            target = ModuleTarget(config=DEEPEP, device="cuda", value_head=value_head)
+            target = ModuleTarget(config=DEEPEP, device="cuda", variant=value_head)
             result = audit_module(level, target, repeats=args.level_repeats)
             deepep["audits"].append({"value_head": value_head, **result.to_dict()})
             print(result.describe(), flush=True)
