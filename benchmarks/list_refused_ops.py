@@ -2,8 +2,8 @@
 
 Each candidate runs forward + backward on small CUDA tensors in deterministic mode (with
 ``CUBLAS_WORKSPACE_CONFIG`` set, as :func:`deepep_lightning.determinism.configure` does). Recorded
-per op: whether it raised, the first line of the error, and (for the ops that
-``deepep_lightning.ops`` covers) whether it runs once ``refused_ops_routing()`` is on. Writes
+per op: whether it raised with the plugin off (``raises``), the first line of the error, and whether
+it still raises once the plugin's dispatcher routing is on (``raises_with_deepep_routing``, every op). Writes
 ``DIR/refused_ops_list.json``::
 
     PYTHONPATH=$PWD python benchmarks/list_refused_ops.py --out benchmarks/results/refused_ops
@@ -92,6 +92,22 @@ def candidates(device):
         "embedding_bag_max": lambda: F.embedding_bag(_index(10, 4, 3, **d), _leaf(10, 4, **d), mode="max").sum(),
         "embedding_bag_sum": lambda: F.embedding_bag(_index(10, 4, 3, **d), _leaf(10, 4, **d), mode="sum").sum(),
         "nll_loss2d": lambda: F.nll_loss(F.log_softmax(_leaf(2, 4, 5, 5, **d), 1), _index(4, 2, 5, 5, **d)),
+        "nll_loss2d_weight_ignore_index": lambda: F.cross_entropy(
+            _leaf(2, 4, 5, 5, **d),
+            _index(4, 2, 5, 5, **d).masked_fill(_index(2, 2, 5, 5, **d) == 0, 255),
+            weight=torch.rand(4, generator=_RANDOM).to(device) + 0.5,
+            ignore_index=255,
+        ),
+        "nll_loss2d_sum": lambda: F.cross_entropy(_leaf(2, 4, 5, 5, **d), _index(4, 2, 5, 5, **d), reduction="sum"),
+        "cross_entropy_3d_input": lambda: F.cross_entropy(_leaf(2, 4, 7, **d), _index(4, 2, 7, **d)),
+        "avg_pool3d_overlap_ceil": lambda: F.avg_pool3d(volume(), 3, stride=1, padding=1, ceil_mode=True).sum(),
+        "replication_pad3d": lambda: F.pad(volume(), (1,) * 6, mode="replicate").sum(),
+        "reflection_pad1d_aten": lambda: torch._C._nn.reflection_pad1d(_leaf(2, 3, 8, **d), (2, 3)).sum(),
+        "reflection_pad2d_aten": lambda: torch._C._nn.reflection_pad2d(image(), (2, 2, 1, 3)).sum(),
+        "replication_pad1d_aten": lambda: torch._C._nn.replication_pad1d(_leaf(2, 3, 8, **d), (2, 3)).sum(),
+        "replication_pad2d_aten": lambda: torch._C._nn.replication_pad2d(image(), (2, 2, 1, 3)).sum(),
+        "replication_pad3d_aten": lambda: torch._C._nn.replication_pad3d(volume(), (1,) * 6).sum(),
+        "upsample_bilinear2d_aten": lambda: torch._C._nn.upsample_bilinear2d(image(), (13, 11), False).sum(),
         "ctc_loss": lambda: F.ctc_loss(
             F.log_softmax(_leaf(12, 2, 5, **d), 2),
             _index(4, 2, 4, **d) + 1,
@@ -109,21 +125,29 @@ def candidates(device):
         "gather_backward": lambda: _leaf(5, 4, **d).gather(0, _index(5, 6, 4, **d)).sum(),
         "index_select_backward": lambda: _leaf(5, 4, **d).index_select(0, _index(5, 9, **d)).sum(),
         "kthvalue": lambda: _leaf(5, 7, **d).kthvalue(3, 1).values.sum(),
+        "index_reduce_prod": lambda: (
+            torch.ones(5, 3, **d).index_reduce(0, _index(5, 8, **d), _leaf(8, 3, **d), "prod").sum()
+        ),
+        "index_reduce_mean": lambda: (
+            torch.zeros(5, 3, **d).index_reduce(0, _index(5, 8, **d), _leaf(8, 3, **d), "mean").sum()
+        ),
+        "scatter_reduce_sum": lambda: (
+            torch.zeros(5, **d).scatter_reduce(0, _index(5, 8, **d), _leaf(8, **d), "sum").sum()
+        ),
+        "scatter_reduce_mean": lambda: (
+            torch.zeros(5, **d).scatter_reduce(0, _index(5, 8, **d), _leaf(8, **d), "mean").sum()
+        ),
+        "scatter_reduce_prod": lambda: (
+            torch.ones(5, **d).scatter_reduce(0, _index(5, 8, **d), _leaf(8, **d), "prod").sum()
+        ),
+        "put_accumulate": lambda: (
+            torch.zeros(5, 3, **d).put_(_index(15, 20, **d), _leaf(20, **d), accumulate=True).sum()
+        ),
         "median_dim": lambda: _leaf(5, 7, **d).median(1).values.sum(),
         "cumsum": lambda: _leaf(64, **d).cumsum(0).sum(),
         "histc": lambda: torch.histc(_leaf(64, **d).detach(), bins=8).sum(),
         "bincount_weights": lambda: torch.bincount(_index(8, 64, **d), weights=_leaf(64, **d).detach()).sum(),
     }
-
-
-ROUTED = {
-    "grid_sample_2d_bilinear_zeros",
-    "grid_sample_2d_bilinear_border",
-    "grid_sample_2d_bilinear_reflection",
-    "grid_sample_2d_bilinear_zeros_align_corners_cudnn",
-    "grid_sample_2d_bilinear_grid_grad_only",
-    "interpolate_bilinear",
-}
 
 
 def probe(fn):
@@ -144,23 +168,25 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="directory for refused_ops_list.json")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument(
+        "--quick", action="store_true", help="accepted as in bench_refused_ops.py; the probe is small already"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a GPU (use --device cpu for a smoke run)")
-    from deepep_lightning.ops import cuda_kernels_available, extension_available, refused_ops_routing
+    from deepep_lightning.ops import cuda_kernels_available, extension_available, refused_ops_routing, routed_aten_ops
 
     torch.use_deterministic_algorithms(True)
     results = []
     for name, fn in candidates(args.device).items():
         raised, message = probe(fn)
         entry = {"op": name, "raises": raised, "error": message}
-        if name in ROUTED:
-            with refused_ops_routing():
-                entry["raises_with_deepep_routing"], entry["error_with_deepep_routing"] = probe(fn)
+        with refused_ops_routing():
+            entry["raises_with_deepep_routing"], entry["error_with_deepep_routing"] = probe(fn)
         results.append(entry)
         print(
-            f"{name:52s} {'RAISES' if raised else 'ok'}"
-            + ("" if name not in ROUTED else f"   routed: {'RAISES' if entry['raises_with_deepep_routing'] else 'ok'}"),
+            f"{name:52s} {'RAISES' if raised else 'ok':7s} routed: "
+            f"{'RAISES' if entry['raises_with_deepep_routing'] else 'ok'}",
             flush=True,
         )
     report = {
@@ -171,11 +197,16 @@ def main(argv=None):
         "cuda_kernels_available": cuda_kernels_available(),
         "command": " ".join([sys.executable] + sys.argv),
         "raising_ops": [entry["op"] for entry in results if entry["raises"]],
+        "raising_ops_with_deepep_routing": [entry["op"] for entry in results if entry["raises_with_deepep_routing"]],
+        "routed_aten_ops": routed_aten_ops(),
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "refused_ops_list.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out / 'refused_ops_list.json'}: {len(report['raising_ops'])} of {len(results)} raise")
+    print(
+        f"wrote {args.out / 'refused_ops_list.json'}: {len(report['raising_ops'])} of {len(results)} raise, "
+        f"{len(report['raising_ops_with_deepep_routing'])} with the routing on"
+    )
 
 
 if __name__ == "__main__":
