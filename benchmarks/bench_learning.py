@@ -1,163 +1,250 @@
-"""Learning benchmark on the GPU: CartPole-v1 to a 100-episode mean return >= 475, and cue recall.
+"""Learning benchmark: every seed for the whole budget, and whether it stays learned.
 
-    python benchmarks/bench_learning.py --out DIR [--seeds 0 1 2] [--budget-s 120]
-    # writes DIR/learning.json
+    python benchmarks/bench_learning.py --out DIR [--config configs/gpu.yaml] [--seeds 0 1 2] [--parallel 3]
+        [--override target_tau=null ...] [--memory-horizons 128 256] [--label NAME]
+    python benchmarks/bench_learning.py --out /tmp/smoke --device cpu --quick      # a tiny CPU smoke run
+    # writes DIR/learning_<label>.json, DIR/learning_<label>.png (and DIR/memory_<label>.png)
 
-Uses the CUDA-graph training step with the ``model:`` section of ``configs/gpu.yaml`` (B=256, T=32, H=256;
-``--device cpu`` runs the same step eagerly, ``--set`` overrides arguments). After every step
-the host reads the number and summed return of the episodes that finished (one sync per step, part
-of the measured time); the "100-episode mean" is the mean of the most recent >= 100 finished
-episodes (whole steps). Each seed stops at the threshold or at ``--budget-s`` seconds of wall time.
-Memory task: success rate (query answered correctly) over the last 20 steps, per horizon, until 95 % or the budget.
+CartPole: the ``model:`` section of ``--config`` (``configs/gpu.yaml``: B=256, T=32, H=256, CUDA-graph step;
+``configs/collapse_demo.yaml``: the same without the stabilisers), ``--override key=value`` (JSON values)
+on top, trained for ``trainer.max_steps`` (or ``--steps``) with **no stop at the threshold**. After every
+step the host reads the number and summed return of the finished episodes (one sync per step, part of
+the measured time); the 100-episode mean is the mean of the most recent >= 100 finished episodes (whole
+steps), recorded every 25 steps. Per seed: steps and seconds (wall time from construction, capture
+included) to the first mean >= threshold, the final mean, the minimum after the first crossing, and the
+fraction of checkpoints after the first crossing that are >= threshold.
+
+Memory (cue recall, ``--memory-config``): per horizon and seed, the success rate (query answered
+correctly) per step; steps and seconds to the first 20-step mean >= 95 %, and the final 20-step mean.
+
+``--parallel N`` runs N runs at once as separate processes (on one GPU they share it: the wall times
+then include that sharing, say so when quoting them).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import multiprocessing
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import yaml
 from _timing import write_json
 
-from deepep_lightning.deepep import DeepEPModule
-from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
-
-CONFIG_FILE = Path(__file__).resolve().parents[1] / "configs" / "gpu.yaml"
-
-
-def gpu_config() -> dict:
-    """The ``model:`` section of configs/gpu.yaml, with the fused value head forced on."""
-    model = yaml.safe_load(CONFIG_FILE.read_text())["model"]
-    model.pop("env", None)
-    return {**model, "fused_value_head": True}
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT_EVERY = 25
+QUICK = {"num_envs": 16, "rollout_length": 16, "hidden_size": 16}
 
 
-def _graphed(model):
+def model_config(path: str | Path, overrides: list[str], device: str, quick: bool) -> tuple[dict[str, Any], int]:
+    """The ``model:`` section of a config (with overrides) and its ``trainer.max_steps``."""
+    config = yaml.safe_load(Path(path).read_text())
+    model = dict(config["model"])
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--override: expected KEY=VALUE, got {item!r}")
+        model[key] = json.loads(value)
+    model["cuda_graph"] = device == "cuda" and bool(model.get("cuda_graph", True))
+    if device == "cuda":
+        model["fused_value_head"] = True
+    if quick:
+        model.update(QUICK)
+        if model.get("env") == "memory":
+            model["num_envs"] = 8
+    return model, int(config.get("trainer", {}).get("max_steps", 2000))
+
+
+def _step_function(model: Any) -> Any:
     """One training step (rollout + loss + backward + Adam): a CUDA graph on the GPU, eager on the CPU."""
+    from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+
     model._ensure_rollout_state()
     optimizer = model.configure_optimizers()  # Adam(capturable=True) when cuda_graph=True
     if model.hparams.cuda_graph:
-        graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator)
+        run = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator)
     else:
 
-        def graphed():
+        def run() -> dict:
             return model._whole_step(optimizer)
 
-    def step():
+    def step() -> dict:
         model._seed_rollout()
-        outputs = graphed()
+        outputs = run()
         model._rollout_step += 1
         return outputs
 
     return step
 
 
-def cartpole_run(seed: int, budget_s: float, threshold: float, config: dict, device: str) -> dict:
-    model = DeepEPModule(seed=seed, **config).to(device)
-    step = _graphed(model)
-    window: deque[tuple[float, float]] = deque()
-    curve = []
+def _build(config: dict[str, Any], seed: int, device: str) -> Any:
+    import torch
+
+    from deepep_lightning.deepep import DeepEPModule
+
+    if device == "cpu":
+        torch.set_num_threads(1)
+    return DeepEPModule(**{**config, "seed": seed}).to(device)
+
+
+def cartpole_run(job: dict[str, Any]) -> dict[str, Any]:
+    """One seed of CartPole for the whole budget; the stay-learned figures of that seed."""
     start = time.perf_counter()
-    steps = 0
-    mean = float("nan")
-    while time.perf_counter() - start < budget_s:
+    model = _build(job["config"], job["seed"], job["device"])
+    step = _step_function(model)
+    window: deque[tuple[float, float]] = deque()
+    checkpoints: list[tuple[int, float, float]] = []
+    for index in range(1, job["steps"] + 1):
         outputs = step()
-        steps += 1
         finished = float(outputs["episodes"])
         if finished:
             window.append((float(outputs["episode_return_sum"]), finished))
         while len(window) > 1 and sum(n for _, n in list(window)[1:]) >= 100:
             window.popleft()
-        count = sum(n for _, n in window)
-        mean = sum(s for s, _ in window) / count if count >= 100 else float("nan")
-        if steps % 10 == 0:
-            curve.append((steps, round(time.perf_counter() - start, 2), mean))
-        if mean >= threshold:
-            break
-    wall = time.perf_counter() - start
-    env_steps = steps * config["num_envs"] * config["rollout_length"]
+        if index % CHECKPOINT_EVERY == 0:
+            count = sum(n for _, n in window)
+            mean = sum(s for s, _ in window) / count if count >= 100 else float("nan")
+            checkpoints.append((index, round(time.perf_counter() - start, 3), mean))
+    return {"seed": job["seed"], **stay_learned(checkpoints, job["threshold"]), "checkpoints": checkpoints}
+
+
+def stay_learned(checkpoints: list[tuple[int, float, float]], threshold: float) -> dict[str, Any]:
+    """First crossing (step, seconds), final value, minimum after it and fraction of checkpoints >= threshold."""
+    first = next((i for i, (_, _, value) in enumerate(checkpoints) if value >= threshold), None)
+    final = checkpoints[-1][2] if checkpoints else float("nan")
+    if first is None:
+        return {"reached": False, "first_step": None, "first_s": None, "final": final, "min_after_first": None,
+                "fraction_at_threshold_after_first": None}  # fmt: skip
+    after = [value for _, _, value in checkpoints[first:]]
     return {
-        "seed": seed,
-        "reached": mean >= threshold,
-        "final_100_episode_mean": mean,
-        "train_steps": steps,
-        "env_steps": env_steps,
-        "wall_s": wall,
-        "curve_every_10_steps": curve,
+        "reached": True,
+        "first_step": checkpoints[first][0],
+        "first_s": checkpoints[first][1],
+        "final": final,
+        "min_after_first": min(after),
+        "fraction_at_threshold_after_first": sum(value >= threshold for value in after) / len(after),
     }
 
 
-def memory_run(seed: int, horizon: int, budget_s: float, config: dict, device: str) -> dict:
-    """Cue recall at ``horizon`` (one rollout = one episode) until 95 % success over 20 steps or the budget."""
-    config = {**config, "rollout_length": horizon, "reward_scale": 1.0}
-    model = DeepEPModule(seed=seed, env="memory", env_kwargs={"horizon": horizon, "num_cues": 2}, **config).to(device)
-    step = _graphed(model)
-    successes = []
+def memory_run(job: dict[str, Any]) -> dict[str, Any]:
+    """Cue recall at one horizon (one rollout = one episode) for the whole budget."""
     start = time.perf_counter()
-    solved_at = None
-    while time.perf_counter() - start < budget_s:
+    horizon = job["horizon"]
+    config = {**job["config"], "rollout_length": horizon, "env_kwargs": {**job["config"].get("env_kwargs", {}),
+              "horizon": horizon}}  # fmt: skip
+    if config.get("chrono_horizon") is not None:
+        config["chrono_horizon"] = horizon
+    model = _build(config, job["seed"], job["device"])
+    step = _step_function(model)
+    successes: list[float] = []
+    curve: list[tuple[int, float, float]] = []
+    for index in range(1, job["steps"] + 1):
         outputs = step()
-        # return is +1 (right) or -1 (wrong) per finished episode: success = (mean + 1) / 2
+        # the return is +1 (right) or -1 (wrong) per finished episode: success = (mean + 1) / 2
         mean_return = float(outputs["episode_return_sum"]) / max(float(outputs["episodes"]), 1.0)
         successes.append((mean_return + 1) / 2)
-        last = successes[-20:]
-        if len(last) == 20 and sum(last) / 20 >= 0.95:
-            solved_at = len(successes)
-            break
-    last = successes[-20:]
-    return {
-        "seed": seed,
-        "horizon": horizon,
-        "train_steps": len(successes),
-        "wall_s": time.perf_counter() - start,
-        "success_rate_last_20_steps": sum(last) / len(last),
-        "chance": 0.5,
-        "solved_at_step": solved_at,
-        "success_curve_every_10": successes[::10],
-    }
+        if index % CHECKPOINT_EVERY == 0:
+            last = successes[-20:]
+            curve.append((index, round(time.perf_counter() - start, 3), sum(last) / len(last)))
+    return {"seed": job["seed"], "horizon": horizon, **stay_learned(curve, 0.95), "checkpoints": curve}
+
+
+def _run_all(function: Any, jobs: list[dict[str, Any]], parallel: int) -> list[dict[str, Any]]:
+    if parallel <= 1:
+        return [function(job) for job in jobs]
+    with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(function, jobs))
+
+
+def plot(runs: list[dict[str, Any]], path: Path, title: str, ylabel: str, threshold: float) -> None:
+    """Mean and min/max over seeds of the checkpoint curves (one band per horizon for the memory task)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    groups: dict[Any, list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault(run.get("horizon"), []).append(run)
+    for horizon, members in sorted(groups.items(), key=lambda item: item[0] or 0):
+        steps = [c[0] for c in members[0]["checkpoints"]]
+        values = [[c[2] for c in run["checkpoints"]] for run in members]
+        columns = list(zip(*values))
+        finite = [[v for v in column if not math.isnan(v)] or [float("nan")] for column in columns]
+        label = f"horizon {horizon}" if horizon is not None else f"{len(members)} seeds"
+        axes.plot(steps, [sum(c) / len(c) for c in finite], label=f"{label}: mean")
+        axes.fill_between(steps, [min(c) for c in finite], [max(c) for c in finite], alpha=0.25, label="min/max")
+    axes.axhline(threshold, color="grey", linestyle="--", linewidth=1)
+    axes.set(xlabel="training step", ylabel=ylabel, title=title)
+    axes.legend(loc="lower right", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--config", default=str(ROOT / "configs" / "gpu.yaml"))
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="JSON value")
+    parser.add_argument("--label", default=None, help="names the output files (default: the config's stem)")
     parser.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2])
-    parser.add_argument("--budget-s", type=float, default=120.0)
+    parser.add_argument("--steps", type=int, default=None, help="default: the config's trainer.max_steps")
     parser.add_argument("--threshold", type=float, default=475.0)
-    parser.add_argument(
-        "--memory-horizons",
-        type=int,
-        nargs="*",
-        default=[256],
-        help="cue-recall horizons to train (none: skip the memory task)",
-    )
-    parser.add_argument("--memory-budget-s", type=float, default=120.0, help="wall-time budget per horizon")
-    parser.add_argument("--device", default="cuda", help="cuda (CUDA-graph step) or cpu (eager step)")
-    parser.add_argument(
-        "--set",
-        nargs="*",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a DeepEPModule argument, e.g. --set rollout_length=32 hidden_size=128",
-    )
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once, one process each")
+    parser.add_argument("--memory-config", default=str(ROOT / "configs" / "memory_gpu.yaml"))
+    parser.add_argument("--memory-horizons", type=int, nargs="*", default=[], help="none: skip the memory task")
+    parser.add_argument("--memory-seeds", type=int, nargs="*", default=[0])
+    parser.add_argument("--memory-steps", type=int, default=None, help="default: the memory config's max_steps")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda: CUDA-graph step")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and 50 steps (smoke test)")
     args = parser.parse_args()
-    config = {**gpu_config(), "cuda_graph": args.device == "cuda"}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in config and key not in ("value_coef", "max_grad_norm", "bptt_truncation", "value_hidden_size"):
-            parser.error(f"--set: unknown key {key!r}")
-        config[key] = json.loads(value)
-    cartpole = [cartpole_run(seed, args.budget_s, args.threshold, config, args.device) for seed in args.seeds]
-    for run in cartpole:
-        print({k: v for k, v in run.items() if k != "curve_every_10_steps"}, flush=True)
-    memory = [memory_run(0, horizon, args.memory_budget_s, config, args.device) for horizon in args.memory_horizons]
-    for run in memory:
-        print({k: v for k, v in run.items() if k != "success_curve_every_10"}, flush=True)
-    write_json(
-        f"{args.out}/learning.json", {"config": {**config, **vars(args)}, "cartpole": cartpole, "memory": memory}
-    )
+    label = args.label or Path(args.config).stem
+    out = Path(args.out)
+    config, max_steps = model_config(args.config, args.override, args.device, args.quick)
+    steps = 50 if args.quick else (args.steps or max_steps)
+    jobs = [{"config": config, "seed": s, "device": args.device, "steps": steps, "threshold": args.threshold}
+            for s in args.seeds]  # fmt: skip
+    memory_jobs: list[dict[str, Any]] = []
+    if args.memory_horizons:
+        memory_config, memory_max = model_config(args.memory_config, args.override, args.device, args.quick)
+        memory_steps = 50 if args.quick else (args.memory_steps or memory_max)
+        memory_jobs = [{"config": memory_config, "seed": s, "horizon": h, "device": args.device, "steps": memory_steps}
+                       for h in args.memory_horizons for s in args.memory_seeds]  # fmt: skip
+    start = time.perf_counter()
+    cartpole = _run_all(cartpole_run, jobs, args.parallel)
+    memory = _run_all(memory_run, memory_jobs, args.parallel)
+    for run in cartpole + memory:
+        print({k: v for k, v in run.items() if k != "checkpoints"}, flush=True)
+    summary = {
+        "seeds": len(cartpole),
+        "reached": sum(run["reached"] for run in cartpole),
+        "final_at_threshold": sum(run["final"] >= args.threshold for run in cartpole),
+        "fraction_95_after_first": sum((run["fraction_at_threshold_after_first"] or 0) >= 0.95 for run in cartpole),
+        "median_first_s": _median([run["first_s"] for run in cartpole if run["reached"]]),
+    }
+    print(summary, flush=True)
+    payload = {"config": config, "args": vars(args), "steps": steps, "total_wall_s": time.perf_counter() - start,
+               "summary": summary, "cartpole": cartpole, "memory": memory}  # fmt: skip
+    write_json(out / f"learning_{label}.json", payload)
+    if cartpole:
+        plot(cartpole, out / f"learning_{label}.png", f"CartPole, {label}", "100-episode mean return", args.threshold)
+    if memory:
+        plot(memory, out / f"memory_{label}.png", f"cue recall, {label}", "success, last 20 steps", 0.95)
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    if not values:
+        return None
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 if __name__ == "__main__":
