@@ -1,20 +1,25 @@
 """deepep_lightning.health: finite checks without host syncs, spike detection, rollback and replay, fault injection."""
 
+from deepep_lightning.health.events import EventKind
 from deepep_lightning.health.fault_injection import FaultInjectionCallback
-from deepep_lightning.health.flags import StepFlags, StepRecord
+from deepep_lightning.health.flags import HealthReason, StepFlags, StepRecord
 from deepep_lightning.health.health_callback import HealthVerdict, NonFiniteError, NumericalHealthCallback
-from deepep_lightning.health.rollback import NaNRollbackCallback
+from deepep_lightning.health.rollback import Classification, NaNRollbackCallback, Outcome
 from deepep_lightning.health.snapshot import CorruptSnapshotError, Snapshot, SnapshotRing
 from deepep_lightning.health.spike import LossSpikeDetector
 
 __all__ = [
+    "Classification",
     "CorruptSnapshotError",
+    "EventKind",
     "FaultInjectionCallback",
+    "HealthReason",
     "HealthVerdict",
     "LossSpikeDetector",
     "NaNRollbackCallback",
     "NonFiniteError",
     "NumericalHealthCallback",
+    "Outcome",
     "Snapshot",
     "SnapshotRing",
     "StepFlags",

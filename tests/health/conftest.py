@@ -42,6 +42,48 @@ class ToyModule(pl.LightningModule):
         )
 
 
+class CursorModuleWithoutProtocol(ToyModule):
+    """A non-DeepEP module with rollout state: a cursor outside parameters and buffers shifts each step's inputs.
+
+    It does not implement :class:`~deepep_lightning.protocols.RolloutStateful`, so nothing restores the
+    cursor (the negative control for :class:`CursorModule`, which does).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cursor = torch.zeros((), dtype=torch.int64)  # a plain attribute: not in state_dict
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = super().training_step((x + 0.25 * self.cursor.float(), y), batch_idx)
+        self.cursor += 1
+        return loss
+
+
+class CursorModule(CursorModuleWithoutProtocol):
+    """The cursor module implementing RolloutStateful: a rollback restores the cursor, a replay is bitwise."""
+
+    def rollout_state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor.clone()}
+
+    def load_rollout_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor.copy_(state["cursor"])  # in place, as a captured graph would need
+
+
+def checkpoint_round_trip(tmp_path: Any, trainer: pl.Trainer, callback: pl.Callback, twin: pl.Callback) -> dict:
+    """Check that ``callback``'s state is in a Lightning checkpoint under its ``state_key``, loads with
+    ``weights_only=True`` and restores into ``twin`` (a fresh callback with the same arguments); returns it."""
+    path = str(tmp_path / "round_trip.ckpt")
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)  # plain values only
+    saved = checkpoint["callbacks"][callback.state_key]
+    assert saved == callback.state_dict()
+    assert twin.state_key == callback.state_key
+    twin.load_state_dict(saved)
+    assert twin.state_dict() == callback.state_dict()
+    return saved
+
+
 class CaptureLogger(Logger):
     """Keeps every ``log_metrics`` call in memory."""
 

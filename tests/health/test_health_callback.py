@@ -148,3 +148,28 @@ def test_bad_arguments_name_argument_and_value(kwargs, name):
     with pytest.raises(MisconfigurationException, match=name) as info:
         NumericalHealthCallback(**kwargs)
     assert repr(next(iter(kwargs.values()))) in str(info.value)
+
+
+def test_state_key_and_checkpoint_round_trip(tmp_path):
+    from .conftest import checkpoint_round_trip
+
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_warmup=2, spike_window=4)
+    trainer, _ = fit(tmp_path, [health], max_steps=8)
+    saved = checkpoint_round_trip(tmp_path, trainer, health, NumericalHealthCallback(check_every_n_steps=2))
+    assert saved["next_unchecked"] == 8 and saved["spike"]["history"]
+    assert NumericalHealthCallback(check_every_n_steps=3).state_key != health.state_key
+
+
+def test_rollback_contract_hands_failed_checks_over_and_back(tmp_path):
+    class Handler:
+        stopped = False
+
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    health.attach_rollback(Handler())  # a handler that never polls: failed checks are not acted on here
+    fit(tmp_path / "attached", [FaultInjectionCallback("loss", steps=[3]), health], max_steps=6)
+    assert health.events.events == []
+    health.detach_rollback()  # negative control: acting again
+    with pytest.raises(NonFiniteError, match="at step 3"):
+        fit(tmp_path / "detached", [FaultInjectionCallback("loss", steps=[3]), health], max_steps=6)
+    health.resume_checks_at(20)
+    assert health.state_dict()["next_unchecked"] == 20

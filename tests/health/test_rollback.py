@@ -2,6 +2,7 @@
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,9 +62,10 @@ def test_callback_order_does_not_matter(tmp_path, clean_state):
 def test_persistent_fault_skip_policy_recovers(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=2)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", skip_batches=2)
-    trainer, module = fit(
-        tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback], max_steps=MAX_STEPS
-    )
+    with pytest.warns(UserWarning, match="NaNRollbackCallback diagnosis at step 7"):
+        trainer, module = fit(
+            tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback], max_steps=MAX_STEPS
+        )
     kinds = [k for k, _ in _kinds(health)]
     assert kinds == ["detected", "rollback", "reproducible", "diagnosis", "policy", "rollback", "recovered"]
     assert rollback.state_dict()["skip_steps"] == [7, 8]
@@ -76,9 +78,12 @@ def test_persistent_fault_skip_policy_recovers(tmp_path):
 def test_lower_lr_policy_respects_retry_cap_and_stops_at_snapshot(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", lr_factor=0.5, max_retries=2)
-    trainer, module = fit(
-        tmp_path, [FaultInjectionCallback("gradient", steps=[9], mode="always"), health, rollback], max_steps=MAX_STEPS
-    )
+    with pytest.warns(UserWarning, match="NaNRollbackCallback stopped training"):
+        trainer, module = fit(
+            tmp_path,
+            [FaultInjectionCallback("gradient", steps=[9], mode="always"), health, rollback],
+            max_steps=MAX_STEPS,
+        )
     kinds = [k for k, _ in _kinds(health)]
     assert kinds.count("policy") == 2 and kinds.count("rollback") == 3 and kinds[-1] == "stopped"
     # each retry restarts one snapshot further back (strictly before the bad step)
@@ -98,14 +103,15 @@ def test_stop_policy_writes_json_report_in_log_dir(tmp_path):
     logger = TensorBoardLogger(str(tmp_path), name="run")
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
-    fit(
-        tmp_path,
-        [FaultInjectionCallback("parameter", steps=[5], mode="always"), health, rollback],
-        max_steps=MAX_STEPS,
-        logger=logger,
-    )
+    with pytest.warns(UserWarning, match="NaNRollbackCallback stopped training"):
+        fit(
+            tmp_path,
+            [FaultInjectionCallback("parameter", steps=[5], mode="always"), health, rollback],
+            max_steps=MAX_STEPS,
+            logger=logger,
+        )
     path = os.path.join(logger.log_dir, "health_events.jsonl")
-    events = [json.loads(line) for line in open(path)]
+    events = [json.loads(line) for line in Path(path).read_text().splitlines()]
     assert [e["kind"] for e in events][-1] == "stopped"
     diagnosis = next(e for e in events if e["kind"] == "diagnosis")
     # the parameter is poisoned inside the step, so the locator names the planting write and its frame
@@ -121,10 +127,11 @@ def test_disk_snapshots_with_corrupt_latest_fall_back(tmp_path, clean_state):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == 10:  # the newest snapshot (step 8) gets truncated on disk
                 path = rollback.ring._items[-1][1]
-                data = open(path, "rb").read()
-                open(path, "wb").write(data[: len(data) // 2])
+                data = Path(path).read_bytes()
+                Path(path).write_bytes(data[: len(data) // 2])
 
-    _, module = fit(tmp_path, [Corrupter("loss", steps=[10]), health, rollback], max_steps=MAX_STEPS)
+    with pytest.warns(UserWarning, match="truncated.*falling back to the previous snapshot"):
+        _, module = fit(tmp_path, [Corrupter("loss", steps=[10]), health, rollback], max_steps=MAX_STEPS)
     kinds = _kinds(health)
     assert ("corrupt_snapshot", 11) in kinds or any(k == "corrupt_snapshot" for k, _ in kinds)
     assert ("rollback", 4) in kinds and ("transient", 10) in kinds  # the previous snapshot was used
@@ -168,14 +175,60 @@ def test_diagnosed_step_is_reseeded_like_a_replayed_one(tmp_path):
 
     seen = Seen()
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
-    fit(
-        tmp_path,
-        [
-            FaultInjectionCallback("loss", steps=[6], mode="always"),
-            NumericalHealthCallback(check_every_n_steps=1),
-            rollback,
-            seen,
-        ],
-        max_steps=10,
-    )
+    with pytest.warns(UserWarning, match="NaNRollbackCallback diagnosis at step 6"):
+        fit(
+            tmp_path,
+            [
+                FaultInjectionCallback("loss", steps=[6], mode="always"),
+                NumericalHealthCallback(check_every_n_steps=1),
+                rollback,
+                seen,
+            ],
+            max_steps=10,
+        )
     assert seen.steps == [4, 5, 6] + [4, 5, 6]  # the replay that fails again, then the diagnosis up to and at step 6
+
+
+def _cursor_fit(tmp_path, module_class, fault: bool):
+    callbacks = [NumericalHealthCallback(check_every_n_steps=1), NaNRollbackCallback(snapshot_every_n_steps=4)]
+    if fault:
+        callbacks.insert(0, FaultInjectionCallback("loss", steps=[6]))
+    _, module = fit(tmp_path, callbacks, max_steps=10, module=module_class)
+    return module
+
+
+def test_rollback_restores_the_rollout_state_of_any_rollout_stateful_module(tmp_path):
+    from deepep_lightning.protocols import RolloutStateful
+
+    from .conftest import CursorModule, CursorModuleWithoutProtocol
+
+    assert isinstance(CursorModule(), RolloutStateful) and not isinstance(
+        CursorModuleWithoutProtocol(), RolloutStateful
+    )
+    clean = _cursor_fit(tmp_path / "clean", CursorModule, fault=False)
+    faulty = _cursor_fit(tmp_path / "faulty", CursorModule, fault=True)
+    assert int(faulty.cursor) == int(clean.cursor) == 10  # the replayed steps left the cursor where a clean run does
+    assert state_equal(faulty.state_dict(), clean.state_dict())
+    # negative control: without the protocol the replay starts from the advanced cursor, and it shows
+    clean = _cursor_fit(tmp_path / "clean_plain", CursorModuleWithoutProtocol, fault=False)
+    faulty = _cursor_fit(tmp_path / "faulty_plain", CursorModuleWithoutProtocol, fault=True)
+    assert int(faulty.cursor) > int(clean.cursor)
+    assert not state_equal(faulty.state_dict(), clean.state_dict())
+
+
+def test_state_key_and_checkpoint_round_trip(tmp_path):
+    from .conftest import checkpoint_round_trip
+
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", skip_batches=2)
+    with pytest.warns(UserWarning, match="NaNRollbackCallback diagnosis at step 7"):
+        trainer, _ = fit(
+            tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback], max_steps=12
+        )
+    twin = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", skip_batches=2)
+    saved = checkpoint_round_trip(tmp_path, trainer, rollback, twin)
+    assert saved["skip_steps"] == [7, 8] and saved["incidents"][0]["reason"] == "nonfinite_loss"
+    assert type(saved["incidents"][0]["reason"]) is str  # enums are stored as plain strings
+    assert twin.incidents == rollback.incidents and twin.state_dict()["skip_steps"] == [7, 8]
+    # identifying arguments are in the key, so two differently configured instances may coexist
+    assert NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop").state_key != rollback.state_key

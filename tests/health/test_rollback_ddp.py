@@ -50,7 +50,7 @@ def _run(tmp_path, name, fault):
     pl.seed_everything(0, verbose=False)
     trainer = make_trainer(tmp_path, callbacks, max_steps=10, strategy="ddp_spawn", devices=2)
     trainer.fit(ToyModule())
-    return [json.load(open(tmp_path / f"{name}.rank{r}.json")) for r in (0, 1)]
+    return [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in (0, 1)]
 
 
 @pytest.mark.slow

@@ -1,12 +1,15 @@
-"""Snapshots: exact, in-place restore of model/optimizer/scheduler/RNG; atomic checksummed files; corrupt files rejected."""
+"""Snapshots: exact in-place restore (model, optimizer, scheduler, RNG); atomic checksummed files."""
 
 import copy
+import io
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from deepep_lightning.health import NumericalHealthCallback
+from deepep_lightning.health import snapshot as snapshot_module
 from deepep_lightning.health.snapshot import (
     CorruptSnapshotError,
     Snapshot,
@@ -75,6 +78,8 @@ def test_disk_round_trip(trained, tmp_path):
     save_snapshot_file(snapshot, path)
     loaded = load_snapshot_file(path)
     assert loaded.step == snapshot.step and loaded.lr_scale == 0.5
+    payload = Path(path).read_bytes()[len(snapshot_module._MAGIC) + snapshot_module._HEADER.size :]
+    torch.load(io.BytesIO(payload), weights_only=True)  # tensors and plain values only (RNG states too)
     _mutate(trainer, module)
     loaded.restore(trainer, module)
     assert all(torch.equal(p, snapshot.model[n]["__snapshot_tensor__"]) for n, p in module.state_dict().items())
@@ -94,8 +99,8 @@ def test_corrupt_files_are_rejected_clearly(trained, tmp_path, damage, message):
     trainer, module = trained
     path = str(tmp_path / "s.pt")
     save_snapshot_file(Snapshot.capture(trainer, module, {}, 1.0), path)
-    data = open(path, "rb").read()
-    open(path, "wb").write(damage(data))
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(damage(data))
     with pytest.raises(CorruptSnapshotError, match=message):
         load_snapshot_file(path)
 
@@ -109,8 +114,7 @@ def test_ring_keeps_last_n_and_falls_back_past_corrupt(trained, tmp_path):
         ring.push(snapshot)
     assert ring.steps() == [10, 20] and len(os.listdir(tmp_path)) == 2
     newest = ring._items[-1][1]
-    data = open(newest, "rb").read()
-    open(newest, "wb").write(data[:100])
+    Path(newest).write_bytes(Path(newest).read_bytes()[:100])
     seen = []
     assert ring.latest(lambda path, error: seen.append((path, str(error)))).step == 10
     assert seen and seen[0][0] == newest and "truncated" in seen[0][1]
