@@ -89,7 +89,10 @@ def _grad(loss_fn, x):
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pytorch_refuses_without_routing(case):
+    from deepep_lightning.ops import patch_refused_ops
+
     shape, loss_fn, _ = CASES[case]
+    patch_refused_ops(False)
     torch.use_deterministic_algorithms(True)
     with pytest.raises(RuntimeError, match="deterministic"):
         _grad(loss_fn, _inputs(shape, torch.float32))
