@@ -34,7 +34,7 @@ setup(
         "matplotlib>=3.7",
     ],
     extras_require={
-        "test": ["pytest>=7.4", "ninja"],
+        "test": ["pytest>=7.4", "ninja", "ruff>=0.6", "mypy>=1.10"],
     },
     entry_points={
         "console_scripts": [

@@ -2,7 +2,8 @@
 
 The reference workload, DeepEP, lives in :mod:`deepep_lightning.deepep` and is not re-exported here.
 
-Names are imported lazily, so ``deepep-compare`` and friends start without importing Lightning.
+Importing the package registers ``strategy="ddp_deterministic"`` with Lightning (it imports
+:mod:`deepep_lightning.strategies`); the other public names are imported on first use.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any
 from deepep_lightning._version import __version__
 
 _EXPORTS = {
-    "DeepEPModule": "deepep_lightning.deepep.module",
     "compare_runs": "deepep_lightning.compare",
     "CompareResult": "deepep_lightning.compare",
     "NumericalHealthCallback": "deepep_lightning.health",
@@ -55,8 +55,6 @@ _EXPORTS = {
 
 __all__ = ["__version__", *_EXPORTS]
 
-import deepep_lightning.strategies  # noqa: E402,F401  cheap: registers strategy="ddp_deterministic"
-
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
@@ -68,3 +66,7 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+# Last: the strategy's modules import names from this package, which needs __getattr__ defined.
+import deepep_lightning.strategies  # noqa: E402,F401  registers strategy="ddp_deterministic"

@@ -1,13 +1,35 @@
-"""Shared test setup: small thread pools (CI has 2 cores) and GPU markers that skip cleanly."""
+"""Shared test setup: small thread pools (CI has 2 cores), GPU markers that skip cleanly, and fixtures.
+
+Fixtures for every test directory:
+
+* ``boring_module``: the class :class:`BoringModule`, the smallest module a Trainer can fit (as
+  Lightning's ``BoringModel``); build it as ``boring_module(dropout=0.5)``.
+* ``fit_process``: the class :class:`FitProcess`, which runs a test script (a fit) in a fresh
+  Python process with a hard timeout that kills every process the script started.
+"""
+
+from __future__ import annotations
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
 import pytest
 import torch
 
 torch.set_num_threads(1)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# set by Lightning's launcher or a parent run: a child must start its own process group
+_LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -21,3 +43,115 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if item.get_closest_marker("multigpu") and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+def boring_data(num_samples: int = 32, in_features: int = 4, seed: int = 0) -> torch.Tensor:
+    """``[num_samples, in_features]`` standard-normal points, a pure function of ``seed``."""
+    return torch.randn(num_samples, in_features, generator=torch.Generator().manual_seed(seed))
+
+
+class BoringModule(pl.LightningModule):
+    """An MLP trained to output 0 on fixed random points; records every training loss in ``losses``.
+
+    ``validation_step`` draws from the global RNG, so a test can check that evaluation does not
+    shift the training stream (it runs only when the Trainer validates).
+
+    Args:
+        in_features: width of the input points.
+        num_samples: size of the train set (the validation set has 8 zero points).
+        batch_size: of both loaders.
+        dropout: between the two layers (``> 0``: training draws from the global RNG).
+        lr: of the SGD optimizer.
+    """
+
+    def __init__(
+        self, in_features: int = 4, num_samples: int = 32, batch_size: int = 4, dropout: float = 0.0, lr: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(in_features, 8), torch.nn.Dropout(dropout), torch.nn.Linear(8, 1)
+        )
+        self.in_features, self.num_samples, self.batch_size, self.lr = in_features, num_samples, batch_size, lr
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.net(batch).pow(2).mean()
+        self.losses.append(loss.item())
+        self.log("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        torch.rand(100)  # evaluation that consumes the global RNG
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = boring_data(self.num_samples, self.in_features)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)  # type: ignore[arg-type]
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.zeros(8, self.in_features)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size)  # type: ignore[arg-type]
+
+
+class FitProcess:
+    """A test script (usually one ``fit``) running in a fresh Python process, in its own session.
+
+    The environment is this one without the launcher variables, with the repository on
+    ``PYTHONPATH`` and one OpenMP thread; output goes to ``log_path``. :meth:`wait` kills the whole
+    session afterwards (and on a timeout, failing the test), so no rank or DataLoader worker
+    outlives the test.
+
+    Example::
+
+        process = FitProcess(script, ["--out", str(out)], log_path=out / "log.txt")
+        assert process.wait(timeout_s=180) == 0, process.output_tail()
+    """
+
+    def __init__(self, script: Path | str, args: list[str], *, log_path: Path, cwd: Path | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        env["OMP_NUM_THREADS"] = "1"
+        self.script, self.args, self.log_path = Path(script), list(args), Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "w") as log:  # the child holds its own descriptor
+            self.process = subprocess.Popen(
+                [sys.executable, str(script), *self.args],
+                cwd=str(cwd or REPO),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait(self, timeout_s: float) -> int:
+        """The exit code (``-9`` after a SIGKILL); fails the test when the script runs past ``timeout_s``."""
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._kill_session()
+            self.process.wait()
+            command = " ".join([self.script.name, *self.args])
+            pytest.fail(f"{command} did not finish in {timeout_s} s\n{self.output_tail()}")
+        finally:
+            self._kill_session()
+
+    def output_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def _kill_session(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+@pytest.fixture(scope="session")
+def boring_module() -> type[BoringModule]:
+    return BoringModule
+
+
+@pytest.fixture(scope="session")
+def fit_process() -> type[FitProcess]:
+    return FitProcess

@@ -82,7 +82,7 @@ def find_event_files(path: str) -> tuple[str, list[str]]:
         return os.path.dirname(os.path.abspath(path)), [os.path.abspath(path)]
     if not os.path.isdir(path):
         raise FileNotFoundError(f"run {path!r} does not exist (expected a run directory or an event file)")
-    files = []
+    files: list[str] = []
     for dirpath, dirnames, filenames in os.walk(path):
         dirnames.sort()
         files.extend(os.path.join(dirpath, name) for name in sorted(filenames) if "tfevents" in name)
@@ -91,7 +91,7 @@ def find_event_files(path: str) -> tuple[str, list[str]]:
             f"run {path!r} holds no TensorBoard event file (no file named '*tfevents*' in it or below). "
             "HINT: pass the logger's save_dir, its version_N directory, or an event file."
         )
-    versions = sorted({_version_dir_of(f, path) for f in files} - {None})
+    versions = sorted({version for f in files if (version := _version_dir_of(f, path)) is not None})
     if len(versions) > 1:
         shown = ", ".join(os.path.relpath(v, path) for v in versions)
         raise ValueError(

@@ -13,14 +13,13 @@ What it does, in hook order:
   that runs between two batches (validation, sanity check, logging, a loader's ``base_seed``) can
   shift it, and a resume needs no replay. On the first batch after a resume it first restores the
   checkpointed RNG states (the only mechanism when ``reseed_every_step=False``).
-* ``state_dict``: every RNG state (torch CPU, each CUDA device, numpy, python, registered
-  generators) as ``weights_only``-loadable values, plus the stack fingerprint.
+* ``state_dict``: every RNG state (torch CPU, each CUDA device, numpy, python) as
+  ``weights_only``-loadable values, plus the stack fingerprint.
 * ``load_state_dict``: compares the saved fingerprint with the current one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -28,19 +27,20 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from lightning.pytorch.utilities import CombinedLoader
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from deepep_lightning import _checks, _lightning_compat
 from deepep_lightning.determinism.configuration import (
     ConfigureRecord,
+    CublasWorkspaceConfig,
     configure,
     last_configure_record,
     prime_cublas_and_release_env,
+    validate_arguments,
 )
-from deepep_lightning.determinism.configuration import _validate as _validate_configure_arguments
 from deepep_lightning.determinism.data import make_seekable
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints, format_fingerprint
 from deepep_lightning.determinism.results import capture_logged_state, merge_epoch_results, restore_metric_modules
@@ -58,17 +58,6 @@ class FingerprintMismatchError(RuntimeError):
     """A checkpoint was written on a different stack than the one resuming it (strict mode)."""
 
 
-@dataclasses.dataclass
-class _SeekableSource(_DataLoaderSource):
-    """The fit loop's train-data source, returning seekable loaders (Lightning re-wraps for DDP the same way)."""
-
-    callback: Any = None
-
-    def dataloader(self) -> Any:
-        loaders = super().dataloader()
-        return self.callback._make_seekable(loaders)
-
-
 class DeterminismCallback(Callback):
     """Reproducible runs and exact resume for any LightningModule.
 
@@ -79,11 +68,10 @@ class DeterminismCallback(Callback):
         deterministic_algorithms, warn_only, fill_uninitialized_memory, cublas_workspace_config:
             passed to :func:`configure` (see there for the defaults and their cost).
         release_cublas_env: at train start on CUDA, let PyTorch check ``CUBLAS_WORKSPACE_CONFIG``
-            once and then unset it (:func:`prime_cublas_and_release_env`): PyTorch 2.11 re-reads the
-            variable on every cuBLAS call (H200: 58-134 instead of 16-30 us host time per GEMM, GPU
-            time unchanged; 1.43x on the eager DeepEP step, ~1.0x once released, same bits;
-            ``BENCHMARKS.md``). Only a value :func:`configure` set is removed; the fingerprint still
-            records it.
+            once and then unset it (:func:`prime_cublas_and_release_env`): some PyTorch versions
+            re-read the variable on every cuBLAS call, which costs host time per GEMM (GPU time and
+            bits unchanged; figures in ``BENCHMARKS.md``). Only a value :func:`configure` set is
+            removed; the fingerprint still records it.
         seekable_data: rebuild plain map-style train DataLoaders as seekable ones (order = pure
             function of (seed, epoch, rank); per-sample streams from (seed, epoch, index)).
         reseed_every_step: reseed the global RNGs from the batch position before every batch.
@@ -112,7 +100,7 @@ class DeterminismCallback(Callback):
         deterministic_algorithms: bool = True,
         warn_only: bool = False,
         fill_uninitialized_memory: bool = False,
-        cublas_workspace_config: str | None = ":4096:8",
+        cublas_workspace_config: CublasWorkspaceConfig | None = ":4096:8",
         release_cublas_env: bool = True,
         seekable_data: bool = True,
         reseed_every_step: bool = True,
@@ -120,8 +108,7 @@ class DeterminismCallback(Callback):
         log_fingerprint: bool = True,
         patch_refused_ops: bool = True,
     ) -> None:
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise MisconfigurationException(f"`seed` must be a non-negative int or None, got {seed!r}")
+        _checks.non_negative_int(None, "seed", seed, allow_none=True)
         flags = {
             "strict": strict,
             "release_cublas_env": release_cublas_env,
@@ -132,9 +119,8 @@ class DeterminismCallback(Callback):
             "patch_refused_ops": patch_refused_ops,
         }
         for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise MisconfigurationException(f"`{name}` must be a bool, got {value!r}")
-        _validate_configure_arguments(
+            _checks.strict_bool(None, name, value)
+        validate_arguments(
             seed or 0,
             cublas_workspace_config,
             {
@@ -153,7 +139,7 @@ class DeterminismCallback(Callback):
         self.log_fingerprint = log_fingerprint
         self.patch_refused_ops = patch_refused_ops
         self._routing_was_on: bool | None = None
-        self._configure_kwargs = {
+        self._configure_kwargs: dict[str, Any] = {
             "deterministic_algorithms": deterministic_algorithms,
             "warn_only": warn_only,
             "fill_uninitialized_memory": fill_uninitialized_memory,
@@ -161,23 +147,13 @@ class DeterminismCallback(Callback):
         }
         if not (torch.cuda.is_available() and torch.cuda.is_initialized()) and not self._record_matches(record):
             configure(self.seed, **self._configure_kwargs)  # validates the forwarded arguments too
-        self._generators: dict[str, torch.Generator] = {}
         self._pending_rng: dict[str, Any] | None = None
         self._pending_logged: dict[str, Any] | None = None
         self._pending_results: dict[str, Any] = {}
         self._saved_train_rng: dict[str, Any] | None = None
-        self._original_source: _DataLoaderSource | None = None
+        self._original_source: Any = None
         self._rank = 0
         self._world_size = 1
-        # Test hooks for negative controls: a resume restores nothing / no RNG state when False.
-        self._restore_on_resume = True
-        self._restore_rng_on_resume = True
-
-    def register_generator(self, name: str, generator: torch.Generator) -> None:
-        """Include ``generator`` in checkpoints (saved and restored by name)."""
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"`generator` must be a torch.Generator, got {type(generator).__name__}")
-        self._generators[str(name)] = generator
 
     def _record_matches(self, record: ConfigureRecord | None) -> bool:
         if record is None or record.seed != self.seed:
@@ -214,10 +190,9 @@ class DeterminismCallback(Callback):
         if self.patch_refused_ops and self._routing_was_on is None:
             self._routing_was_on = patch_refused_ops(True)
         if stage == "fit" and self.seekable_data:
-            source = trainer.fit_loop._data_source
-            if not isinstance(source, _SeekableSource):
-                self._original_source = source
-                trainer.fit_loop._data_source = _SeekableSource(source.instance, source.name, callback=self)
+            original = _lightning_compat.wrap_train_dataloader_source(trainer, self._make_seekable)
+            if original is not None:
+                self._original_source = original
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
@@ -225,9 +200,7 @@ class DeterminismCallback(Callback):
             patch_refused_ops(self._routing_was_on)
             self._routing_was_on = None
         if self._original_source is not None:
-            wrapped = trainer.fit_loop._data_source
-            self._original_source.instance = wrapped.instance
-            trainer.fit_loop._data_source = self._original_source
+            _lightning_compat.unwrap_train_dataloader_source(trainer, self._original_source)
             self._original_source = None
 
     def _make_seekable(self, loaders: Any) -> Any:
@@ -242,8 +215,6 @@ class DeterminismCallback(Callback):
                 if self.strict:
                     raise MisconfigurationException(message)
                 rank_zero_warn(message)
-            if new is not loader and not self._restore_on_resume:
-                new.load_state_dict = lambda state: None  # negative control: resume from the epoch start
             return new
 
         if isinstance(loaders, CombinedLoader):
@@ -272,7 +243,7 @@ class DeterminismCallback(Callback):
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int
     ) -> None:
         if self._pending_rng is not None:
-            skipped = restore_rng_state(self._pending_rng, self._generators)
+            skipped = restore_rng_state(self._pending_rng)
             if skipped:
                 rank_zero_warn(f"DeterminismCallback: could not restore {', '.join(skipped)}")
             self._pending_rng = None
@@ -289,7 +260,7 @@ class DeterminismCallback(Callback):
     def on_replay_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, epoch: int
     ) -> None:
-        """Called by ``NaNRollbackCallback`` before each replayed step: the same reseed as the original step."""
+        """Before each replayed step (:class:`~deepep_lightning.protocols.ReplayAware`): the original step's reseed."""
         if self.reseed_every_step:
             seed_everything_from(self.seed, "train", self._rank, epoch, batch_idx)
 
@@ -334,7 +305,7 @@ class DeterminismCallback(Callback):
         return {
             "version": _STATE_VERSION,
             "seed": self.seed,
-            "rng": capture_rng_state(self._generators),
+            "rng": capture_rng_state(),
             "fingerprint": collect_fingerprint(self._world_size),
             "reseed_every_step": self.reseed_every_step,
             "logged": {},  # filled by on_save_checkpoint, which sees the trainer
@@ -372,12 +343,12 @@ class DeterminismCallback(Callback):
                 if self.strict:
                     raise FingerprintMismatchError(message)
                 rank_zero_warn(message)
-        if state_dict.get("logged") and self._restore_on_resume:
+        if state_dict.get("logged"):
             self._pending_logged = state_dict["logged"]
-        if "rng" in state_dict and self._restore_on_resume and self._restore_rng_on_resume:
+        if "rng" in state_dict:
             self._pending_rng = state_dict["rng"]
-        elif "rng" not in state_dict:
-            rank_zero_info("DeterminismCallback: checkpoint has no RNG state (older version); not restoring RNG")
+        else:
+            rank_zero_info("DeterminismCallback: the checkpoint holds no RNG state; the RNGs are not restored")
 
 
 def _rows(differences: dict[str, tuple[str, str]]) -> list[tuple[str, str, str]]:

@@ -6,23 +6,23 @@ they must be in the environment before the first CUDA call; the rest (seeds, fla
 any time. :func:`configure` sets both, records what it set and whether it was too late, and the
 :class:`~deepep_lightning.determinism.callback.DeterminismCallback` checks that record in ``setup``.
 
-Defaults and why (DESIGN.md §3; measured by ``benchmarks/bench_determinism_tax.py``):
+Defaults and why (their cost is measured by ``benchmarks/bench_determinism_tax.py``; figures in
+``BENCHMARKS.md``):
 
 * ``use_deterministic_algorithms(True)``: swaps in deterministic kernels (``index_add_``,
   ``scatter_add_``) and raises on ops that have none (``grid_sample`` backward), which is how a
   user learns *which* op breaks reproducibility.
 * ``fill_uninitialized_memory=False``: NaN-filling every fresh allocation costs one extra kernel
-  per ``empty`` (≈0.1 s/step on the DeepEP loop) and only matters for code that reads memory it
-  never wrote; that is a bug the NaN tools find, not a source of run-to-run noise in correct code.
+  per ``empty`` and only matters for code that reads memory it never wrote; that is a bug the NaN
+  tools find, not a source of run-to-run noise in correct code.
 * ``cublas_workspace_config=":4096:8"``: PyTorch's deterministic mode refuses cuBLAS without it
   (checked once, at the first cuBLAS call). It is not what makes a GEMM reproducible in one
-  stream: PyTorch gives every (device, stream) its own workspace. Its cost on the DeepEP loop
-  (1.6x, DESIGN.md §3) is host time per GEMM: PyTorch 2.11 re-reads the variable on every cuBLAS call
-  (measured on the H200: 16-30 us per GEMM without it, 58-134 us with it, 20 -> 58 -> 22 -> 63 us when
-  toggled within one process; GPU time per GEMM unchanged). :func:`prime_cublas_and_release_env`
-  (``DeterminismCallback(release_cublas_env=True)``, the default) keeps the deterministic-mode check
-  satisfied (it is evaluated once) and removes the per-call cost. On sm90 the
-  default workspace equals ``:4096:8``, so no kernel choice changes.
+  stream: PyTorch gives every (device, stream) its own workspace. What it costs is host time per
+  GEMM, because some PyTorch versions re-read the variable on every cuBLAS call; GPU time is
+  unchanged. :func:`prime_cublas_and_release_env` (``DeterminismCallback(release_cublas_env=True)``,
+  the default) keeps the deterministic-mode check satisfied (it is evaluated once) and removes the
+  per-call cost. On sm90 the default workspace equals ``:4096:8``, so no kernel choice changes.
+* ``distributed=True``: the NCCL profile of :mod:`~deepep_lightning.determinism.nccl_profile`.
 """
 
 from __future__ import annotations
@@ -30,14 +30,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 
+from deepep_lightning import _checks, _lightning_compat
+from deepep_lightning.determinism.nccl_profile import NCCL_DETERMINISTIC_ENV
 from deepep_lightning.determinism.rng import seed_everything_from
 
 __all__ = [
     "ConfigureRecord",
+    "CublasWorkspaceConfig",
     "configure",
     "last_configure_record",
     "NCCL_DETERMINISTIC_ENV",
@@ -46,16 +49,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: NCCL profile for bitwise-reproducible all-reduce: fixed algorithm/protocol, NVLS off.
-NCCL_DETERMINISTIC_ENV = {
-    "NCCL_ALGO": "Ring",
-    "NCCL_PROTO": "Simple",
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
-
-_CUBLAS_DETERMINISTIC_CONFIGS = (":4096:8", ":16:8")
+#: The two ``CUBLAS_WORKSPACE_CONFIG`` values PyTorch's deterministic mode accepts.
+CublasWorkspaceConfig = Literal[":4096:8", ":16:8"]
+_CUBLAS_DETERMINISTIC_CONFIGS: tuple[str, ...] = get_args(CublasWorkspaceConfig)
 
 _last_record: "ConfigureRecord | None" = None
 
@@ -76,27 +72,24 @@ class ConfigureRecord:
     too_late: tuple[str, ...]
     set_by_configure: tuple[str, ...] = ()
 
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
+def validate_arguments(seed: Any, cublas_workspace_config: Any, flags: dict[str, Any]) -> None:
+    """Check the arguments :func:`configure` takes (``DeterminismCallback`` forwards them).
 
-def _misconfig(message: str) -> Exception:
-    from lightning.pytorch.utilities.exceptions import MisconfigurationException
-
-    return MisconfigurationException(message)
-
-
-def _validate(seed: Any, cublas_workspace_config: Any, flags: dict[str, Any]) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise _misconfig(f"`seed` must be a non-negative int, got {seed!r}")
-    if cublas_workspace_config is not None and cublas_workspace_config not in _CUBLAS_DETERMINISTIC_CONFIGS:
-        raise _misconfig(
-            f"`cublas_workspace_config` must be one of {_CUBLAS_DETERMINISTIC_CONFIGS} or None,"
-            f" got {cublas_workspace_config!r} (HINT: PyTorch's deterministic mode accepts only these two)"
-        )
+    Raises:
+        MisconfigurationException: an argument has a wrong type or value.
+    """
+    _checks.non_negative_int(None, "seed", seed)
+    _checks.choice(
+        None,
+        "cublas_workspace_config",
+        cublas_workspace_config,
+        _CUBLAS_DETERMINISTIC_CONFIGS,
+        allow_none=True,
+        hint="PyTorch's deterministic mode accepts only these two",
+    )
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise _misconfig(f"`{name}` must be a bool, got {value!r}")
+        _checks.strict_bool(None, name, value)
 
 
 def configure(
@@ -105,7 +98,7 @@ def configure(
     deterministic_algorithms: bool = True,
     warn_only: bool = False,
     fill_uninitialized_memory: bool = False,
-    cublas_workspace_config: str | None = ":4096:8",
+    cublas_workspace_config: CublasWorkspaceConfig | None = ":4096:8",
     cudnn_benchmark: bool = False,
     distributed: bool = False,
     inductor: bool = True,
@@ -140,7 +133,7 @@ def configure(
         configure(7)  # first line of train.py
     """
     global _last_record
-    _validate(
+    validate_arguments(
         seed,
         cublas_workspace_config,
         {
@@ -190,18 +183,12 @@ def configure(
         from deepep_lightning.ops.routing import patch_refused_ops as install_routing
 
         install_routing(True)
-    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = fill_uninitialized_memory  # type: ignore[attr-defined]
     torch.backends.cudnn.deterministic = deterministic_algorithms
     torch.backends.cudnn.benchmark = cudnn_benchmark
-    inductor_flag = None
-    if inductor:
-        try:
-            import torch._inductor.config as inductor_config
-
-            inductor_config.deterministic = deterministic_algorithms
-            inductor_flag = deterministic_algorithms
-        except (ImportError, AttributeError):  # pragma: no cover - depends on the torch build
-            log.debug("torch._inductor.config.deterministic is not available")
+    inductor_flag = _lightning_compat.set_inductor_deterministic(deterministic_algorithms) if inductor else None
+    if inductor and inductor_flag is None:
+        log.debug("torch._inductor.config.deterministic is not available")
     _last_record = ConfigureRecord(
         seed=seed,
         env=env,
@@ -229,7 +216,7 @@ def prime_cublas_and_release_env(device: torch.device | str | int | None = None)
     PyTorch reads the variable in two places: the deterministic-mode check (evaluated once, at the
     first cuBLAS call, then cached) and the workspace sizing, which some versions re-parse with a
     ``std::regex`` on every cuBLAS call (the host cost ``benchmarks/bench_determinism_tax.py``
-    measures). Determinism within a stream does not need the variable: PyTorch gives every
+    measures, ``BENCHMARKS.md``). Determinism within a stream does not need the variable: PyTorch gives every
     (device, stream) its own workspace. This runs one forward and backward GEMM (so the autograd
     thread's handle is created too) with the variable set, then unsets it. On sm90 the default
     workspace equals ``:4096:8`` (32 MiB), so kernel choice is unchanged there.

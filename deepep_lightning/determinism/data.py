@@ -22,14 +22,13 @@ gives the same sample whichever worker loads it and however many workers there a
 from __future__ import annotations
 
 import functools
-import random
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
+from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.rng import fork_global_rng, seed_everything_from
 from deepep_lightning.determinism.sampler import SampleKey, SeekableSampler
 from deepep_lightning.determinism.streams import derive_seed
@@ -66,10 +65,7 @@ class SeededDataset(Dataset):
 
 def _seed_worker(worker_id: int, *, seed: int, rank: int) -> None:
     """Worker-level streams for randomness outside ``__getitem__`` (e.g. in ``collate_fn``)."""
-    derived = derive_seed(seed, "worker", rank, worker_id)
-    torch.manual_seed(derived)
-    np.random.seed(derived & (2**32 - 1))
-    random.seed(derived)
+    seed_everything_from(seed, "worker", rank, worker_id)
 
 
 class SeekableDataLoader(DataLoader):
@@ -122,7 +118,9 @@ def _is_plain_map_loader(dataloader: DataLoader) -> str | None:
     sampler = dataloader.sampler
     if type(sampler) not in (RandomSampler, SequentialSampler):
         return f"its sampler is a {type(sampler).__name__}"
-    if isinstance(sampler, RandomSampler) and (sampler.replacement or sampler._num_samples is not None):
+    if isinstance(sampler, RandomSampler) and (
+        sampler.replacement or _lightning_compat.random_sampler_num_samples(sampler) is not None
+    ):
         return "its RandomSampler draws with replacement or a custom num_samples"
     batch_sampler = dataloader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not torch.utils.data.BatchSampler:

@@ -1,7 +1,8 @@
 """The software/hardware stack a run depends on for bitwise reproducibility, and how two differ.
 
-Bitwise equality is promised only on the same stack (DESIGN.md §5): the fingerprint records that
-stack in every checkpoint and in TensorBoard, and a resume compares it field by field.
+Bitwise equality is promised only on the same stack (another PyTorch, CUDA, cuDNN, driver or GPU
+may pick other kernels or reduction orders): the fingerprint records that stack in every checkpoint
+and in TensorBoard, and a resume compares it field by field.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def collect_fingerprint(world_size: int = 1) -> dict[str, str]:
         "world_size": str(int(world_size)),
         "deterministic_algorithms": str(torch.are_deterministic_algorithms_enabled()),
         "deterministic_warn_only": str(torch.is_deterministic_algorithms_warn_only_enabled()),
-        "fill_uninitialized_memory": str(bool(torch.utils.deterministic.fill_uninitialized_memory)),
+        "fill_uninitialized_memory": str(bool(torch.utils.deterministic.fill_uninitialized_memory)),  # type: ignore[attr-defined]
         "cudnn_deterministic": str(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": str(torch.backends.cudnn.benchmark),
         "matmul_precision": torch.get_float32_matmul_precision(),

@@ -1,5 +1,9 @@
 """The NCCL profile of a bitwise-reproducible all-reduce, applied before ``init_process_group``.
 
+The one definition of the profile: :class:`~deepep_lightning.strategies.DeterministicDDPStrategy`
+applies it in ``setup_distributed`` and :func:`~deepep_lightning.configure` sets it with
+``distributed=True`` (:data:`NCCL_DETERMINISTIC_ENV`, the default algorithm and protocol).
+
 NCCL picks an algorithm (Ring, Tree, NVLS, CollNet, PAT) and a protocol (Simple, LL, LL128) per
 call from the message size and the detected topology. Each choice sums the ranks' contributions in
 its own order, so two runs agree bit for bit only if the same choice is made for every bucket:
@@ -13,12 +17,12 @@ Choice and why:
   order and the channel split; available on every topology and world size. Tree is deterministic
   too but its shape (and so the order) depends on the node layout; ``Tree`` is accepted.
 * ``NCCL_PROTO=Simple``: the one protocol every algorithm supports; LL/LL128 change latency, not
-  order, and are accepted as well (LL is faster for the tiny DeepEP buckets: measure with
+  order, and are accepted as well (LL can be faster for small buckets: measure with
   ``benchmarks/bench_ddp.py``).
 * ``NCCL_NVLS_ENABLE=0``: NVLink SHARP reduces inside the NVSwitch, whose order is not
   specified; CollNet likewise (never selected with ``NCCL_ALGO=Ring``). Multicast objects of
-  symmetric memory and NVSHMEM are switched off for the same reason (and because the lent 2-GPU
-  machines do not support them).
+  symmetric memory and NVSHMEM are switched off for the same reason (and because machines without
+  NVLink multicast support fail to create them).
 
 Values the user exported are kept (an explicit choice wins) and recorded; a kept value that
 re-enables a switch reduction is reported.
@@ -28,15 +32,27 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Literal, get_args
 
-__all__ = ["ALLOWED_ALGORITHMS", "ALLOWED_PROTOCOLS", "NCCL_RECORDED_ENV", "apply_nccl_profile", "nccl_profile"]
+__all__ = [
+    "ALLOWED_ALGORITHMS",
+    "ALLOWED_PROTOCOLS",
+    "NCCL_DETERMINISTIC_ENV",
+    "NCCL_RECORDED_ENV",
+    "NcclAlgorithm",
+    "NcclProtocol",
+    "apply_nccl_profile",
+    "nccl_profile",
+]
 
 log = logging.getLogger(__name__)
 
 #: Algorithms with an order fixed by the rank layout (no in-switch reduction).
-ALLOWED_ALGORITHMS = ("Ring", "Tree")
+NcclAlgorithm = Literal["Ring", "Tree"]
 #: Protocols (all keep the reduction order of the algorithm).
-ALLOWED_PROTOCOLS = ("Simple", "LL", "LL128")
+NcclProtocol = Literal["Simple", "LL", "LL128"]
+ALLOWED_ALGORITHMS: tuple[str, ...] = get_args(NcclAlgorithm)
+ALLOWED_PROTOCOLS: tuple[str, ...] = get_args(NcclProtocol)
 #: Variables recorded in the fingerprint (set or not).
 NCCL_RECORDED_ENV = (
     "NCCL_ALGO",
@@ -51,7 +67,7 @@ NCCL_RECORDED_ENV = (
 _SWITCH_REDUCTIONS = ("nvls", "collnet")
 
 
-def nccl_profile(algorithm: str = "Ring", protocol: str = "Simple") -> dict[str, str]:
+def nccl_profile(algorithm: NcclAlgorithm = "Ring", protocol: NcclProtocol = "Simple") -> dict[str, str]:
     """The environment of the deterministic profile (see the module docstring for the choice)."""
     return {
         "NCCL_ALGO": algorithm,
@@ -63,7 +79,13 @@ def nccl_profile(algorithm: str = "Ring", protocol: str = "Simple") -> dict[str,
     }
 
 
-def apply_nccl_profile(algorithm: str = "Ring", protocol: str = "Simple") -> tuple[dict[str, str], list[str]]:
+#: The default profile (Ring, Simple), as :func:`~deepep_lightning.configure` sets it with ``distributed=True``.
+NCCL_DETERMINISTIC_ENV = nccl_profile()
+
+
+def apply_nccl_profile(
+    algorithm: NcclAlgorithm = "Ring", protocol: NcclProtocol = "Simple"
+) -> tuple[dict[str, str], list[str]]:
     """Set the profile in ``os.environ`` where unset; must run before the process group starts.
 
     Returns ``(recorded, problems)``: the value of every variable of :data:`NCCL_RECORDED_ENV`

@@ -20,11 +20,9 @@ import lightning.pytorch as pl
 import torch
 from torchmetrics import Metric
 
+from deepep_lightning import _lightning_compat
+
 __all__ = ["capture_logged_state", "restore_metric_modules", "merge_epoch_results"]
-
-
-def _result_collection(trainer: "pl.Trainer") -> dict[str, Any]:
-    return getattr(trainer.fit_loop.epoch_loop, "_results", {}) or {}
 
 
 def capture_logged_state(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
@@ -33,12 +31,12 @@ def capture_logged_state(trainer: "pl.Trainer", pl_module: "pl.LightningModule")
     for name, module in pl_module.named_modules():
         if isinstance(module, Metric) and name:
             states = {}
-            for key in module._defaults:
+            for key in _lightning_compat.metric_state_names(module):
                 value = getattr(module, key)
                 states[key] = [v.detach().cpu() for v in value] if isinstance(value, list) else value.detach().cpu()
-            metrics[name] = {"states": states, "update_count": int(module._update_count)}
+            metrics[name] = {"states": states, "update_count": _lightning_compat.metric_update_count(module)}
     results: dict[str, dict[str, Any]] = {}
-    for key, result in _result_collection(trainer).items():
+    for key, result in _lightning_compat.epoch_result_collection(trainer).items():
         if not getattr(result, "is_tensor", False) or not result.meta.on_epoch:
             continue
         entry = {"value": result.value.detach().cpu()}
@@ -70,14 +68,13 @@ def restore_metric_modules(pl_module: "pl.LightningModule", saved: dict[str, Any
             current = getattr(module, key)
             device = current[0].device if isinstance(current, list) and current else getattr(current, "device", "cpu")
             setattr(module, key, [v.to(device) for v in value] if isinstance(value, list) else value.to(device))
-        module._update_count = int(entry["update_count"])
-        module._computed = None
+        _lightning_compat.set_metric_update_count(module, entry["update_count"])
     return missing
 
 
 def merge_epoch_results(trainer: "pl.Trainer", pending: dict[str, dict[str, Any]]) -> None:
     """Fold saved epoch accumulators into the live ones that exist now; merged keys leave ``pending``."""
-    collection = _result_collection(trainer)
+    collection = _lightning_compat.epoch_result_collection(trainer)
     for key in [k for k in pending if k in collection]:
         entry, result = pending.pop(key), collection[key]
         saved = entry["value"].to(result.value.device, result.value.dtype)

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.streams import derive_seed
 
 __all__ = ["capture_rng_state", "restore_rng_state", "seed_everything_from", "fork_global_rng"]
@@ -119,7 +120,7 @@ def _only_cpu_and_cuda() -> bool:
         torch.xpu.is_available(),
         hasattr(torch, "mtia") and torch.mtia.is_available(),
         torch.backends.mps.is_available(),
-        hasattr(torch, torch._C._get_privateuse1_backend_name()),
+        hasattr(torch, _lightning_compat.privateuse1_backend_name()),
     )
     return not any(others)
 
@@ -133,8 +134,8 @@ def seed_everything_from(seed: int, *keys: int | str) -> int:
     Called every training step (DeterminismCallback, DeterministicDDPStrategy), so it avoids
     ``torch.manual_seed`` where it can: for a device type that is not initialised (XPU and MTIA on
     a CUDA machine, CUDA in a CPU run) ``torch.manual_seed`` queues the seed and records
-    ``traceback.format_stack()`` with it, ~1-2 ms of host time per call under Lightning's loops,
-    for generators that never produce a number. With only CPU and CUDA present the same states are
+    ``traceback.format_stack()`` with it, which costs host time on every call under Lightning's
+    deep call stacks, for generators that never produce a number. With only CPU and CUDA present the same states are
     set directly; otherwise ``torch.manual_seed`` runs (``tests/determinism/test_rng.py`` checks
     both paths give equal states).
     """
@@ -144,7 +145,7 @@ def seed_everything_from(seed: int, *keys: int | str) -> int:
         if torch.cuda.is_initialized():
             for generator in torch.cuda.default_generators:
                 generator.manual_seed(derived)
-        elif torch.cuda.is_available() and not torch.cuda._is_in_bad_fork():
+        elif torch.cuda.is_available() and not _lightning_compat.cuda_in_bad_fork():
             torch.cuda.manual_seed_all(derived)  # queued until CUDA starts, as torch.manual_seed does
     else:
         torch.manual_seed(derived)

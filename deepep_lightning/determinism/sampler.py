@@ -11,11 +11,12 @@ and :meth:`seek` makes the next iterator start at any position of this rank's sh
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
-from typing import NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
+from deepep_lightning import _checks
 from deepep_lightning.determinism.streams import derive_seed
 
 __all__ = ["SampleKey", "SeekableSampler"]
@@ -29,7 +30,7 @@ class SampleKey(NamedTuple):
     """
 
     epoch: int
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index, as the field is named
 
 
 class SeekableSampler(DistributedSampler):
@@ -65,13 +66,16 @@ class SeekableSampler(DistributedSampler):
         drop_last: bool = False,
         emit_keys: bool = False,
     ) -> None:
-        if not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"`num_replicas` must be a positive int, got {num_replicas!r}")
-        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(f"`rank` must be an int in [0, {num_replicas}), got {rank!r}")
+        _checks.positive_int(None, "num_replicas", num_replicas, error=ValueError)
+        _checks.int_in_range(None, "rank", rank, 0, num_replicas, high_inclusive=False, error=ValueError)
         # num_replicas and rank are explicit, so the parent never asks torch.distributed.
         super().__init__(
-            data_source, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+            cast("Dataset[Any]", data_source),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
         )
         self.emit_keys = emit_keys
         self._start = 0

@@ -2,11 +2,11 @@
 
 What it adds to Lightning's ``DDPStrategy``:
 
-* **Communication**: the NCCL profile of :mod:`~deepep_lightning.strategies.nccl_profile` set
+* **Communication**: the NCCL profile of :mod:`~deepep_lightning.determinism.nccl_profile` set
   before ``init_process_group`` (NVLS off, pinned algorithm/protocol); a fixed ``bucket_cap_mb``
   (PyTorch issue 30509: the bucket size changes the gradients' bits), ``gradient_as_bucket_view``
   (no copy, same numerics) and ``static_graph`` off unless asked for (it is safe only when every
-  step uses the same parameters; DeepEP in eager mode qualifies).
+  step uses the same parameters, as in a recurrent agent such as DeepEP in eager mode).
 * **Data**: the ``DistributedSampler`` Lightning injects gets ``seed=derive_seed(seed, "sampler")``
   instead of ``PL_GLOBAL_SEED``, so a shard is a pure function of (seed, epoch, rank, world size)
   (:meth:`DeterministicDDPStrategy.shard`); Lightning calls ``set_epoch`` every epoch.
@@ -15,14 +15,16 @@ What it adds to Lightning's ``DDPStrategy``:
   ranks; parameters are still equal, DDP broadcasts rank 0's at wrap time), and before every
   training step from ``derive_seed(seed, "micro", rank, global_step)`` (``reseed_every_step``): a
   step's randomness is then a pure function of its position, in rollback replays and resumes too.
-  DeepEP's rollouts already draw from ``derive_seed(seed, "rollout", rank, step)``.
+  A module may also draw from its own streams (DeepEP's rollouts use
+  ``derive_seed(seed, "rollout", rank, step)``).
 * **World-size invariance** (``virtual_world_size=2``): a fixed micro-batch partition over virtual
   ranks; 1 process accumulating 2 micro-batches and 2 processes give bitwise-equal weights
   (:mod:`~deepep_lightning.strategies.virtual_shards`). On 2 processes it is the default layout, so
   it costs nothing there; the single process pays only the second micro-batch.
 * **Checkpoints**: world size, seeds and the fingerprint are stored with the data state under
   ``checkpoint["deterministic_ddp"]``, together with every rank's own copy of the rank-local keys
-  (``per_rank_checkpoint_keys``: callback states, DeepEP's rollout state), which Lightning would
+  (``per_rank_checkpoint_keys``: callback states and the module's rollout state under
+  :data:`~deepep_lightning.protocols.ROLLOUT_STATE_KEY`), which Lightning would
   otherwise take from rank 0 alone (:mod:`~deepep_lightning.strategies.rank_state`). A resume with
   a different world size is refused.
 
@@ -39,7 +41,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -48,10 +50,17 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from deepep_lightning import _checks, _lightning_compat
+from deepep_lightning.determinism.nccl_profile import (
+    ALLOWED_ALGORITHMS,
+    ALLOWED_PROTOCOLS,
+    NcclAlgorithm,
+    NcclProtocol,
+    apply_nccl_profile,
+)
 from deepep_lightning.determinism.rng import seed_everything_from
 from deepep_lightning.determinism.streams import derive_seed
-from deepep_lightning.strategies._registration import DESCRIPTION, STRATEGY_NAME
-from deepep_lightning.strategies.nccl_profile import ALLOWED_ALGORITHMS, ALLOWED_PROTOCOLS, apply_nccl_profile
+from deepep_lightning.protocols import ROLLOUT_STATE_KEY
 from deepep_lightning.strategies.rank_state import (
     CHECKPOINT_KEY,
     apply_rank_state,
@@ -61,15 +70,13 @@ from deepep_lightning.strategies.rank_state import (
 )
 from deepep_lightning.strategies.virtual_shards import VirtualShardSampler, sampler_seed
 
-__all__ = ["DeterministicDDPStrategy"]
+__all__ = ["DESCRIPTION", "STRATEGY_NAME", "DeterministicDDPStrategy"]
+
+#: Name and description of the registry entry.
+STRATEGY_NAME = "ddp_deterministic"
+DESCRIPTION = "DDP with pinned NCCL profile, seeded shards and per-rank seeds (deepep_lightning)"
 
 log = logging.getLogger(__name__)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise MisconfigurationException(f"`DeterministicDDPStrategy({name}=...)` must be a bool, got {value!r}")
-    return value
 
 
 class DeterministicDDPStrategy(DDPStrategy):
@@ -86,7 +93,9 @@ class DeterministicDDPStrategy(DDPStrategy):
         nccl_protocol: ``NCCL_PROTO`` of the profile: ``"Simple"``, ``"LL"`` or ``"LL128"``.
         allow_world_size_change: resume from a checkpoint of another world size with a warning
             instead of an error (the resumed run is then not a continuation of the same one).
-        per_rank_checkpoint_keys: top-level checkpoint keys each rank keeps its own copy of.
+        per_rank_checkpoint_keys: top-level checkpoint keys each rank keeps its own copy of: the
+            callbacks' states and the module's rollout state (``ROLLOUT_STATE_KEY``, written by a
+            :class:`~deepep_lightning.protocols.RolloutStateful` module) by default.
         reseed_every_step: before every training step (micro-batch), reseed torch/numpy/random from
             ``derive_seed(seed, "micro", virtual_rank, global_step)``: the step's randomness is a
             pure function of its position, also in rollback replays and after a resume.
@@ -102,7 +111,7 @@ class DeterministicDDPStrategy(DDPStrategy):
 
     Example::
 
-        import deepep_lightning  # registers "ddp_deterministic"
+        import deepep_lightning  # the import registers "ddp_deterministic"
         Trainer(accelerator="gpu", devices=2, strategy="ddp_deterministic")
         Trainer(strategy=DeterministicDDPStrategy(bucket_cap_mb=50, static_graph=True))
     """
@@ -117,49 +126,35 @@ class DeterministicDDPStrategy(DDPStrategy):
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
-        nccl_algorithm: str = "Ring",
-        nccl_protocol: str = "Simple",
+        nccl_algorithm: NcclAlgorithm = "Ring",
+        nccl_protocol: NcclProtocol = "Simple",
         allow_world_size_change: bool = False,
-        per_rank_checkpoint_keys: Sequence[str] = ("callbacks", "deepep_rollout"),
+        per_rank_checkpoint_keys: Sequence[str] = ("callbacks", ROLLOUT_STATE_KEY),
         reseed_every_step: bool = True,
         virtual_world_size: int | None = None,
         **kwargs: Any,
     ) -> None:
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise MisconfigurationException(
-                f"`DeterministicDDPStrategy(seed=...)` must be a non-negative int or None, got {seed!r}"
-            )
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-            raise MisconfigurationException(
-                f"`DeterministicDDPStrategy(bucket_cap_mb=...)` must be a positive number, got {bucket_cap_mb!r}"
-            )
-        if nccl_algorithm not in ALLOWED_ALGORITHMS:
-            raise MisconfigurationException(
-                f"`DeterministicDDPStrategy(nccl_algorithm=...)` must be one of {ALLOWED_ALGORITHMS}, got {nccl_algorithm!r}"
-                " (HINT: NVLS and CollNet reduce inside the switch in an unspecified order)"
-            )
-        if nccl_protocol not in ALLOWED_PROTOCOLS:
-            raise MisconfigurationException(
-                f"`DeterministicDDPStrategy(nccl_protocol=...)` must be one of {ALLOWED_PROTOCOLS}, got {nccl_protocol!r}"
-            )
-        if isinstance(per_rank_checkpoint_keys, str) or not all(isinstance(k, str) for k in per_rank_checkpoint_keys):
-            raise MisconfigurationException(
-                f"`DeterministicDDPStrategy(per_rank_checkpoint_keys=...)` must be a sequence of str, got {per_rank_checkpoint_keys!r}"
-            )
-        if virtual_world_size is not None and (
-            isinstance(virtual_world_size, bool) or not isinstance(virtual_world_size, int) or virtual_world_size < 1
+        owner = "DeterministicDDPStrategy"
+        _checks.non_negative_int(owner, "seed", seed, allow_none=True)
+        _checks.number(owner, "bucket_cap_mb", bucket_cap_mb, minimum=0, exclusive_minimum=True)
+        _checks.choice(
+            owner,
+            "nccl_algorithm",
+            nccl_algorithm,
+            ALLOWED_ALGORITHMS,
+            hint="NVLS and CollNet reduce inside the switch in an unspecified order",
+        )
+        _checks.choice(owner, "nccl_protocol", nccl_protocol, ALLOWED_PROTOCOLS)
+        keys = _checks.str_sequence(owner, "per_rank_checkpoint_keys", per_rank_checkpoint_keys)
+        _checks.positive_int(owner, "virtual_world_size", virtual_world_size, allow_none=True)
+        for name, flag in (
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("static_graph", static_graph),
+            ("find_unused_parameters", find_unused_parameters),
+            ("allow_world_size_change", allow_world_size_change),
+            ("reseed_every_step", reseed_every_step),
         ):
-            raise MisconfigurationException(
-                f"`DeterministicDDPStrategy(virtual_world_size=...)` must be a positive int or None, got {virtual_world_size!r}"
-            )
-        for name in (
-            "gradient_as_bucket_view",
-            "static_graph",
-            "find_unused_parameters",
-            "allow_world_size_change",
-            "reseed_every_step",
-        ):
-            _check_bool(name, locals()[name])
+            _checks.strict_bool(owner, name, flag)
         super().__init__(
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
@@ -168,10 +163,10 @@ class DeterministicDDPStrategy(DDPStrategy):
             **kwargs,
         )
         self._seed_arg = seed
-        self.nccl_algorithm = nccl_algorithm
-        self.nccl_protocol = nccl_protocol
+        self.nccl_algorithm: NcclAlgorithm = nccl_algorithm
+        self.nccl_protocol: NcclProtocol = nccl_protocol
         self.allow_world_size_change = allow_world_size_change
-        self.per_rank_checkpoint_keys = tuple(per_rank_checkpoint_keys)
+        self.per_rank_checkpoint_keys = keys
         self.reseed_every_step = reseed_every_step
         self.virtual_world_size = virtual_world_size
         self.seed: int | None = seed
@@ -182,14 +177,18 @@ class DeterministicDDPStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``"ddp_deterministic"`` (idempotent: an existing entry is replaced by the same)."""
+        """Register ``"ddp_deterministic"`` (idempotent: an existing entry is replaced by the same).
+
+        Runs once, when :mod:`deepep_lightning.strategies` is imported (``import deepep_lightning``
+        does it), so ``Trainer(strategy="ddp_deterministic")`` works after that import.
+        """
         strategy_registry.register(cls.strategy_name, cls, description=DESCRIPTION, override=True)
 
     # ---------------------------------------------------------------- process group
     @override
     def setup_distributed(self) -> None:
         self.seed = resolve_run_seed(self._seed_arg)
-        if "nccl" in self._get_process_group_backend():
+        if "nccl" in _lightning_compat.requested_process_group_backend(self):
             self.nccl_env, _ = apply_nccl_profile(self.nccl_algorithm, self.nccl_protocol)
         super().setup_distributed()  # Lightning's reset_seed(), ranks, init_process_group
         self.rank_seed = seed_everything_from(self.seed, "rank", self.global_rank)
@@ -247,9 +246,10 @@ class DeterministicDDPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.reseed_every_step and self.lightning_module is not None and self.lightning_module._trainer is not None:
+        trainer = _lightning_compat.attached_trainer(self.lightning_module)
+        if self.reseed_every_step and trainer is not None:
             batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("batch_idx", 0)
-            step = self.lightning_module.trainer.global_step
+            step = trainer.global_step
             seed_everything_from(self.seed or 0, "micro", self.virtual_rank(batch_idx), step)
         return super().training_step(*args, **kwargs)
 
@@ -275,21 +275,20 @@ class DeterministicDDPStrategy(DDPStrategy):
         return super().process_dataloader(dataloader)
 
     def _needs_virtual_shards(self, dataloader: Any) -> bool:
-        module = self.lightning_module
+        trainer = _lightning_compat.attached_trainer(self.lightning_module)
         return (
             self.micro_batches_per_step > 1
             and type(getattr(dataloader, "sampler", None)) is torch.utils.data.DistributedSampler  # Lightning's
-            and module is not None
-            and module._trainer is not None
-            and module.trainer.training
+            and trainer is not None
+            and trainer.training
         )
 
     def _virtual_shard_loader(self, dataloader: Any) -> Any:
-        from lightning.pytorch.utilities.data import _update_dataloader
-
+        assert self.virtual_world_size is not None  # _needs_virtual_shards
         if dataloader.batch_size is None:
             raise MisconfigurationException(
-                "DeterministicDDPStrategy(virtual_world_size=...) needs a DataLoader with a batch_size, got batch_size=None"
+                "DeterministicDDPStrategy(virtual_world_size=...) needs a DataLoader with a batch_size,"
+                " got batch_size=None"
             )
         try:
             sampler = VirtualShardSampler(
@@ -303,7 +302,7 @@ class DeterministicDDPStrategy(DDPStrategy):
             )
         except ValueError as error:
             raise MisconfigurationException(f"DeterministicDDPStrategy: {error}") from error
-        return _update_dataloader(dataloader, sampler)
+        return _lightning_compat.update_dataloader(dataloader, sampler)
 
     @staticmethod
     def shard(
@@ -319,8 +318,8 @@ class DeterministicDDPStrategy(DDPStrategy):
 
         ``seed`` is the run seed (the sampler's own seed is derived from it).
         """
-        sampler = torch.utils.data.DistributedSampler(
-            range(num_samples),
+        sampler: torch.utils.data.DistributedSampler[int] = torch.utils.data.DistributedSampler(
+            cast("torch.utils.data.Dataset[int]", range(num_samples)),
             num_replicas=world_size,
             rank=rank,
             shuffle=shuffle,
@@ -333,17 +332,18 @@ class DeterministicDDPStrategy(DDPStrategy):
     # ---------------------------------------------------------------- fingerprint
     def fingerprint(self) -> dict[str, str]:
         """Everything about the communication and data layout that changes bits, as strings."""
-        kwargs = self._ddp_kwargs
+        kwargs = _lightning_compat.ddp_kwargs(self)
+        comm_hook = _lightning_compat.ddp_comm_hook(self)
         record = {
             "ddp.strategy": type(self).__name__,
-            "ddp.backend": str(self._process_group_backend or "<not started>"),
+            "ddp.backend": str(_lightning_compat.process_group_backend(self) or "<not started>"),
             "ddp.world_size": str(self.world_size),
             "ddp.bucket_cap_mb": str(kwargs.get("bucket_cap_mb")),
             "ddp.gradient_as_bucket_view": str(kwargs.get("gradient_as_bucket_view")),
             "ddp.static_graph": str(kwargs.get("static_graph")),
             "ddp.find_unused_parameters": str(kwargs.get("find_unused_parameters")),
             "ddp.broadcast_buffers": str(kwargs.get("broadcast_buffers", True)),
-            "ddp.comm_hook": getattr(self._ddp_comm_hook, "__qualname__", str(self._ddp_comm_hook)),
+            "ddp.comm_hook": getattr(comm_hook, "__qualname__", str(comm_hook)),
             "ddp.nccl_algorithm": self.nccl_algorithm,
             "ddp.nccl_protocol": self.nccl_protocol,
             "ddp.seed": str(self.seed),
@@ -360,8 +360,7 @@ class DeterministicDDPStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
-        module = self.lightning_module
-        trainer = module._trainer if module is not None else None
+        trainer = _lightning_compat.attached_trainer(self.lightning_module)
         if trainer is None or not trainer.is_global_zero:
             return
         record = self.fingerprint()
@@ -416,12 +415,3 @@ class DeterministicDDPStrategy(DDPStrategy):
             )
         apply_rank_state(checkpoint, state, self.global_rank, self.world_size)
         return checkpoint
-
-
-def _register_class() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    DeterministicDDPStrategy.register_strategies(StrategyRegistry)  # replaces the lazy factory entry
-
-
-_register_class()

@@ -18,8 +18,9 @@ guarantee is 1 vs 2 processes only.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sized
+from typing import Any, cast
 
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from deepep_lightning.determinism.streams import derive_seed
 
@@ -62,14 +63,20 @@ class VirtualShardSampler(DistributedSampler):
             raise ValueError(
                 f"`virtual_world_size` ({virtual_world_size}) must be a multiple of the world size ({num_replicas})"
             )
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=sampler_seed(seed))
+        super().__init__(
+            cast("Dataset[Any]", dataset),
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=sampler_seed(seed),
+        )
         self.virtual_world_size = virtual_world_size
         self.per_process = virtual_world_size // num_replicas
         self.batch_size = int(batch_size)
         self.run_seed = seed
-        self._virtual = [
+        self._virtual: list[DistributedSampler[int]] = [
             DistributedSampler(
-                dataset,
+                cast("Dataset[Any]", dataset),
                 num_replicas=virtual_world_size,
                 rank=rank * self.per_process + j,
                 shuffle=shuffle,

@@ -2,13 +2,16 @@
 
 Usage (from the tests)::
 
-    python _run_fit.py --module plain --out DIR --tb DIR [--kill-at STEP] [--resume CKPT] [--no-restore]
+    python _run_fit.py --module plain --out DIR --tb DIR [--kill-at STEP] [--resume CKPT [--strip-resume-state W]]
 
 Writes ``DIR/final.pt`` (model and optimizer state) when ``fit`` returns. Checkpoints go to
 ``DIR/last.ckpt`` every ``--ckpt-every`` steps (atomically: written to a temp name, then renamed).
 With ``--kill-at S`` the process SIGKILLs itself at the start of the batch after global step ``S``
 (loggers flushed first, so the logged scalars up to step ``S`` are on disk), i.e. mid-epoch and
 ``S - last checkpoint`` steps after the last checkpoint: the resumed run replays those steps.
+``--strip-resume-state`` (negative controls) resumes from a copy of the checkpoint without the
+state an exact resume needs: ``all`` drops the loader position and the DeterminismCallback's RNG and
+logging state, ``rng`` only its RNG state.
 """
 
 from __future__ import annotations
@@ -101,6 +104,19 @@ def _deepep_module(extra_args: str):
     return DeepEPModule(**kwargs)
 
 
+def _stripped_copy(path: str, state_key: str, what: str) -> str:
+    """A copy of the checkpoint at ``path`` without the resume state named by ``what`` (``all`` or ``rng``)."""
+    checkpoint = torch.load(path, weights_only=False)
+    state = checkpoint["callbacks"][state_key]
+    state.pop("rng")
+    if what == "all":
+        state.pop("logged")
+        checkpoint["loops"]["fit_loop"]["state_dict"].pop("combined_loader")
+    stripped = path + ".stripped"
+    torch.save(checkpoint, stripped)
+    return stripped
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--module", choices=["plain", "deepep"], required=True)
@@ -111,10 +127,10 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument(
-        "--no-restore",
+        "--strip-resume-state",
         choices=["all", "rng"],
         default=None,
-        help="negative control: restore nothing (all) or no RNG state (rng) on resume",
+        help="negative control: resume without the loader position and callback state (all) or the RNG state (rng)",
     )
     parser.add_argument("--no-reseed", action="store_true", help="rely on checkpointed RNG state only")
     parser.add_argument("--accelerator", default="cpu")
@@ -140,8 +156,9 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     callback = DeterminismCallback(SEED, reseed_every_step=not args.no_reseed)
-    callback._restore_on_resume = args.no_restore != "all"
-    callback._restore_rng_on_resume = args.no_restore is None
+    resume = args.resume
+    if resume is not None and args.strip_resume_state is not None:
+        resume = _stripped_copy(resume, callback.state_key, args.strip_resume_state)
     model = _plain_module() if args.module == "plain" else _deepep_module(args.deepep_args)
     trainer = pl.Trainer(
         accelerator=args.accelerator,
@@ -157,7 +174,7 @@ def main() -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
     )
-    trainer.fit(model, ckpt_path=args.resume)
+    trainer.fit(model, ckpt_path=resume)
     optimizer_state = trainer.optimizers[0].state_dict()["state"]
     flat_optimizer = {f"opt.{i}.{k}": v for i, s in optimizer_state.items() for k, v in s.items()}
     torch.save({"model": model.state_dict(), "optimizer": flat_optimizer}, os.path.join(args.out, "final.pt"))

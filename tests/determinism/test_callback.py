@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import warnings
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -13,33 +15,9 @@ from deepep_lightning.determinism import DeterminismCallback, FingerprintMismatc
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints
 
 
-class _Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1))
-        self.losses: list[float] = []
-
-    def training_step(self, batch, batch_idx):
-        loss = self.net(batch).pow(2).mean()
-        self.losses.append(loss.item())
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        torch.rand(100)  # evaluation that consumes the global RNG
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.randn(32, 4, generator=torch.Generator().manual_seed(0)), batch_size=4)
-
-    def val_dataloader(self):
-        return torch.utils.data.DataLoader(torch.zeros(8, 4), batch_size=4)
-
-
-def _fit(callback: DeterminismCallback | None, validate: bool, tmp_path=None) -> list[float]:
+def _fit(module_class, callback: DeterminismCallback | None, validate: bool, tmp_path=None) -> list[float]:
     torch.manual_seed(0)
-    model = _Tiny()
+    model = module_class(dropout=0.5)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -61,16 +39,16 @@ def _fit(callback: DeterminismCallback | None, validate: bool, tmp_path=None) ->
 
 
 @pytest.mark.parametrize("reseed_every_step", [True, False])
-def test_validation_and_sanity_check_do_not_shift_the_training_stream(reseed_every_step: bool) -> None:
+def test_validation_and_sanity_check_do_not_shift_the_training_stream(reseed_every_step: bool, boring_module) -> None:
     def run(validate: bool) -> list[float]:
-        return _fit(DeterminismCallback(5, reseed_every_step=reseed_every_step), validate)
+        return _fit(boring_module, DeterminismCallback(5, reseed_every_step=reseed_every_step), validate)
 
     assert run(validate=True) == run(validate=False)
 
 
-def test_negative_control_without_isolation_validation_shifts_the_stream() -> None:
+def test_negative_control_without_isolation_validation_shifts_the_stream(boring_module) -> None:
     def run(validate: bool) -> list[float]:
-        return _fit(DeterminismCallback(5, reseed_every_step=False, isolate_evaluation=False), validate)
+        return _fit(boring_module, DeterminismCallback(5, reseed_every_step=False, isolate_evaluation=False), validate)
 
     assert run(validate=True) != run(validate=False)
 
@@ -91,8 +69,8 @@ def test_fingerprint_mismatch_raises_in_strict_mode_naming_the_field() -> None:
         lenient.load_state_dict(state)
 
 
-def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path) -> None:
-    model = _Tiny()
+def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path, boring_module) -> None:
+    model = boring_module(dropout=0.5)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -122,7 +100,7 @@ def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path) -> None:
         callbacks=[DeterminismCallback(3)],
     )
     with pytest.raises(FingerprintMismatchError, match="world_size: '8' -> '1'"):
-        resumed.fit(_Tiny(), ckpt_path=path)
+        resumed.fit(boring_module(dropout=0.5), ckpt_path=path)
 
 
 def test_same_stack_has_no_differences_and_old_checkpoints_load() -> None:
@@ -133,13 +111,39 @@ def test_same_stack_has_no_differences_and_old_checkpoints_load() -> None:
     assert callback._pending_rng is None
 
 
+def test_state_key_and_state_dict_round_trip_restore_the_rng_streams() -> None:
+    saver = DeterminismCallback(3, reseed_every_step=False)
+    assert saver.state_key == "DeterminismCallback"  # the key its state has under checkpoint["callbacks"]
+    torch.manual_seed(11)
+    state = saver.state_dict()
+    expected = torch.rand(5)
+    state = torch.load(_round_trip(state), weights_only=True)  # plain values: loads under weights_only
+    assert state["seed"] == 3 and state["reseed_every_step"] is False
+
+    torch.manual_seed(12)  # the resumed process starts elsewhere
+    before = torch.rand(5)
+    resumed = DeterminismCallback(3, reseed_every_step=False)
+    assert resumed.state_key == saver.state_key
+    resumed.load_state_dict(state)
+    resumed.on_train_batch_start(SimpleNamespace(current_epoch=0), None, None, 0)  # type: ignore[arg-type]
+    assert torch.equal(torch.rand(5), expected)  # the stream continues where the state was taken
+    assert not torch.equal(before, expected)  # negative control: without the state, other numbers
+
+
+def _round_trip(state: dict) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return buffer
+
+
 def test_seed_mismatch_on_resume_is_refused() -> None:
     state = DeterminismCallback(3).state_dict()
     with pytest.raises(MisconfigurationException, match="seed=3"):
         DeterminismCallback(4).load_state_dict(state)
 
 
-def test_strict_setup_raises_when_cuda_started_before_configure(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_strict_setup_raises_when_cuda_started_before_configure(monkeypatch: pytest.MonkeyPatch, boring_module) -> None:
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
@@ -150,11 +154,11 @@ def test_strict_setup_raises_when_cuda_started_before_configure(monkeypatch: pyt
     callback = DeterminismCallback(1)  # CUDA "started": cannot configure here
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
     with pytest.raises(MisconfigurationException, match="HINT: call `deepep_lightning.configure"):
-        callback.setup(trainer, _Tiny(), "fit")
+        callback.setup(trainer, boring_module(), "fit")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
     monkeypatch.setattr(configure_module, "_last_record", None)
     with pytest.warns(UserWarning, match="CUBLAS_WORKSPACE_CONFIG"):
-        DeterminismCallback(2, strict=False).setup(trainer, _Tiny(), "fit")
+        DeterminismCallback(2, strict=False).setup(trainer, boring_module(), "fit")
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deepep_lightning.strategies.nccl_profile import NCCL_RECORDED_ENV, apply_nccl_profile, nccl_profile
+from deepep_lightning.determinism.nccl_profile import NCCL_RECORDED_ENV, apply_nccl_profile, nccl_profile
 
 
 @pytest.fixture

@@ -11,9 +11,10 @@ optimizer tensors with ``torch.equal``, every TensorBoard scalar by value):
   streams across the restart;
 * a checkpoint taken after an epoch's last batch, killed early in the next epoch (the logged
   ``epoch`` and the next epoch's data order must not shift);
-* negative controls: the same resumes with restoring disabled must differ: restoring nothing
-  (the epoch's data order starts over), and, with ``reseed_every_step=False``, restoring everything
-  but the RNG states (dropout and the validation noise then draw other numbers).
+* negative controls: the same resumes from a checkpoint stripped of the resume state must differ:
+  no loader position and no callback state (the epoch's data order starts over), and, with
+  ``reseed_every_step=False``, everything but the RNG states (dropout and the validation noise then
+  draw other numbers).
 
 The runs are started together (two cores) by one module-scoped fixture; most of each run's time
 is importing Lightning.
@@ -22,10 +23,7 @@ is importing Lightning.
 from __future__ import annotations
 
 import glob
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +31,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 _SCRIPT = Path(__file__).with_name("_run_fit.py")
-_REPO = Path(__file__).resolve().parents[2]
+_TIMEOUT_S = 600
 _KILL_AT = 11  # checkpoints every 3 steps: last one at step 9, killed at the start of step 12
 _SCENARIOS = {
     # name: (module, extra args, kill at)
@@ -46,46 +44,42 @@ _SCENARIOS = {
 }
 
 
-def _start(module: str, out: Path, extra: list[str]) -> subprocess.Popen:
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(_REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, str(_SCRIPT), "--module", module, "--out", str(out), "--tb", str(out / "tb"), *extra]
-    log = open(out / "log.txt", "w")  # noqa: SIM115 - closed when the process is collected
-    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(_REPO))
+def _start(fit_process, module: str, out: Path, extra: list[str]):
+    args = ["--module", module, "--out", str(out), "--tb", str(out / "tb"), *extra]
+    return fit_process(_SCRIPT, args, log_path=out / "log.txt")
 
 
-def _wait(processes: dict[str, tuple[subprocess.Popen, Path]], expect_killed: set[str]) -> None:
-    for name, (process, out) in processes.items():
-        code = process.wait(timeout=600)
+def _wait(processes: dict, expect_killed: set[str]) -> None:
+    for name, process in processes.items():
+        code = process.wait(timeout_s=_TIMEOUT_S)
         expected = -9 if name in expect_killed else 0
-        log_tail = (out / "log.txt").read_text()[-3000:]
-        assert code == expected, f"{name}: exit code {code}, expected {expected}\n{log_tail}"
+        assert code == expected, f"{name}: exit code {code}, expected {expected}\n{process.output_tail(3000)}"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
-    first: dict[str, tuple[subprocess.Popen, Path]] = {}
+    first: dict = {}
     for name, (module, extra, kill_at) in _SCENARIOS.items():
         for run in ("full", "killed"):
             args = extra + (["--kill-at", str(kill_at)] if run == "killed" else [])
-            first[f"{name}/{run}"] = (_start(module, root / name / run, args), root / name / run)
-    first["plain/full_again"] = (_start("plain", root / "plain" / "full_again", []), root / "plain" / "full_again")
+            first[f"{name}/{run}"] = _start(fit_process, module, root / name / run, args)
+    first["plain/full_again"] = _start(fit_process, "plain", root / "plain" / "full_again", [])
     _wait(first, expect_killed={f"{name}/killed" for name in _SCENARIOS})
 
-    second: dict[str, tuple[subprocess.Popen, Path]] = {}
+    second: dict = {}
     for name, (module, extra, _) in _SCENARIOS.items():
         killed = root / name / "killed"
-        # negative controls: restore nothing (data order restarts) / restore everything but the RNG
-        negative = {"plain": ["--no-restore", "all"], "plain_noreseed": ["--no-restore", "rng"]}
+        # negative controls: resume state stripped (data order restarts) / everything kept but the RNG
+        negative = {"plain": ["--strip-resume-state", "all"], "plain_noreseed": ["--strip-resume-state", "rng"]}
         variants = {"resumed": [], **({"unrestored": negative[name]} if name in negative else {})}
         for variant, more in variants.items():
             out = root / name / variant
             shutil.copytree(killed, out)  # same checkpoint and the killed run's event file
             args = extra + more + ["--resume", str(out / "last.ckpt")]
-            second[f"{name}/{variant}"] = (_start(module, out, args), out)
+            second[f"{name}/{variant}"] = _start(fit_process, module, out, args)
     _wait(second, expect_killed=set())
-    return {name: out for name, (_, out) in {**first, **second}.items()}
+    return {name: process.log_path.parent for name, process in {**first, **second}.items()}
 
 
 def _final_state(out: Path) -> dict[str, torch.Tensor]:
@@ -152,25 +146,23 @@ def test_checkpoint_loads_with_weights_only(runs: dict[str, Path]) -> None:
 
 
 # ----------------------------------------------------------------------------- GPU
-# B=T=H=256 (configs/gpu.yaml) ran past 200 s per case on the H200 (mostly eager steps + process start);
-# the determinism properties do not depend on size, so the GPU check uses a smaller DeepEP.
+# The determinism properties do not depend on size, so the GPU check uses a smaller DeepEP than
+# configs/gpu.yaml (whose eager steps and process start make a case take minutes).
 _GPU_SETTINGS = {"num_envs": 64, "rollout_length": 32, "hidden_size": 64, "steps_per_epoch": 7}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "cuda_graph"])
-def test_gpu_two_runs_and_sigkill_resume_are_bitwise_equal(tmp_path: Path, cuda_graph: bool) -> None:
+def test_gpu_two_runs_and_sigkill_resume_are_bitwise_equal(tmp_path: Path, cuda_graph: bool, fit_process) -> None:
     import json
 
     extra = ["--accelerator", "gpu", "--deepep-args", json.dumps({**_GPU_SETTINGS, "cuda_graph": cuda_graph})]
     run = {name: tmp_path / name for name in ("full", "full_again", "killed")}
-    _wait({"full": (_start("deepep", run["full"], extra), run["full"])}, set())
-    _wait({"full_again": (_start("deepep", run["full_again"], extra), run["full_again"])}, set())
-    _wait(
-        {"killed": (_start("deepep", run["killed"], extra + ["--kill-at", str(_KILL_AT)]), run["killed"])}, {"killed"}
-    )
+    _wait({"full": _start(fit_process, "deepep", run["full"], extra)}, set())
+    _wait({"full_again": _start(fit_process, "deepep", run["full_again"], extra)}, set())
+    _wait({"killed": _start(fit_process, "deepep", run["killed"], extra + ["--kill-at", str(_KILL_AT)])}, {"killed"})
     resumed = tmp_path / "resumed"
     shutil.copytree(run["killed"], resumed)
-    _wait({"resumed": (_start("deepep", resumed, extra + ["--resume", str(resumed / "last.ckpt")]), resumed)}, set())
+    _wait({"resumed": _start(fit_process, "deepep", resumed, extra + ["--resume", str(resumed / "last.ckpt")])}, set())
     assert _differences(run["full"], run["full_again"]) == []
     assert _differences(run["full"], resumed) == []

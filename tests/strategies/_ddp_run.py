@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-import deepep_lightning.strategies  # noqa: E402,F401  (before Lightning: exercises the import hook)
+import deepep_lightning  # noqa: E402,F401  (the import registers strategy="ddp_deterministic")
 
 torch.set_num_threads(1)
 

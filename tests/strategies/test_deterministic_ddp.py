@@ -14,10 +14,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-import deepep_lightning.strategies  # noqa: F401  (registers "ddp_deterministic")
+from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.streams import derive_seed
+from deepep_lightning.protocols import ROLLOUT_STATE_KEY
 from deepep_lightning.strategies import CHECKPOINT_KEY, DeterministicDDPStrategy, WorldSizeMismatchError
-from deepep_lightning.strategies._registration import register
 from deepep_lightning.strategies.rank_state import resolve_run_seed
 
 
@@ -36,8 +36,7 @@ def _trainer(devices: int = 2, strategy: object = "ddp_deterministic") -> Traine
 
 def test_registered_by_name_and_idempotent():
     assert StrategyRegistry["ddp_deterministic"]["strategy"] is DeterministicDDPStrategy
-    register()
-    register()  # a second registration replaces the entry instead of raising
+    DeterministicDDPStrategy.register_strategies(StrategyRegistry)  # replaces the entry instead of raising
     trainer = _trainer()
     assert isinstance(trainer.strategy, DeterministicDDPStrategy)
     assert trainer.world_size == 2
@@ -45,7 +44,7 @@ def test_registered_by_name_and_idempotent():
 
 def test_ddp_arguments_are_pinned_and_recorded():
     strategy = DeterministicDDPStrategy(seed=5, bucket_cap_mb=50, static_graph=True)
-    assert strategy._ddp_kwargs == {
+    assert _lightning_compat.ddp_kwargs(strategy) == {
         "bucket_cap_mb": 50,
         "gradient_as_bucket_view": True,
         "static_graph": True,
@@ -75,6 +74,11 @@ def test_bad_arguments_are_named(kwargs, argument):
     with pytest.raises(MisconfigurationException, match=argument) as error:
         DeterministicDDPStrategy(**kwargs)
     assert repr(next(iter(kwargs.values()))) in str(error.value)
+
+
+def test_rank_local_keys_default_to_callbacks_and_the_rollout_state():
+    assert DeterministicDDPStrategy().per_rank_checkpoint_keys == ("callbacks", ROLLOUT_STATE_KEY)
+    assert DeterministicDDPStrategy(per_rank_checkpoint_keys=["callbacks"]).per_rank_checkpoint_keys == ("callbacks",)
 
 
 def test_sampler_seed_derived_from_the_run_seed():
@@ -117,17 +121,17 @@ def test_resume_with_another_world_size_is_refused():
 def test_load_checkpoint_gives_each_rank_its_own_state(tmp_path):
     strategy = _trainer().strategy
     path = tmp_path / "fake.ckpt"
-    per_rank = [{"deepep_rollout": {"rank": 0}}, {"deepep_rollout": {"rank": 1}}]
+    per_rank = [{ROLLOUT_STATE_KEY: {"rank": 0}}, {ROLLOUT_STATE_KEY: {"rank": 1}}]
     torch.save(
-        {"deepep_rollout": {"rank": 0}, CHECKPOINT_KEY: {"world_size": 2, "seed": None, "per_rank": per_rank}}, path
+        {ROLLOUT_STATE_KEY: {"rank": 0}, CHECKPOINT_KEY: {"world_size": 2, "seed": None, "per_rank": per_rank}}, path
     )
     loaded = strategy.load_checkpoint(path)
-    assert loaded["deepep_rollout"] == {"rank": 0}  # this process is rank 0
+    assert loaded[ROLLOUT_STATE_KEY] == {"rank": 0}  # this process is rank 0
     strategy.cluster_environment.set_global_rank(1)  # also sets rank_zero_only.rank: put it back
     try:
-        assert strategy.load_checkpoint(path)["deepep_rollout"] == {"rank": 1}
+        assert strategy.load_checkpoint(path)[ROLLOUT_STATE_KEY] == {"rank": 1}
     finally:
         strategy.cluster_environment.set_global_rank(0)
-    torch.save({"deepep_rollout": {"rank": 0}}, path)
+    torch.save({ROLLOUT_STATE_KEY: {"rank": 0}}, path)
     with pytest.warns(UserWarning, match="no world-size record"):
         strategy.load_checkpoint(path)

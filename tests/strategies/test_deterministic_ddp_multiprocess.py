@@ -1,7 +1,7 @@
 """DeterministicDDPStrategy with 2 gloo processes, launched through ``strategy="ddp_deterministic"``.
 
-Each run is ``_ddp_run.py`` in a fresh process group (Lightning's launcher starts rank 1); a hard
-timeout kills the whole group, so a hung rank fails the test instead of hanging CI. Four runs in
+Each run is ``_ddp_run.py`` in a fresh session (``fit_process``; Lightning's launcher starts rank 1);
+a hard timeout kills the whole session, so a hung rank fails the test instead of hanging CI. Four runs in
 all: two clean ones (A, B), one with a fault on rank 1 only (C) and one single-process run in
 world-size-invariant mode (V).
 """
@@ -9,10 +9,6 @@ world-size-invariant mode (V).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,47 +18,14 @@ from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.strategies import CHECKPOINT_KEY, DeterministicDDPStrategy
 
 SCRIPT = Path(__file__).with_name("_ddp_run.py")
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180  # one run takes 20-45 s on the loaded 2-core CI machine
 SEED, NUM_SAMPLES = 321, 32  # as in _ddp_run.py
 FAULT_STEP = 5  # 4 steps per epoch: the rollback restores the epoch-end snapshot and replays across the boundary
 
 
-def _run(out: Path, *args: str) -> tuple[int, str]:
-    out.mkdir(parents=True, exist_ok=True)
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
-    }
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--out", str(out), *args],
-        cwd=out,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"_ddp_run.py {' '.join(args)} did not finish in {TIMEOUT_S} s (a rank hung?)\n{output[-4000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # no orphaned rank survives the test
-        except (ProcessLookupError, PermissionError):
-            pass
-    return proc.returncode, output
-
-
-def _ok(out: Path, *args: str) -> Path:
-    code, output = _run(out, *args)
-    assert code == 0, output[-4000:]
+def _ok(fit_process, out: Path, *args: str) -> Path:
+    process = fit_process(SCRIPT, ["--out", str(out), *args], log_path=out / "log.txt", cwd=out)
+    assert process.wait(timeout_s=TIMEOUT_S) == 0, process.output_tail()
     return out
 
 
@@ -79,14 +42,15 @@ def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ddp")
     return {
-        "A": _ok(root / "A", "--save-ckpt"),
-        "B": _ok(root / "B"),
-        "C": _ok(root / "C", "--fault-rank", "1", "--fault-step", str(FAULT_STEP)),
+        "A": _ok(fit_process, root / "A", "--save-ckpt"),
+        "B": _ok(fit_process, root / "B"),
+        "C": _ok(fit_process, root / "C", "--fault-rank", "1", "--fault-step", str(FAULT_STEP)),
         # one process, two micro-batches per step (the health callbacks need accumulate_grad_batches=1)
         "V": _ok(
+            fit_process,
             root / "V",
             "--devices",
             "1",
