@@ -58,6 +58,10 @@ class FailureHandler(Protocol):
         """True once the handler has stopped training (the epoch-end checks then rest)."""
         ...
 
+    def skips(self, step: int) -> bool:
+        """Whether the handler skips optimizer step ``step`` (its loss and gradients are then not recorded)."""
+        ...
+
 
 class NumericalHealthCallback(Callback):
     r"""Checks that training stays finite, cheaply, and tells you when it does not.
@@ -185,6 +189,8 @@ class NumericalHealthCallback(Callback):
         if self._loss_recorded == step:
             return
         self._loss_recorded = step
+        if self._handler is not None and self._handler.skips(step):
+            return  # a skipped step's update is dropped: its (known bad) values are not a new failure
         loss = step_loss(outputs)
         if self.check_loss and loss is not None and self.flags is not None:
             self.flags.record_loss(step, loss)
@@ -203,6 +209,8 @@ class NumericalHealthCallback(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._handler is not None and self._handler.skips(trainer.global_step):
+            return
         if self._grad_checks_enabled and self.flags is not None:
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             self.flags.record_grads(trainer.global_step, grads)

@@ -6,6 +6,9 @@ import contextlib
 import copy
 import logging
 import os
+import uuid
+import warnings
+from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -20,6 +23,7 @@ from deepep_lightning._enums import StrEnum
 from deepep_lightning._lightning_compat import optimizer_step_progress
 from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite
 from deepep_lightning.health import _replay, _step_hooks
+from deepep_lightning.health._collectives import min_max_over_ranks
 from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
 from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
 from deepep_lightning.health.events import EventKind, run_log_dir
@@ -113,6 +117,9 @@ class NaNRollbackCallback(Callback):
         skip_batches: batches skipped from the bad one under ``policy="skip"``.
         lr_factor: LR multiplier under ``policy="lower_lr"``, in (0, 1).
         max_retries: policy applications per incident before stopping (>= 0).
+        max_skipped_steps: the most steps ``policy="skip"`` may skip over the whole run (a NaN on
+            every step, e.g. an infinite learning rate, must not skip all of training); past it the
+            run stops with a report.
         locate: run the non-finite locator on reproducible failures.
         rollback_on_spike: treat a confirmed loss spike like a non-finite value.
 
@@ -134,6 +141,7 @@ class NaNRollbackCallback(Callback):
         skip_batches: int = 1,
         lr_factor: float = 0.5,
         max_retries: int = 3,
+        max_skipped_steps: int = 100,
         locate: bool = True,
         rollback_on_spike: bool = True,
     ) -> None:
@@ -148,7 +156,9 @@ class NaNRollbackCallback(Callback):
         )
         self.lr_factor = float(lr_factor)
         self.max_retries: int = _checks.int_at_least(None, "max_retries", max_retries, 0)
-        directory = _checks.path(None, "snapshot_dir", snapshot_dir, allow_none=True)
+        self.max_skipped_steps: int = _checks.int_at_least(None, "max_skipped_steps", max_skipped_steps, 1)
+        writable = isinstance(snapshot_dir, (str, os.PathLike)) and os.path.isabs(os.fspath(snapshot_dir))
+        directory = _checks.path(None, "snapshot_dir", snapshot_dir, writable_parent=writable, allow_none=True)
         self.snapshot_dir = None if directory is None else os.fspath(directory)
         self.locate = bool(locate)
         self.rollback_on_spike = bool(rollback_on_spike)
@@ -189,7 +199,20 @@ class NaNRollbackCallback(Callback):
             if not os.path.isabs(directory):
                 directory = os.path.join(run_log_dir(trainer), directory)
             directory = os.path.join(directory, f"rank{trainer.global_rank}")
-            self.ring = SnapshotRing(self.keep_snapshots, directory)
+            try:
+                os.makedirs(directory, exist_ok=True)
+                probe = os.path.join(directory, f".write-probe.{os.getpid()}")
+                with open(probe, "wb"):
+                    pass
+                os.remove(probe)
+            except OSError as error:
+                raise MisconfigurationException(
+                    f"`NaNRollbackCallback(snapshot_dir={self.snapshot_dir!r})` must be a writable directory: "
+                    f"cannot write in {directory!r} ({error.strerror or error})."
+                ) from error
+            # one id for all ranks: every file of this run carries it, and files without it are refused
+            run_id = trainer.strategy.broadcast(uuid.uuid4().hex[:12], src=0)
+            self.ring = SnapshotRing(self.keep_snapshots, directory, run_id=run_id)
         add_step_hook(
             pl_module,
             "rollback",
@@ -197,32 +220,34 @@ class NaNRollbackCallback(Callback):
             post=self._skip_hook,
             pre=lambda step, batch: self._before_step(trainer, pl_module, step, batch),
         )
+        _install_optimizer_step_skip(pl_module, lambda: self.skips(trainer.global_step))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         remove_step_hook(pl_module, "rollback")
+        pl_module.__dict__.pop("optimizer_step", None)
         self._undo = None
         if self._health is not None:
             self._health.detach_rollback()
 
-    def _skips(self, step: int) -> bool:
+    def skips(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is skipped (its update dropped; the health checks ignore it)."""
         return self.stopped or step in self._skip_steps
 
     def _before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: Any) -> Any:
-        # Returning None skips the update only under automatic optimisation; a manual step (a CUDA
-        # graph) updates inside training_step, so keep what it will change and put it back after.
-        if self._skips(step) and not pl_module.automatic_optimization:
+        # a manual step (a CUDA graph) updates inside training_step: keep what it will change, put it back after
+        if self.skips(step) and not pl_module.automatic_optimization:
             self._undo = (clone_update_state(pl_module, trainer.optimizers), pl_module, trainer.optimizers)
         return batch
 
     def _skip_hook(self, step: int, output: Any) -> Any:
-        if not self._skips(step):
-            return output
-        if self._undo is not None:
+        # The output is returned as it is: Lightning refuses a None step under DDP (and warns about it
+        # alone), and every rank must run the same backward; the optimizer step is skipped instead.
+        if self._undo is not None and self.skips(step):
             saved, pl_module, optimizers = self._undo
             self._undo = None
             restore_update_state(pl_module, optimizers, saved)
-        return None
+        return output
 
     def _emit(self, trainer: pl.Trainer, kind: EventKind, step: int, **fields: Any) -> dict[str, Any]:
         assert self._health is not None
@@ -238,11 +263,27 @@ class NaNRollbackCallback(Callback):
         self._buffer = [entry for entry in self._buffer if entry.step >= oldest]
 
     def _latest_snapshot(self, trainer: pl.Trainer, before_step: int | None = None) -> Snapshot | None:
+        """The newest snapshot that **every** rank can load (with ``step < before_step`` when given), or None.
+
+        Each rank proposes the newest one it can load; while the proposals differ, every rank looks
+        again at or below the smallest (a corrupt file on one rank makes all fall back together, so
+        the replays keep the same length and the collectives stay matched). None on all ranks when
+        one rank has none.
+        """
+
         def on_corrupt(path: str, error: Exception) -> None:
             self._emit(trainer, EventKind.CORRUPT_SNAPSHOT, trainer.global_step, path=path, error=str(error))
-            rank_zero_warn(f"NaNRollbackCallback: {error}; falling back to the previous snapshot.")
+            warnings.warn(f"NaNRollbackCallback: {error}; falling back to the previous snapshot.", stacklevel=2)
 
-        return self.ring.latest(on_corrupt, before_step)
+        limit = before_step
+        while True:
+            snapshot = self.ring.latest(on_corrupt, limit)
+            low, high = min_max_over_ranks(trainer, snapshot.step if snapshot is not None else -1)
+            if low == high:
+                return snapshot
+            if low < 0:
+                return None
+            limit = low + 1
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -407,6 +448,13 @@ class NaNRollbackCallback(Callback):
                 if self.policy == "stop" or incident["attempts"] >= self.max_retries:
                     self._stop(trainer, pl_module, incident, f"{replayed.reason} at step {replayed.bad_step} persists")
                     return
+                if self.policy == "skip" and self._skip_cap_reached(replayed):
+                    why = (
+                        f"{replayed.reason} at step {replayed.bad_step} persists and skipping it would skip more "
+                        f"than max_skipped_steps={self.max_skipped_steps} steps in this run"
+                    )
+                    self._stop(trainer, pl_module, incident, why)
+                    return
                 incident["attempts"] += 1
                 self._apply_policy(trainer, replayed)
                 failing = replayed
@@ -457,6 +505,11 @@ class NaNRollbackCallback(Callback):
         rank_zero_warn(f"NaNRollbackCallback diagnosis at step {replayed.bad_step}:\n{text}")
         return found.to_dict() if found is not None else None
 
+    def _skip_cap_reached(self, verdict: HealthVerdict) -> bool:
+        assert verdict.bad_step is not None
+        wanted = self._skip_steps | set(range(verdict.bad_step, verdict.bad_step + self.skip_batches))
+        return len(wanted) > self.max_skipped_steps
+
     def _apply_policy(self, trainer: pl.Trainer, verdict: HealthVerdict) -> None:
         """``skip``: drop the updates of ``skip_batches`` batches from the bad one; ``lower_lr``: scale every LR."""
         assert verdict.bad_step is not None
@@ -506,6 +559,27 @@ class NaNRollbackCallback(Callback):
         self._lr_scale = float(state_dict.get("lr_scale", 1.0))
         self.incidents = list(state_dict.get("incidents", []))
         self.stopped = bool(state_dict.get("stopped", False))
+
+
+def _install_optimizer_step_skip(pl_module: pl.LightningModule, skips: Callable[[], bool]) -> None:
+    """Wrap the module's ``optimizer_step`` hook: on a skipped step, run the closure (training step and
+    backward, so every DDP rank runs the same all-reduces) but not the optimizer, and drop the gradients.
+
+    Lightning counts the step either way (its progress counters advance around the hook), so the
+    data position and ``global_step`` move on as for a taken step. ``on_before_optimizer_step`` and
+    gradient clipping run inside the optimizer's step and so are skipped with it.
+    """
+    original = type(pl_module).optimizer_step.__get__(pl_module)
+
+    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if not skips():
+            original(epoch, batch_idx, optimizer, optimizer_closure)
+            return
+        if optimizer_closure is not None:
+            optimizer_closure()
+        optimizer.zero_grad(set_to_none=True)
+
+    pl_module.__dict__["optimizer_step"] = optimizer_step
 
 
 def _public(incident: dict[str, Any]) -> dict[str, Any]:

@@ -17,12 +17,15 @@ otherwise go on reading freed memory.
 On disk a snapshot is ``MAGIC | payload length | sha256 | torch.save payload``,
 written to a temporary file, fsynced and renamed, so a file is either complete
 or absent; a truncated or corrupted file fails verification with
-:class:`CorruptSnapshotError` and the ring falls back to the previous one. The payload is
-tensors and plain values, read with ``torch.load(weights_only=True)``.
+:class:`CorruptSnapshotError`, is deleted, and the ring falls back to the previous one. The payload is
+tensors and plain values, read with ``torch.load(weights_only=True)``. Each file carries the id of
+the run that wrote it (in its name and its payload): a ring refuses a file of another run (two runs
+sharing one ``snapshot_dir``), and removes the temporary files of writes whose process died.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import io
@@ -48,6 +51,7 @@ __all__ = [
     "SnapshotRing",
     "clone_update_state",
     "load_snapshot_file",
+    "remove_dead_temporary_files",
     "restore_update_state",
     "save_snapshot_file",
 ]
@@ -226,6 +230,7 @@ class Snapshot:
     callback_state: dict[str, Any]
     lr_scale: float
     metrics: dict[str, Any] = field(default_factory=dict)  # accumulated metric states (absent in older files)
+    run_id: str = ""  # the run that wrote the file ("" in memory)
     _events: list[torch.cuda.Event] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -302,11 +307,11 @@ def save_snapshot_file(snapshot: Snapshot, path: str) -> None:
     os.replace(tmp, path)
 
 
-def load_snapshot_file(path: str) -> Snapshot:
-    """Read and verify a snapshot file.
+def load_snapshot_file(path: str, run_id: str | None = None) -> Snapshot:
+    """Read and verify a snapshot file (written by run ``run_id`` when given).
 
     Raises:
-        CorruptSnapshotError: missing magic, truncated payload or checksum mismatch.
+        CorruptSnapshotError: missing magic, truncated payload, checksum mismatch, or another run's file.
     """
     with open(path, "rb") as handle:
         raw = handle.read()
@@ -324,7 +329,41 @@ def load_snapshot_file(path: str) -> Snapshot:
     except pickle.UnpicklingError:
         # a state_dict holding a Python object (e.g. a custom LR scheduler's); the file passed its checksum
         payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    return Snapshot(**payload)
+    snapshot = Snapshot(**payload)
+    if run_id is not None and snapshot.run_id != run_id:
+        raise CorruptSnapshotError(
+            f"{path!r} was written by run {snapshot.run_id!r}, not by this run ({run_id!r}): another run shares "
+            "the snapshot directory. HINT: give each run its own `snapshot_dir`."
+        )
+    return snapshot
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_temporary_files(directory: str) -> list[str]:
+    """Delete ``*.tmp.<pid>`` files of snapshot writes whose process is gone; returns their paths."""
+    removed = []
+    if not os.path.isdir(directory):
+        return removed
+    for name in sorted(os.listdir(directory)):
+        stem, _, pid = name.rpartition(".tmp.")
+        if not stem or not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.remove(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
 
 
 class SnapshotRing:
@@ -332,13 +371,18 @@ class SnapshotRing:
 
     Args:
         keep: how many snapshots to keep (>= 1).
-        directory: when given, snapshots are files there (host memory holds none).
+        directory: when given, snapshots are files there (host memory holds none); temporary files
+            of killed writes found there are removed.
+        run_id: the id written into this ring's files and required from them when read.
     """
 
-    def __init__(self, keep: int = 2, directory: str | None = None) -> None:
+    def __init__(self, keep: int = 2, directory: str | None = None, run_id: str = "") -> None:
         self.keep = keep
         self.directory = directory
+        self.run_id = run_id
         self._items: list[Snapshot | tuple[int, str]] = []  # in memory, or (step, path) on disk
+        if directory is not None:
+            remove_dead_temporary_files(directory)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -348,7 +392,9 @@ class SnapshotRing:
             self._items.append(snapshot)
         else:
             os.makedirs(self.directory, exist_ok=True)
-            path = os.path.join(self.directory, f"snapshot-step{snapshot.step:09d}.pt")
+            prefix = f"snapshot-{self.run_id}-" if self.run_id else "snapshot-"
+            path = os.path.join(self.directory, f"{prefix}step{snapshot.step:09d}.pt")
+            snapshot.run_id = self.run_id
             save_snapshot_file(snapshot, path)
             self._items.append((snapshot.step, path))
         while len(self._items) > self.keep:
@@ -364,7 +410,8 @@ class SnapshotRing:
     ) -> Snapshot | None:
         """The newest snapshot that loads (and has ``step < before_step`` when given).
 
-        Corrupt files are reported through ``on_corrupt``, dropped, and the previous one is used.
+        Corrupt files (and files of another run) are reported through ``on_corrupt``, deleted and
+        dropped, and the previous one is used.
         """
         index = len(self._items) - 1
         while index >= 0:
@@ -376,10 +423,12 @@ class SnapshotRing:
             if isinstance(item, Snapshot):
                 return item
             try:
-                return load_snapshot_file(item[1])
+                return load_snapshot_file(item[1], self.run_id)
             except (CorruptSnapshotError, OSError, EOFError, RuntimeError) as error:
                 if on_corrupt is not None:
                     on_corrupt(item[1], error)
                 self._items.pop(index)
+                with contextlib.suppress(OSError):
+                    os.remove(item[1])
                 index -= 1
         return None

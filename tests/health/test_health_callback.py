@@ -164,6 +164,9 @@ def test_rollback_contract_hands_failed_checks_over_and_back(tmp_path):
     class Handler:
         stopped = False
 
+        def skips(self, step):
+            return False
+
     health = NumericalHealthCallback(check_every_n_steps=1)
     health.attach_rollback(Handler())  # a handler that never polls: failed checks are not acted on here
     fit(tmp_path / "attached", [FaultInjectionCallback("loss", steps=[3]), health], max_steps=6)

@@ -232,3 +232,47 @@ def test_state_key_and_checkpoint_round_trip(tmp_path):
     assert twin.incidents == rollback.incidents and twin.state_dict()["skip_steps"] == [7, 8]
     # identifying arguments are in the key, so two differently configured instances may coexist
     assert NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop").state_key != rollback.state_key
+
+
+def test_skip_policy_keeps_the_step_output_and_lightning_warns_nothing(tmp_path, recwarn):
+    """A skipped step returns its loss (Lightning refuses None under DDP and warns about it alone)."""
+    from lightning.pytorch.loops.optimization.automatic import Closure
+
+    Closure.warning_cache.clear()  # Lightning warns once per process: an earlier test must not hide it
+    health = NumericalHealthCallback(check_every_n_steps=2)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", skip_batches=2)
+    trainer, module = fit(
+        tmp_path, [FaultInjectionCallback("loss", steps=[7], mode="always"), health, rollback], max_steps=MAX_STEPS
+    )
+    messages = [str(w.message) for w in recwarn]
+    assert any("NaNRollbackCallback diagnosis at step 7" in m for m in messages)  # warnings are recorded
+    assert not any("returned `None`" in m for m in messages)
+    assert [k for k, _ in _kinds(health)][-1] == "recovered" and rollback.state_dict()["skip_steps"] == [7, 8]
+    assert trainer.global_step == MAX_STEPS and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_skipped_steps_leave_weights_and_optimizer_state_as_before_them(tmp_path):
+    """The skip drops the update of exactly its steps: weights and Adam state are those before step 7."""
+    seen = {}
+
+    class Probe(FaultInjectionCallback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen[trainer.global_step] = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", skip_batches=2, locate=False)
+    fit(tmp_path, [Probe("loss", steps=[7], mode="always"), health, rollback], max_steps=10)
+    assert state_equal(seen[9], seen[7])  # after the skipped steps 7 and 8: unchanged since step 6's update
+    assert not state_equal(seen[10], seen[9])  # negative control: step 9 updates again
+
+
+def test_skip_policy_stops_at_max_skipped_steps(tmp_path):
+    """A NaN on every step must not skip all of training: past the cap the run stops, weights finite."""
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", max_skipped_steps=3, locate=False)
+    fault = FaultInjectionCallback("loss", steps=list(range(5, MAX_STEPS)), mode="always")
+    with pytest.warns(UserWarning, match="max_skipped_steps=3"):
+        trainer, module = fit(tmp_path, [fault, health, rollback], max_steps=MAX_STEPS)
+    assert rollback.stopped and rollback.state_dict()["skip_steps"] == [5, 6, 7]
+    assert "max_skipped_steps=3" in rollback.stop_report["why"] and trainer.global_step < MAX_STEPS
+    assert all(torch.isfinite(p).all() for p in module.parameters())
