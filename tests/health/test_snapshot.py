@@ -188,3 +188,42 @@ def test_update_state_round_trip_is_in_place(trained):
     restore_update_state(module, trainer.optimizers, saved)
     assert _addresses(trainer, module) == before
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), params))
+
+
+def test_corrupt_file_is_deleted_after_the_fallback(trained, tmp_path):
+    trainer, module = trained
+    ring = SnapshotRing(keep=2, directory=str(tmp_path), run_id="run-a")
+    for step in (10, 20):
+        snapshot = Snapshot.capture(trainer, module, {}, 1.0)
+        snapshot.step = step
+        ring.push(snapshot)
+    newest = ring._items[-1][1]
+    assert "run-a" in os.path.basename(newest)  # the run id is in the name: runs sharing a directory never clash
+    Path(newest).write_bytes(b"garbage")
+    assert ring.latest().step == 10
+    assert not os.path.exists(newest) and os.listdir(tmp_path) == [os.path.basename(ring._items[-1][1])]
+
+
+def test_a_file_of_another_run_is_refused(trained, tmp_path):
+    trainer, module = trained
+    path = str(tmp_path / "s.pt")
+    snapshot = Snapshot.capture(trainer, module, {}, 1.0)
+    snapshot.run_id = "run-a"
+    save_snapshot_file(snapshot, path)
+    assert load_snapshot_file(path, run_id="run-a").run_id == "run-a"  # negative control: its own run loads it
+    with pytest.raises(CorruptSnapshotError, match="written by run 'run-a', not by this run \\('run-b'\\)"):
+        load_snapshot_file(path, run_id="run-b")
+
+
+def test_temporary_files_of_dead_writers_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_file = tmp_path / f"snapshot-step000000004.pt.tmp.{int(dead.stdout)}"
+    live_file = tmp_path / f"snapshot-step000000008.pt.tmp.{os.getppid()}"  # a live writer: kept
+    kept = tmp_path / "snapshot-step000000004.pt"
+    for path in (dead_file, live_file, kept):
+        path.write_bytes(b"x")
+    SnapshotRing(keep=2, directory=str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted([live_file.name, kept.name])
