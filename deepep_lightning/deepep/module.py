@@ -103,6 +103,10 @@ class DeepEPModule(pl.LightningModule):
             how fast the policy can move away from its own recent average (actions are enumerable, so
             the KL is exact), which stops a run of same-signed Adam steps on a near-flat critic from
             carrying the policy onto one action within a few dozen steps. 0: off.
+        expected_value_coef: weight (relative to the taken-action regression) of a second critic
+            regression, of the expected value ``Σ_a π Q`` onto the same λ-returns: it moves the Q of every
+            action with the value level, so the Q of actions the policy takes less does not go stale
+            while values change fast (``agent.loss.deepep_loss``). 0: off.
         chrono_horizon: chrono initialisation of the GRU's update gate for memory over up to this many
             steps (``>= 2``); None: PyTorch's default initialisation.
         max_grad_norm: clip the gradients' global norm to this (None: no clipping). Works on both
@@ -147,6 +151,7 @@ class DeepEPModule(pl.LightningModule):
         entropy_coef_rate: float = 0.2,
         target_tau: float | None = None,
         kl_coef: float = 0.0,
+        expected_value_coef: float = 0.0,
         chrono_horizon: int | None = None,
         max_grad_norm: float | None = None,
         detach_feedback: bool = True,
@@ -205,6 +210,7 @@ class DeepEPModule(pl.LightningModule):
             allow_none=True,
         )
         _checks.number("DeepEPModule", "kl_coef", kl_coef, minimum=0.0, finite=True)
+        _checks.number("DeepEPModule", "expected_value_coef", expected_value_coef, minimum=0.0, finite=True)
         if kl_coef > 0 and target_tau is None:
             raise MisconfigurationException(
                 f"`DeepEPModule(kl_coef=...)` must be 0 without target networks, got {kl_coef!r} with target_tau=None"
@@ -410,6 +416,7 @@ class DeepEPModule(pl.LightningModule):
             target_q=target_q,
             target_logits=self.agent.target_logits(rollout.features[:-1]) if hp.kl_coef > 0 else None,
             kl_coef=hp.kl_coef,
+            expected_value_coef=hp.expected_value_coef,
         )
         if hp.target_entropy is not None:
             adapt_entropy_coef_(

@@ -160,3 +160,52 @@ def test_epoch_episode_return_is_the_mean_over_finished_episodes():
     logged = trainer.callback_metrics["train/episode_return"].item()
     assert logged == pytest.approx(per_episode, rel=1e-6)
     assert abs(sum(step_means) / len(step_means) - per_episode) > 1e-3 * per_episode
+
+
+STABILISED = dict(target_tau=0.1, target_entropy=0.693, kl_coef=0.5, expected_value_coef=1.0, entropy_coef_rate=1.0)
+
+
+def test_stabilised_fits_are_bitwise_identical_and_update_their_targets():
+    a, _ = _fit(6, seed=3, **STABILISED)
+    b, _ = _fit(6, seed=3, **STABILISED)
+    state_a, state_b = a.state_dict(), b.state_dict()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    agent = a.agent
+    # the targets moved from their initial copies but lag the online networks (Polyak, not a copy)
+    fresh_module = DeepEPModule(**{**TINY, "seed": 3, **STABILISED})
+    fresh = fresh_module.agent
+    for target, online in zip(agent.target_parameters(), agent.online_parameters_of_targets()):
+        assert not torch.equal(target, online)
+    assert any(not torch.equal(t, i) for t, i in zip(agent.target_parameters(), fresh.target_parameters()))
+    # the adaptive entropy coefficient moved off its start value
+    assert a.log_entropy_coef.item() != fresh_module.log_entropy_coef.item()
+    assert "agent.target_value_head.output_bias" in state_a and "log_entropy_coef" in state_a
+
+
+def test_stabilisers_off_leave_the_run_unchanged():
+    plain, _ = _fit(4, seed=2)
+    off, _ = _fit(4, seed=2, target_tau=None, target_entropy=None, kl_coef=0.0, expected_value_coef=0.0)
+    on, _ = _fit(4, seed=2, target_tau=0.1)
+    state_plain, state_off, state_on = plain.state_dict(), off.state_dict(), on.state_dict()
+    assert all(torch.equal(state_plain[k], state_off[k]) for k in state_plain)
+    assert any(not torch.equal(state_plain[k], state_on[k]) for k in state_plain)  # negative control
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"target_tau": 0.0}, r"target_tau=.*must be a number in \(0.0, 1.0\] or None, got 0.0"),
+        ({"target_tau": 1.5}, r"target_tau=.*got 1.5"),
+        ({"target_entropy": 0.9}, r"target_entropy=.*\[0.0, 0.693147\] or None, got 0.9"),
+        ({"target_entropy": 0.3, "entropy_coef": 0.0}, r"entropy_coef=.*must be > 0 with target_entropy=0.3"),
+        ({"entropy_coef_max": 1e-4}, r"entropy_coef_max=.*>= 0.001, got 0.0001"),
+        ({"entropy_coef_rate": 0}, r"entropy_coef_rate=.*> 0.0, got 0"),
+        ({"kl_coef": -1.0}, r"kl_coef=.*>= 0.0, got -1.0"),
+        ({"kl_coef": 0.5}, r"kl_coef=.*must be 0 without target networks, got 0.5.*HINT"),
+        ({"expected_value_coef": float("nan")}, r"expected_value_coef=.*got nan"),
+        ({"chrono_horizon": 1}, r"chrono_horizon=.*>= 2, got 1"),
+    ],
+)
+def test_bad_stabiliser_arguments_fail_before_training(kwargs, message):
+    with pytest.raises(MisconfigurationException, match=message):
+        DeepEPModule(**kwargs)

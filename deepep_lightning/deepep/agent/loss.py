@@ -58,6 +58,7 @@ def deepep_loss(
     target_q: torch.Tensor | None = None,
     target_logits: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    expected_value_coef: float = 0.0,
 ) -> LossTerms:
     """The DeepEP objective over a ``[T, B]`` rollout (means over T·B).
 
@@ -77,6 +78,12 @@ def deepep_loss(
     adds ``kl_coef · KL(π_target ‖ π)`` per state (exact over the enumerable actions), whose gradient
     w.r.t. the logits is ``kl_coef·(π − π_target)``: it is zero when the policies match and pulls the
     policy back toward its recent average otherwise.
+
+    ``expected_value_coef`` adds ``expected_value_coef · ½(Σ_a π(a|s_t) Q(s_t, a) − G_t)²`` to the critic
+    loss (π without gradient): the taken-action regression alone corrects only the actions the policy
+    takes, so when the value level moves fast (the first failures after a long run of full-length
+    episodes) the Q of the actions it takes less stays stale, and the all-action gradient ``π(Q − V)``
+    drives the policy onto them in every state at once. This term moves all of them with the level.
     """
     log_probs = torch.log_softmax(logits, dim=-1)  # [T, B, A]
     probs = log_probs.exp()
@@ -89,6 +96,10 @@ def deepep_loss(
     taken = torch.nn.functional.one_hot(actions, q.shape[-1]).to(q.dtype)  # [T, B, A]
     q_taken = (q * taken).sum(dim=-1)  # [T, B]
     value_loss = 0.5 * (q_taken - targets).square().mean()
+    if expected_value_coef > 0:
+        # ½(Σ_a π Q − G)²: moves every action's Q with the value level, by π(a), not only the taken one's
+        expected_value = (probs.detach() * q).sum(dim=-1)  # [T, B]
+        value_loss = value_loss + expected_value_coef * 0.5 * (expected_value - targets).square().mean()
     loss = policy_loss + value_coef * value_loss - entropy_coef * entropy
     if target_logits is None:
         kl = torch.zeros((), dtype=logits.dtype, device=logits.device)

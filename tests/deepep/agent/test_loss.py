@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from deepep_lightning.deepep.agent import deepep_loss, lambda_returns
@@ -62,3 +63,55 @@ def test_critic_regresses_taken_action_only_and_entropy_sign():
         uniform, q, actions, rewards, dones, bootstrap, gamma=0.9, gae_lambda=0.8, value_coef=0.0, entropy_coef=1.0
     )
     assert high.entropy.item() > terms.entropy.item()  # uniform policy has maximal entropy
+
+
+def _loss(logits, q, actions, rewards, dones, bootstrap, **kwargs):
+    base = dict(gamma=0.9, gae_lambda=0.8, value_coef=1.0, entropy_coef=0.0)
+    return deepep_loss(logits, q, actions, rewards, dones, bootstrap, **{**base, **kwargs})
+
+
+def test_kl_term_is_zero_with_zero_gradient_when_the_policies_match():
+    logits, q, actions, rewards, dones, bootstrap = _random_rollout()
+    terms = _loss(logits, q, actions, rewards, dones, bootstrap, target_logits=logits.detach().clone(), kl_coef=1.0)
+    assert terms.kl.item() == pytest.approx(0.0, abs=1e-12)
+    (grad,) = torch.autograd.grad(terms.kl, logits)
+    assert grad.abs().max().item() < 1e-12
+
+
+def test_kl_term_gradient_is_kl_coef_times_pi_minus_target_pi():
+    logits, q, actions, rewards, dones, bootstrap = _random_rollout()
+    target_logits = torch.randn_like(logits.detach())
+    terms = _loss(logits, q, actions, rewards, dones, bootstrap, target_logits=target_logits, kl_coef=0.7)
+    assert terms.kl.item() > 0  # negative control for the test above: different policies, positive KL
+    with_kl = torch.autograd.grad(terms.loss, logits, retain_graph=True)[0]
+    without_kl = torch.autograd.grad(terms.loss - 0.7 * terms.kl, logits)[0]
+    n = logits.shape[0] * logits.shape[1]
+    expected = 0.7 * (torch.softmax(logits.detach(), -1) - torch.softmax(target_logits, -1)) / n
+    torch.testing.assert_close(with_kl - without_kl, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_target_q_sets_the_critic_targets_not_the_policy_loss():
+    logits, q, actions, rewards, dones, bootstrap = _random_rollout()
+    same = _loss(logits, q, actions, rewards, dones, bootstrap, target_q=q.detach().clone())
+    online = _loss(logits, q, actions, rewards, dones, bootstrap)
+    assert torch.equal(same.value_loss, online.value_loss)
+    shifted = _loss(logits, q, actions, rewards, dones, bootstrap, target_q=q.detach() + 1.0)
+    assert not torch.equal(shifted.value_loss, online.value_loss)
+    assert torch.equal(shifted.policy_loss, online.policy_loss)
+
+
+def test_expected_value_regression_reaches_the_untaken_actions():
+    logits, q, actions, rewards, dones, bootstrap = _random_rollout()
+    taken = torch.nn.functional.one_hot(actions, q.shape[-1]).bool()
+    (plain,) = torch.autograd.grad(_loss(logits, q, actions, rewards, dones, bootstrap).value_loss, q)
+    assert torch.count_nonzero(plain[~taken]) == 0  # negative control: only the taken action is regressed
+    terms = _loss(logits, q, actions, rewards, dones, bootstrap, expected_value_coef=1.0)
+    (grad,) = torch.autograd.grad(terms.value_loss, q)
+    assert torch.count_nonzero(grad[~taken]) == grad[~taken].numel()
+
+
+def test_a_tensor_entropy_coefficient_equals_the_float():
+    logits, q, actions, rewards, dones, bootstrap = _random_rollout()
+    as_float = _loss(logits, q, actions, rewards, dones, bootstrap, entropy_coef=0.25)
+    as_tensor = _loss(logits, q, actions, rewards, dones, bootstrap, entropy_coef=torch.tensor(0.25, dtype=q.dtype))
+    assert torch.equal(as_float.loss, as_tensor.loss)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from deepep_lightning.deepep.agent import AllActionValueHead, DeepEPAgent, collect_rollout, sample_categorical
@@ -77,3 +78,41 @@ def test_fused_value_head_calls_the_op_through_the_ops_module(monkeypatch):
     head = AllActionValueHead(6, 8, 3, fused=True)
     head(torch.randn(5, 6))
     assert len(calls) == 1
+
+
+def test_chrono_init_sets_the_update_gate_bias_to_log_uniform_and_default_does_not():
+    torch.manual_seed(0)
+    agent = DeepEPAgent(4, 2, 32, chrono_horizon=64)
+    size = agent.hidden_size
+    z_input, z_hidden = agent.rnn_cell.bias_ih[size : 2 * size], agent.rnn_cell.bias_hh[size : 2 * size]
+    assert z_input.min().item() >= 0.0 and z_input.max().item() <= torch.log(torch.tensor(63.0)).item() + 1e-6
+    assert z_input.std().item() > 0.3  # spread over time scales, not one constant
+    assert torch.count_nonzero(z_hidden) == 0
+    torch.manual_seed(0)
+    default = DeepEPAgent(4, 2, 32)
+    assert default.rnn_cell.bias_ih[size : 2 * size].abs().max().item() < 1 / size**0.5 + 1e-6  # PyTorch's U(-k, k)
+
+
+def test_target_networks_start_as_copies_without_gradients():
+    torch.manual_seed(0)
+    agent = DeepEPAgent(4, 2, 16, target_critic=True, target_policy=True)
+    features = torch.randn(3, 5, 4 + 16)
+    assert torch.equal(agent.target_q(features), agent.value_head(features.flatten(0, 1)).detach().view(3, 5, 2))
+    assert torch.equal(agent.target_logits(features), agent.policy_net(features).detach())
+    assert all(not p.requires_grad for p in agent.target_parameters())
+    assert len(agent.target_parameters()) == len(agent.online_parameters_of_targets())
+    plain = DeepEPAgent(4, 2, 16)
+    assert plain.target_parameters() == []
+    with pytest.raises(RuntimeError, match="target_critic=True"):
+        plain.target_q(features)
+
+
+def test_rollout_features_are_the_value_head_inputs():
+    torch.manual_seed(0)
+    agent = DeepEPAgent(4, 2, 16, target_critic=True)
+    env = BatchedCartPole(6)
+    generator = torch.Generator().manual_seed(0)
+    env.reset(generator)
+    rollout = collect_rollout(agent, env, agent.initial_state(6, "cpu"), 5, generator)
+    assert rollout.features.shape == (6, 6, 20) and rollout.bootstrap_logits.shape == (6, 2)
+    torch.testing.assert_close(agent.value_head(rollout.features[:-1].flatten(0, 1)).view(5, 6, 2), rollout.q)
