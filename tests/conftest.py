@@ -4,6 +4,8 @@ Fixtures for every test directory:
 
 * ``boring_module``: the class :class:`BoringModule`, the smallest module a Trainer can fit (as
   Lightning's ``BoringModel``); build it as ``boring_module(dropout=0.5)``.
+* ``quiet_trainer``: :func:`quiet_trainer`, a CPU ``Trainer`` factory without logger, progress
+  bar, model summary or checkpoints (``quiet_trainer(max_steps=4, callbacks=[...])``).
 * ``fit_process``: the class :class:`FitProcess`, which runs a test script (a fit) in a fresh
   Python process with a hard timeout that kills every process the script started.
 """
@@ -95,6 +97,21 @@ class BoringModule(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=self.batch_size)  # type: ignore[arg-type]
 
 
+_QUIET_TRAINER = {
+    "accelerator": "cpu",
+    "devices": 1,
+    "logger": False,
+    "enable_progress_bar": False,
+    "enable_model_summary": False,
+    "enable_checkpointing": False,
+}
+
+
+def quiet_trainer(**overrides: Any) -> pl.Trainer:
+    """A CPU ``Trainer`` that writes nothing and prints little; ``overrides`` win over those defaults."""
+    return pl.Trainer(**{**_QUIET_TRAINER, **overrides})
+
+
 class FitProcess:
     """A test script (usually one ``fit``) running in a fresh Python process, in its own session.
 
@@ -150,6 +167,11 @@ class FitProcess:
 @pytest.fixture(scope="session")
 def boring_module() -> type[BoringModule]:
     return BoringModule
+
+
+@pytest.fixture(scope="session", name="quiet_trainer")
+def _quiet_trainer_fixture():
+    return quiet_trainer
 
 
 @pytest.fixture(scope="session")

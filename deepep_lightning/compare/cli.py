@@ -9,12 +9,21 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from enum import IntEnum
 
 from deepep_lightning.compare.plot import plot_comparison, write_tensorboard_layout
 from deepep_lightning.compare.reader import EventFileError
 from deepep_lightning.compare.verdict import DEFAULT_RTOL, compare_runs
 
-__all__ = ["main"]
+__all__ = ["ExitCode", "main"]
+
+
+class ExitCode(IntEnum):
+    """What the exit status of ``deepep-compare`` means."""
+
+    IDENTICAL = 0
+    DIVERGED = 1
+    ERROR = 2  # missing run, no or damaged event file, no scalar data, no tag in common
 
 
 def _parse_rtol(text: str) -> float:
@@ -68,14 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Console entry point ``deepep-compare``; returns the exit code (0 identical, 1 diverged, 2 error)."""
+def main(argv: Sequence[str] | None = None) -> ExitCode:
+    """Console entry point ``deepep-compare``; returns the :class:`ExitCode` (0 identical, 1 diverged, 2 error)."""
     args = _parser().parse_args(argv)
     try:
         result = compare_runs(args.runs, rtol=args.rtol, tags=args.tags)
     except (OSError, ValueError, EventFileError) as error:
         print(f"deepep-compare: error: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.ERROR
     if args.json == "-":
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -89,4 +98,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.tb_layout:
         layout_file = write_tensorboard_layout(result, args.tb_layout)
         print(f"TensorBoard layout written to {layout_file}", file=sys.stderr)
-    return 0 if result.identical else 1
+    return ExitCode.IDENTICAL if result.identical else ExitCode.DIVERGED

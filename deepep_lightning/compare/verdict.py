@@ -30,14 +30,16 @@ Example::
     assert result.identical, result.format_table()
 """
 
+from __future__ import annotations
+
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Union
 
 import numpy as np
 
+from deepep_lightning import _checks
 from deepep_lightning.compare.reader import (
     EventFileError,
     RunScalars,
@@ -172,7 +174,7 @@ class CompareResult:
 
 
 def compare_runs(
-    runs: Sequence[Union[str, "os.PathLike[str]"]],
+    runs: Sequence[str | os.PathLike[str]],
     rtol: float = DEFAULT_RTOL,
     tags: Sequence[str] | None = None,
 ) -> CompareResult:
@@ -194,8 +196,7 @@ def compare_runs(
     paths = [os.fspath(run) for run in runs]
     if len(paths) < 2:
         raise ValueError(f"`runs` must name at least two runs, got {paths!r}. HINT: the first is the reference.")
-    if isinstance(rtol, bool) or not isinstance(rtol, (int, float)) or not math.isfinite(rtol) or rtol < 0:
-        raise ValueError(f"`rtol` must be a finite number >= 0, got {rtol!r}.")
+    _checks.number(None, "rtol", rtol, minimum=0, finite=True, error=ValueError)
     if isinstance(tags, str):
         raise TypeError(f"`tags` must be a list of tag names, got the string {tags!r}. HINT: [{tags!r}].")
     data = [read_run(path) for path in paths]

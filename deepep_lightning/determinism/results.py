@@ -6,7 +6,7 @@ are not persistent by default). After a mid-epoch resume the epoch value is then
 resumed part only. These helpers snapshot both as plain tensors and put them back:
 
 * ``Metric`` submodules of the LightningModule: states restored as they were, before the first
-  resumed batch updates them;
+  resumed batch updates them (:mod:`deepep_lightning._metric_state`);
 * Lightning's own accumulators: created lazily by the first ``self.log`` of the resumed epoch, so
   the saved partial sum is *added* after that first update. Addition of two floats is commutative
   in IEEE arithmetic, so ``(0 + x) + saved == saved + x`` bit for bit: the epoch value is exact.
@@ -18,23 +18,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torchmetrics import Metric
 
 from deepep_lightning import _lightning_compat
+from deepep_lightning._metric_state import capture_metric_states, restore_metric_states
 
 __all__ = ["capture_logged_state", "restore_metric_modules", "merge_epoch_results"]
 
 
 def capture_logged_state(trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> dict[str, Any]:
     """Snapshot of metric-module states and epoch accumulators (CPU tensors, ints, strings)."""
-    metrics: dict[str, dict[str, Any]] = {}
-    for name, module in pl_module.named_modules():
-        if isinstance(module, Metric) and name:
-            states = {}
-            for key in _lightning_compat.metric_state_names(module):
-                value = getattr(module, key)
-                states[key] = [v.detach().cpu() for v in value] if isinstance(value, list) else value.detach().cpu()
-            metrics[name] = {"states": states, "update_count": _lightning_compat.metric_update_count(module)}
+    metrics = capture_metric_states(pl_module, device="cpu")
     results: dict[str, dict[str, Any]] = {}
     for key, result in _lightning_compat.epoch_result_collection(trainer).items():
         if not getattr(result, "is_tensor", False) or not result.meta.on_epoch:
@@ -57,19 +50,7 @@ def capture_logged_state(trainer: "pl.Trainer", pl_module: "pl.LightningModule")
 
 def restore_metric_modules(pl_module: "pl.LightningModule", saved: dict[str, Any]) -> list[str]:
     """Put saved ``Metric`` states back; returns the names that could not be matched."""
-    missing = []
-    modules = dict(pl_module.named_modules())
-    for name, entry in saved.get("metrics", {}).items():
-        module = modules.get(name)
-        if not isinstance(module, Metric):
-            missing.append(name)
-            continue
-        for key, value in entry["states"].items():
-            current = getattr(module, key)
-            device = current[0].device if isinstance(current, list) and current else getattr(current, "device", "cpu")
-            setattr(module, key, [v.to(device) for v in value] if isinstance(value, list) else value.to(device))
-        _lightning_compat.set_metric_update_count(module, entry["update_count"])
-    return missing
+    return restore_metric_states(pl_module, saved.get("metrics", {}))
 
 
 def merge_epoch_results(trainer: "pl.Trainer", pending: dict[str, dict[str, Any]]) -> None:

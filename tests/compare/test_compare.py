@@ -254,35 +254,30 @@ def test_help_says_how_runs_are_picked(capsys):
     assert "version_N" in help_text and "Exit codes" in help_text and "--rtol" in help_text
 
 
-def _lightning_run(module_class, save_dir: Path, seed: int) -> Path:
+def _lightning_run(quiet_trainer, module_class, save_dir: Path, seed: int) -> Path:
     """A tiny seeded Lightning fit logging through TensorBoardLogger into save_dir/lightning_logs/version_0."""
     import lightning.pytorch as pl
     from lightning.pytorch.loggers import TensorBoardLogger
 
     pl.seed_everything(seed, verbose=False)  # the initial weights
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_steps=8,
         log_every_n_steps=1,
         limit_val_batches=0,
         logger=TensorBoardLogger(str(save_dir)),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
     )
     trainer.fit(module_class())
     return save_dir
 
 
-def test_lightning_tensorboard_logger_runs(tmp_path, boring_module):
-    first = _lightning_run(boring_module, tmp_path / "s1", seed=3)
-    second = _lightning_run(boring_module, tmp_path / "s2", seed=3)
+def test_lightning_tensorboard_logger_runs(tmp_path, boring_module, quiet_trainer):
+    first = _lightning_run(quiet_trainer, boring_module, tmp_path / "s1", seed=3)
+    second = _lightning_run(quiet_trainer, boring_module, tmp_path / "s2", seed=3)
     assert (first / "lightning_logs" / "version_0").is_dir()
     result = compare_runs([first, second])
     assert result.identical and "train/loss" in result.comparisons[0].tags
     assert result.comparisons[0].tags["train/loss"].steps_reference == 8
-    other_seed = _lightning_run(boring_module, tmp_path / "s3", seed=4)  # negative control
+    other_seed = _lightning_run(quiet_trainer, boring_module, tmp_path / "s3", seed=4)  # negative control
     assert main([str(first), str(other_seed)]) == 1
 
 

@@ -50,7 +50,7 @@ class _PlainDataset(torch.utils.data.Dataset):
         return self.x[index] + noise, self.y[index]
 
 
-def _plain_module():
+def _plain_module(scheduler: str = "none"):
     import lightning.pytorch as pl
 
     class PlainModule(pl.LightningModule):
@@ -75,7 +75,14 @@ def _plain_module():
             self.log("val/loss", loss)
 
         def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-2)
+            optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+            if scheduler == "none":
+                return optimizer
+            # Lightning's recommended sizing: reading estimated_stepping_batches here builds the train
+            # loader before the checkpoint is restored
+            total_steps = self.trainer.estimated_stepping_batches
+            onecycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total_steps)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": onecycle, "interval": "step"}}
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(_PlainDataset(), batch_size=8, shuffle=True, num_workers=2)
@@ -123,6 +130,13 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--tb", required=True)
     parser.add_argument("--max-steps", type=int, default=20)
+    parser.add_argument("--max-epochs", type=int, default=None, help="with --max-steps -1: an epoch-sized run")
+    parser.add_argument("--scheduler", choices=["none", "onecycle"], default="none")
+    parser.add_argument(
+        "--skip-pending-loader-states",
+        action="store_true",
+        help="negative control: leave the loader states Lightning drops when the loader is built early",
+    )
     parser.add_argument("--ckpt-every", type=int, default=3)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
@@ -159,11 +173,16 @@ def main() -> None:
     resume = args.resume
     if resume is not None and args.strip_resume_state is not None:
         resume = _stripped_copy(resume, callback.state_key, args.strip_resume_state)
-    model = _plain_module() if args.module == "plain" else _deepep_module(args.deepep_args)
+    if args.skip_pending_loader_states:
+        from deepep_lightning import _lightning_compat
+
+        _lightning_compat.load_pending_loader_states = lambda trainer: False
+    model = _plain_module(args.scheduler) if args.module == "plain" else _deepep_module(args.deepep_args)
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=1,
         max_steps=args.max_steps,
+        max_epochs=args.max_epochs,
         logger=TensorBoardLogger(args.tb, name="", version=""),
         log_every_n_steps=1,
         val_check_interval=4 if args.module == "plain" else 1.0,

@@ -15,17 +15,13 @@ from deepep_lightning.determinism import DeterminismCallback, FingerprintMismatc
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints
 
 
-def _fit(module_class, callback: DeterminismCallback | None, validate: bool, tmp_path=None) -> list[float]:
+def _fit(
+    quiet_trainer, module_class, callback: DeterminismCallback | None, validate: bool, tmp_path=None
+) -> list[float]:
     torch.manual_seed(0)
     model = module_class(dropout=0.5)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_steps=6,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         val_check_interval=2,
         limit_val_batches=2 if validate else 0,
         num_sanity_val_steps=2 if validate else 0,
@@ -39,16 +35,23 @@ def _fit(module_class, callback: DeterminismCallback | None, validate: bool, tmp
 
 
 @pytest.mark.parametrize("reseed_every_step", [True, False])
-def test_validation_and_sanity_check_do_not_shift_the_training_stream(reseed_every_step: bool, boring_module) -> None:
+def test_validation_and_sanity_check_do_not_shift_the_training_stream(
+    reseed_every_step: bool, boring_module, quiet_trainer
+) -> None:
     def run(validate: bool) -> list[float]:
-        return _fit(boring_module, DeterminismCallback(5, reseed_every_step=reseed_every_step), validate)
+        return _fit(quiet_trainer, boring_module, DeterminismCallback(5, reseed_every_step=reseed_every_step), validate)
 
     assert run(validate=True) == run(validate=False)
 
 
-def test_negative_control_without_isolation_validation_shifts_the_stream(boring_module) -> None:
+def test_negative_control_without_isolation_validation_shifts_the_stream(boring_module, quiet_trainer) -> None:
     def run(validate: bool) -> list[float]:
-        return _fit(boring_module, DeterminismCallback(5, reseed_every_step=False, isolate_evaluation=False), validate)
+        return _fit(
+            quiet_trainer,
+            boring_module,
+            DeterminismCallback(5, reseed_every_step=False, isolate_evaluation=False),
+            validate,
+        )
 
     assert run(validate=True) != run(validate=False)
 
@@ -69,16 +72,10 @@ def test_fingerprint_mismatch_raises_in_strict_mode_naming_the_field() -> None:
         lenient.load_state_dict(state)
 
 
-def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path, boring_module) -> None:
+def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path, boring_module, quiet_trainer) -> None:
     model = boring_module(dropout=0.5)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         limit_val_batches=0,
         callbacks=[DeterminismCallback(3)],
     )
@@ -88,14 +85,8 @@ def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path, boring_modu
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["callbacks"]["DeterminismCallback"]["fingerprint"]["world_size"] = "8"
     torch.save(checkpoint, path)
-    resumed = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    resumed = quiet_trainer(
         max_steps=4,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         limit_val_batches=0,
         callbacks=[DeterminismCallback(3)],
     )
@@ -213,16 +204,10 @@ class _Recorder(pl.LightningModule):
         return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
 
 
-def _fit_epochs(max_epochs: int, sampler: str, with_callback: bool, ckpt=None):
+def _fit_epochs(quiet_trainer, max_epochs: int, sampler: str, with_callback: bool, ckpt=None):
     model = _Recorder(sampler)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_epochs=max_epochs,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=[DeterminismCallback(0)] if with_callback else [],
     )
     with warnings.catch_warnings():
@@ -236,11 +221,13 @@ def _fit_epochs(max_epochs: int, sampler: str, with_callback: bool, ckpt=None):
     [("shuffle", True, True), ("distributed", False, False)],
     ids=["seekable_loader", "negative_control_lightning_distributed_sampler"],
 )
-def test_resume_at_epoch_boundary_with_workers_keeps_the_epoch_order(tmp_path, sampler, with_callback, equal) -> None:
+def test_resume_at_epoch_boundary_with_workers_keeps_the_epoch_order(
+    tmp_path, sampler, with_callback, equal, quiet_trainer
+) -> None:
     """Lightning 2.6 creates the first iterator after a resume before ``set_epoch``: with workers, a
     ``DistributedSampler`` then prefetches epoch 0's order for epoch 1. The seekable loader is lazy."""
-    full, _ = _fit_epochs(2, sampler, with_callback)
-    _, first = _fit_epochs(1, sampler, with_callback)
+    full, _ = _fit_epochs(quiet_trainer, 2, sampler, with_callback)
+    _, first = _fit_epochs(quiet_trainer, 1, sampler, with_callback)
     first.save_checkpoint(tmp_path / "epoch0.ckpt")
-    resumed, _ = _fit_epochs(2, sampler, with_callback, ckpt=tmp_path / "epoch0.ckpt")
+    resumed, _ = _fit_epochs(quiet_trainer, 2, sampler, with_callback, ckpt=tmp_path / "epoch0.ckpt")
     assert ([s for s in full.seen if s[0] == 1] == resumed.seen) is equal

@@ -30,16 +30,11 @@ class _SeesRouting(pl.LightningModule):
 
 
 @pytest.mark.parametrize("enabled", [True, False])
-def test_callback_routes_only_during_fit_and_restores(enabled):
+def test_callback_routes_only_during_fit_and_restores(enabled, quiet_trainer):
     patch_refused_ops(False)
     module = _SeesRouting()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[DeterminismCallback(seed=0, patch_refused_ops=enabled)],
     )
     trainer.fit(module)

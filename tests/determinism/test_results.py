@@ -51,17 +51,11 @@ class _SaveAt(pl.Callback):
             trainer.should_stop = True
 
 
-def _fit(max_steps: int, callbacks: list, ckpt=None) -> _EpochLogger:
+def _fit(quiet_trainer, max_steps: int, callbacks: list, ckpt=None) -> _EpochLogger:
     torch.manual_seed(0)  # same initial weights in every fit of this process
     model = _EpochLogger()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
         max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
         callbacks=callbacks,
     )
     with warnings.catch_warnings():
@@ -71,15 +65,15 @@ def _fit(max_steps: int, callbacks: list, ckpt=None) -> _EpochLogger:
 
 
 @pytest.mark.parametrize("restore", [True, False], ids=["restored", "negative_control"])
-def test_epoch_means_continue_across_a_mid_epoch_resume(tmp_path, restore: bool) -> None:
-    full = _fit(12, [DeterminismCallback(0)])
+def test_epoch_means_continue_across_a_mid_epoch_resume(tmp_path, restore: bool, quiet_trainer) -> None:
+    full = _fit(quiet_trainer, 12, [DeterminismCallback(0)])
     path = tmp_path / "mid.ckpt"
-    _fit(12, [DeterminismCallback(0), _SaveAt(path, 9)])  # epoch 1 (6 batches/epoch), batch 3
+    _fit(quiet_trainer, 12, [DeterminismCallback(0), _SaveAt(path, 9)])  # epoch 1 (6 batches/epoch), batch 3
     if not restore:  # a checkpoint without the logging snapshot
         checkpoint = torch.load(path, weights_only=False)
         checkpoint["callbacks"][DeterminismCallback(0).state_key].pop("logged")
         torch.save(checkpoint, path)
-    resumed = _fit(12, [DeterminismCallback(0)], ckpt=path)
+    resumed = _fit(quiet_trainer, 12, [DeterminismCallback(0)], ckpt=path)
     # the resumed process logs only the epoch it finished: epoch 1
     same = {name: resumed.epoch_values[name][-1] == full.epoch_values[name][1] for name in full.epoch_values}
     assert same == ({"lightning": True, "metric": True} if restore else {"lightning": False, "metric": False})

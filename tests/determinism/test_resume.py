@@ -11,10 +11,12 @@ optimizer tensors with ``torch.equal``, every TensorBoard scalar by value):
   streams across the restart;
 * a checkpoint taken after an epoch's last batch, killed early in the next epoch (the logged
   ``epoch`` and the next epoch's data order must not shift);
+* a ``OneCycleLR`` sized by ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (the
+  loader then exists before the checkpoint is restored);
 * negative controls: the same resumes from a checkpoint stripped of the resume state must differ:
   no loader position and no callback state (the epoch's data order starts over), and, with
   ``reseed_every_step=False``, everything but the RNG states (dropout and the validation noise then
-  draw other numbers).
+  draw other numbers); and the OneCycleLR resume without handing the dropped loader states over.
 
 The runs are started together (two cores) by one module-scoped fixture; most of each run's time
 is importing Lightning.
@@ -33,6 +35,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 _SCRIPT = Path(__file__).with_name("_run_fit.py")
 _TIMEOUT_S = 600
 _KILL_AT = 11  # checkpoints every 3 steps: last one at step 9, killed at the start of step 12
+_ONECYCLE = ["--scheduler", "onecycle", "--max-steps", "-1", "--max-epochs", "3"]
 _SCENARIOS = {
     # name: (module, extra args, kill at)
     "plain": ("plain", [], _KILL_AT),
@@ -41,7 +44,11 @@ _SCENARIOS = {
     # checkpoint after the epoch's last batch (8 batches per epoch), killed 2 steps into the next epoch:
     # the resumed run must start epoch 1 at batch 0 (once logged epoch 2 and drew another order)
     "plain_epoch_end": ("plain", ["--ckpt-every", "8"], 10),
+    # OneCycleLR sized by estimated_stepping_batches over 3 epochs (24 steps): the loader exists before
+    # the restore, and Lightning alone would drop its checkpointed position (Lightning #20550)
+    "plain_onecycle": ("plain", _ONECYCLE, _KILL_AT),
 }
+_STEPS = {"plain_onecycle": 24}  # the others: max_steps=20
 
 
 def _start(fit_process, module: str, out: Path, extra: list[str]):
@@ -71,7 +78,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Pat
     for name, (module, extra, _) in _SCENARIOS.items():
         killed = root / name / "killed"
         # negative controls: resume state stripped (data order restarts) / everything kept but the RNG
-        negative = {"plain": ["--strip-resume-state", "all"], "plain_noreseed": ["--strip-resume-state", "rng"]}
+        negative = {
+            "plain": ["--strip-resume-state", "all"],
+            "plain_noreseed": ["--strip-resume-state", "rng"],
+            "plain_onecycle": ["--skip-pending-loader-states"],
+        }
         variants = {"resumed": [], **({"unrestored": negative[name]} if name in negative else {})}
         for variant, more in variants.items():
             out = root / name / variant
@@ -126,11 +137,12 @@ def test_two_fresh_runs_are_bitwise_equal(runs: dict[str, Path]) -> None:
 @pytest.mark.parametrize("scenario", list(_SCENARIOS))
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(runs: dict[str, Path], scenario: str) -> None:
     scalars = _scalars(runs[f"{scenario}/full"])
-    assert len(scalars["train/loss"]) == 20, "the uninterrupted run should log every one of its 20 steps"
+    steps = _STEPS.get(scenario, 20)
+    assert len(scalars["train/loss"]) == steps, f"the uninterrupted run should log every one of its {steps} steps"
     assert _differences(runs[f"{scenario}/full"], runs[f"{scenario}/resumed"]) == []
 
 
-@pytest.mark.parametrize("scenario", ["plain", "plain_noreseed"])
+@pytest.mark.parametrize("scenario", ["plain", "plain_noreseed", "plain_onecycle"])
 def test_negative_control_resume_without_restoring_differs(runs: dict[str, Path], scenario: str) -> None:
     different = _differences(runs[f"{scenario}/full"], runs[f"{scenario}/unrestored"])
     assert different, "a resume without the restore must differ; otherwise the resume test cannot fail"

@@ -21,28 +21,24 @@ from deepep_lightning.strategies import CHECKPOINT_KEY, DeterministicDDPStrategy
 from deepep_lightning.strategies.rank_state import resolve_run_seed
 
 
-def _trainer(devices: int = 2, strategy: object = "ddp_deterministic") -> Trainer:
-    # constructing a Trainer does not launch processes: the strategy is set up but not started
-    return Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-    )
+@pytest.fixture
+def make_trainer(quiet_trainer):
+    def make(devices: int = 2, strategy: object = "ddp_deterministic") -> Trainer:
+        # constructing a Trainer does not launch processes: the strategy is set up but not started
+        return quiet_trainer(devices=devices, strategy=strategy)
+
+    return make
 
 
-def test_registered_by_name_and_idempotent():
+def test_registered_by_name_and_idempotent(make_trainer):
     assert StrategyRegistry["ddp_deterministic"]["strategy"] is DeterministicDDPStrategy
     DeterministicDDPStrategy.register_strategies(StrategyRegistry)  # replaces the entry instead of raising
-    trainer = _trainer()
+    trainer = make_trainer()
     assert isinstance(trainer.strategy, DeterministicDDPStrategy)
     assert trainer.world_size == 2
 
 
-def test_ddp_arguments_are_pinned_and_recorded():
+def test_ddp_arguments_are_pinned_and_recorded(make_trainer):
     strategy = DeterministicDDPStrategy(seed=5, bucket_cap_mb=50, static_graph=True)
     assert _lightning_compat.ddp_kwargs(strategy) == {
         "bucket_cap_mb": 50,
@@ -50,7 +46,7 @@ def test_ddp_arguments_are_pinned_and_recorded():
         "static_graph": True,
         "find_unused_parameters": False,
     }
-    record = _trainer(strategy=strategy).strategy.fingerprint()
+    record = make_trainer(strategy=strategy).strategy.fingerprint()
     assert record["ddp.bucket_cap_mb"] == "50"
     assert record["ddp.static_graph"] == "True"
     assert record["ddp.world_size"] == "2"
@@ -81,11 +77,11 @@ def test_rank_local_keys_default_to_callbacks_and_the_rollout_state():
     assert DeterministicDDPStrategy(per_rank_checkpoint_keys=["callbacks"]).per_rank_checkpoint_keys == ("callbacks",)
 
 
-def test_sampler_seed_derived_from_the_run_seed():
-    strategy = _trainer(strategy=DeterministicDDPStrategy(seed=11)).strategy
+def test_sampler_seed_derived_from_the_run_seed(make_trainer):
+    strategy = make_trainer(strategy=DeterministicDDPStrategy(seed=11)).strategy
     kwargs = strategy.distributed_sampler_kwargs
     assert kwargs == {"num_replicas": 2, "rank": 0, "seed": derive_seed(11, "sampler") >> 1}
-    other = _trainer(strategy=DeterministicDDPStrategy(seed=12)).strategy
+    other = make_trainer(strategy=DeterministicDDPStrategy(seed=12)).strategy
     assert other.distributed_sampler_kwargs["seed"] != kwargs["seed"]  # negative control
 
 
@@ -108,18 +104,18 @@ def test_resolve_run_seed(monkeypatch):
     assert resolve_run_seed(3) == 3  # explicit wins
 
 
-def test_resume_with_another_world_size_is_refused():
-    strategy = _trainer().strategy
+def test_resume_with_another_world_size_is_refused(make_trainer):
+    strategy = make_trainer().strategy
     strategy.check_resume({"world_size": 2})  # negative control: the same size resumes
     with pytest.raises(WorldSizeMismatchError, match=r"world_size=4.*world_size=2.*HINT"):
         strategy.check_resume({"world_size": 4})
-    lenient = _trainer(strategy=DeterministicDDPStrategy(allow_world_size_change=True)).strategy
+    lenient = make_trainer(strategy=DeterministicDDPStrategy(allow_world_size_change=True)).strategy
     with pytest.warns(UserWarning, match="world_size=4"):
         lenient.check_resume({"world_size": 4})
 
 
-def test_load_checkpoint_gives_each_rank_its_own_state(tmp_path):
-    strategy = _trainer().strategy
+def test_load_checkpoint_gives_each_rank_its_own_state(tmp_path, make_trainer):
+    strategy = make_trainer().strategy
     path = tmp_path / "fake.ckpt"
     per_rank = [{ROLLOUT_STATE_KEY: {"rank": 0}}, {ROLLOUT_STATE_KEY: {"rank": 1}}]
     torch.save(

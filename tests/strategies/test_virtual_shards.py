@@ -40,38 +40,24 @@ def test_invalid_partitions_are_refused():
         _sampler(batch_size=5)
 
 
-def test_virtual_ranks_and_micro_batches():
-    strategy = Trainer(
-        accelerator="cpu",
-        devices=1,
+def test_virtual_ranks_and_micro_batches(quiet_trainer):
+    strategy = quiet_trainer(
         strategy=DeterministicDDPStrategy(virtual_world_size=4),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     ).strategy
     assert strategy.micro_batches_per_step == 4
     assert [strategy.virtual_rank(i) for i in range(6)] == [0, 1, 2, 3, 0, 1]
-    plain = Trainer(
-        accelerator="cpu",
+    plain = quiet_trainer(
         devices=2,
         strategy="ddp_deterministic",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     ).strategy
     assert plain.micro_batches_per_step == 1 and plain.virtual_rank(5) == 0  # by default: the rank itself
 
 
-def test_accumulation_must_match_the_partition():
+def test_accumulation_must_match_the_partition(quiet_trainer):
     def trainer(accumulate: int) -> Trainer:
-        return Trainer(
-            accelerator="cpu",
-            devices=1,
+        return quiet_trainer(
             strategy=DeterministicDDPStrategy(virtual_world_size=2),
             accumulate_grad_batches=accumulate,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
         )
 
     good = trainer(2)
