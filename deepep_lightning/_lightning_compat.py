@@ -109,6 +109,23 @@ def epoch_result_collection(trainer: "pl.Trainer") -> dict[str, Any]:
     return getattr(trainer.fit_loop.epoch_loop, "_results", {}) or {}
 
 
+def load_pending_loader_states(trainer: "pl.Trainer") -> bool:
+    """Apply checkpointed train-loader states that Lightning restored but did not hand to the loaders.
+
+    The fit loop gives a resumed checkpoint's loader states to its ``CombinedLoader`` in
+    ``setup_data``, which does nothing when the loader already exists. Reading
+    ``trainer.estimated_stepping_batches`` in ``configure_optimizers`` (Lightning's recommended way to
+    size ``OneCycleLR``) builds it before the checkpoint is restored, so the states are dropped and
+    the resumed epoch starts from its first batch (Lightning issue #20550). Calls
+    ``fit_loop._load_combined_loader_states()``, which applies pending states once and is a no-op
+    otherwise. Returns whether states were pending.
+    """
+    fit_loop = trainer.fit_loop
+    pending = bool(getattr(fit_loop, "_combined_loader_states_to_load", None))
+    fit_loop._load_combined_loader_states()
+    return pending
+
+
 def update_dataloader(dataloader: Any, sampler: Any) -> Any:
     """Rebuild ``dataloader`` with another sampler, keeping every other argument.
 

@@ -229,6 +229,9 @@ class DeterminismCallback(Callback):
     # ---------------------------------------------------------------- training stream
     @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        # Before the first train iterator exists: a loader built early (estimated_stepping_batches in
+        # configure_optimizers) gets its checkpointed position too.
+        _lightning_compat.load_pending_loader_states(trainer)
         if self.release_cublas_env and pl_module.device.type == "cuda":
             prime_cublas_and_release_env(pl_module.device)
         if not (self.log_fingerprint and trainer.is_global_zero):
