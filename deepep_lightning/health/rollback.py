@@ -166,6 +166,7 @@ class NaNRollbackCallback(Callback):
         self.incidents: list[dict[str, Any]] = []
         self.stopped = False
         self.stop_report: dict[str, Any] | None = None
+        self.resumed_stop_report: dict[str, Any] | None = None  # the stop a resumed checkpoint was written after
         self._health: NumericalHealthCallback | None = None
         self._buffer: list[ReplayEntry] = []
         self._skip_steps: set[int] = set()
@@ -292,6 +293,14 @@ class NaNRollbackCallback(Callback):
             raise RuntimeError("NaNRollbackCallback: the model has non-finite parameters before training starts.")
         self._buffer = []
         self._snapshot(trainer, pl_module)
+        report = self.resumed_stop_report
+        if report is not None:
+            self.resumed_stop_report = None
+            rank_zero_warn(
+                f"NaNRollbackCallback: this checkpoint was written after a rollback stop at step "
+                f"{report.get('stopped_at_step')} ({report.get('why')}); its weights are those of step "
+                f"{report.get('weights_at_step')}. Training continues from them at step {trainer.global_step}."
+            )
 
     @override
     def on_train_batch_start(
@@ -522,26 +531,37 @@ class NaNRollbackCallback(Callback):
             self._emit(trainer, EventKind.POLICY, verdict.bad_step, policy="lower_lr", lr_scale=self._lr_scale)
 
     def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, incident: dict[str, Any], why: str) -> None:
+        """Stop training with finite weights: those of the newest snapshot every rank loads, else the
+        current ones when they are finite on every rank; raise when neither exists."""
+        stopped_at = max(trainer.global_step, int(incident.get("detected_at", trainer.global_step)))
         snapshot = self._latest_snapshot(trainer)
         if snapshot is not None:
             self._restore(trainer, pl_module, snapshot)
+            weights = f"Weights restored to the snapshot of step {snapshot.step}"
+        else:
+            finite = all(bool(torch.isfinite(p.detach()).all()) for p in pl_module.parameters())
+            if not trainer.strategy.reduce_boolean_decision(finite, all=True):
+                self._emit(trainer, EventKind.STOPPED, incident["step"], why=why, weights_at_step=None)
+                raise RuntimeError(
+                    f"NaNRollbackCallback cannot stop with finite weights: {why}, no snapshot loads on every rank "
+                    "and the current weights are not finite. HINT: keep more snapshots (`keep_snapshots`) or "
+                    "resume from an earlier checkpoint."
+                )
+            weights = f"No snapshot loads on every rank: the weights are the current (finite) ones of step {stopped_at}"
         self.stopped = True
         trainer.should_stop = True
         incident["outcome"] = Outcome.STOPPED.value
         self.stop_report = {
             "why": why,
-            "weights_at_step": snapshot.step if snapshot is not None else None,
-            "stopped_at_step": trainer.global_step,
+            "weights_at_step": snapshot.step if snapshot is not None else stopped_at,
+            "stopped_at_step": stopped_at,
             "policy": self.policy,
             "skipped_steps": sorted(self._skip_steps),
             "lr_scale": self._lr_scale,
             **_public(incident),
         }
         self._emit(trainer, EventKind.STOPPED, incident["step"], **self.stop_report)
-        rank_zero_warn(
-            f"NaNRollbackCallback stopped training: {why}. Weights restored to the snapshot of step "
-            f"{self.stop_report['weights_at_step']}; see the health event log."
-        )
+        rank_zero_warn(f"NaNRollbackCallback stopped training: {why}. {weights}; see the health event log.")
 
     # ---------------------------------------------------------------- state
     @override
@@ -551,6 +571,7 @@ class NaNRollbackCallback(Callback):
             "lr_scale": self._lr_scale,
             "incidents": copy.deepcopy(self.incidents),
             "stopped": self.stopped,
+            "stop_report": copy.deepcopy(self.stop_report),
         }
 
     @override
@@ -558,7 +579,13 @@ class NaNRollbackCallback(Callback):
         self._skip_steps = set(state_dict.get("skip_steps", []))
         self._lr_scale = float(state_dict.get("lr_scale", 1.0))
         self.incidents = list(state_dict.get("incidents", []))
-        self.stopped = bool(state_dict.get("stopped", False))
+        # A checkpoint written after a stop holds the finite weights the stop left (see ``stop_report``);
+        # resuming it trains on from them (a stopped state would skip every step), with a warning.
+        self.resumed_stop_report = state_dict.get("stop_report") if state_dict.get("stopped", False) else None
+        if state_dict.get("stopped", False) and self.resumed_stop_report is None:
+            self.resumed_stop_report = {"why": "unknown (a checkpoint without a stop report)"}
+        self.stopped = False
+        self.stop_report = None
 
 
 def _install_optimizer_step_skip(pl_module: pl.LightningModule, skips: Callable[[], bool]) -> None:

@@ -276,3 +276,84 @@ def test_skip_policy_stops_at_max_skipped_steps(tmp_path):
     assert rollback.stopped and rollback.state_dict()["skip_steps"] == [5, 6, 7]
     assert "max_skipped_steps=3" in rollback.stop_report["why"] and trainer.global_step < MAX_STEPS
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def _stopping_trainer(tmp_path, callbacks, max_steps):
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), save_last=True, save_top_k=0)
+    return pl.Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        callbacks=[*callbacks, checkpoint],
+        default_root_dir=str(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+
+
+def test_last_checkpoint_after_a_stop_holds_the_snapshot_and_a_resume_trains_on(tmp_path):
+    """A stopped state must not come back from the checkpoint: the resume would skip every step, silently."""
+    import lightning.pytorch as pl
+
+    from .conftest import ToyModule
+
+    def callbacks(fault):
+        faults = [FaultInjectionCallback("loss", steps=[5], mode="always")] if fault else []
+        return [*faults, NumericalHealthCallback(check_every_n_steps=1), NaNRollbackCallback(4, policy="stop")]
+
+    pl.seed_everything(0, verbose=False)
+    first = _stopping_trainer(tmp_path, callbacks(True), MAX_STEPS)
+    with pytest.warns(UserWarning, match="stopped training"):
+        first.fit(ToyModule())
+    last = tmp_path / "ckpt" / "last.ckpt"
+    checkpoint = torch.load(last, map_location="cpu", weights_only=True)
+    rollback = next(cb for cb in first.callbacks if isinstance(cb, NaNRollbackCallback))
+    saved = checkpoint["callbacks"][rollback.state_key]
+    assert saved["stopped"] and saved["stop_report"]["weights_at_step"] == 4
+    assert saved["stop_report"]["stopped_at_step"] == checkpoint["global_step"] == 6
+    _, reference = fit(tmp_path / "ref", [], max_steps=4)
+    assert state_equal(checkpoint["state_dict"], reference.state_dict())  # what the report says: step 4's weights
+
+    second = _stopping_trainer(tmp_path / "resume", callbacks(False), MAX_STEPS)
+    module = ToyModule()
+    with pytest.warns(UserWarning, match="written after a rollback stop at step 6.*weights are those of step 4"):
+        second.fit(module, ckpt_path=str(last))
+    assert second.global_step == MAX_STEPS
+    assert not state_equal(module.state_dict(), checkpoint["state_dict"])  # it trained
+
+
+def _corrupt_every_snapshot(rollback):
+    class CorruptAll(FaultInjectionCallback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 6:
+                for _, path in rollback.ring._items:
+                    Path(path).write_bytes(b"garbage")
+
+        def _poison_loss(self, step, output):  # an infinite loss value with finite gradients
+            return output + output.detach() * float("inf") if self._fire(step) else output
+
+    return CorruptAll
+
+
+def test_stop_without_a_usable_snapshot_keeps_finite_current_weights(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(4, keep_snapshots=1, policy="stop", snapshot_dir=str(tmp_path / "s"))
+    corrupt = _corrupt_every_snapshot(rollback)("loss", steps=[6], mode="always")  # the loss value: weights finite
+    with pytest.warns(UserWarning) as caught:
+        _, module = fit(tmp_path, [corrupt, health, rollback], max_steps=MAX_STEPS)
+    stopped = [str(w.message) for w in caught if "stopped training" in str(w.message)]
+    assert stopped and "current (finite) ones of step 7" in stopped[0] and "step None" not in stopped[0]
+    assert rollback.stopped and rollback.stop_report["weights_at_step"] == 7
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_stop_without_a_usable_snapshot_and_non_finite_weights_raises(tmp_path):
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(4, keep_snapshots=1, policy="stop", snapshot_dir=str(tmp_path / "s"))
+    corrupt = _corrupt_every_snapshot(rollback)("parameter", steps=[6], mode="always")
+    with pytest.warns(UserWarning, match="falling back"), pytest.raises(RuntimeError, match="cannot stop with finite"):
+        fit(tmp_path, [corrupt, health, rollback], max_steps=MAX_STEPS)
