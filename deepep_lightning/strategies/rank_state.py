@@ -1,10 +1,10 @@
 """What a checkpoint records about the distributed layout: world size, seeds, every rank's own state.
 
-Lightning writes a checkpoint from rank 0 only, so rank-local state (a callback's RNG streams,
-DeepEP's environments and recurrent state) of the other ranks is lost, and on resume every rank
-loads rank 0's copy. :func:`build_rank_state` gathers each rank's copy of the rank-local keys into
-``checkpoint["deterministic_ddp"]["per_rank"]`` (collective: every rank calls it), and
-:func:`apply_rank_state` puts this rank's copy back. The world size is stored next to them:
+Lightning writes a checkpoint from rank 0 only, so rank-local state (a callback's RNG streams, a
+module's rollout state such as DeepEP's environments and recurrent state) of the other ranks is
+lost, and on resume every rank loads rank 0's copy. :func:`build_rank_state` gathers each rank's
+copy of the rank-local keys into ``checkpoint["deterministic_ddp"]["per_rank"]`` (collective: every
+rank calls it), and :func:`apply_rank_state` puts this rank's copy back. The world size is stored next to them:
 shards, per-rank seeds, rollout streams and the all-reduce order are all functions of it, so
 :func:`check_world_size` refuses a resume with another one.
 """
