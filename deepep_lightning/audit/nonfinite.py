@@ -8,6 +8,9 @@ module path (``ModTracker``; it marks backward as well), the statistics of its
 inputs, and the user's stack frame (for backward ops: the frame of the forward
 call that created the autograd node, recorded by anomaly mode with
 ``check_nan=False``). Every op is synchronised on, so use it to diagnose, not to train.
+
+:func:`locate_nonfinite_update` covers the optimizer step: it runs ``optimizer.step()`` on the
+gradients in place and names the optimizer and the parameter whose update went non-finite.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import re
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -29,7 +32,7 @@ from deepep_lightning._lightning_compat import current_autograd_node, module_tra
 from deepep_lightning.audit._provenance import in_backward, innermost_module, is_user_file, normalise_files
 from deepep_lightning.protocols import step_loss
 
-__all__ = ["DEFAULT_ALLOW_INF_OPS", "NonFiniteOp", "locate_nonfinite"]
+__all__ = ["DEFAULT_ALLOW_INF_OPS", "NonFiniteOp", "locate_nonfinite", "locate_nonfinite_update"]
 
 #: ops that produce ±inf on purpose (attention/logit masking). NaN is always reported.
 DEFAULT_ALLOW_INF_OPS: frozenset[str] = frozenset(
@@ -51,8 +54,9 @@ DEFAULT_ALLOW_INF_OPS: frozenset[str] = frozenset(
 # ops whose output is uninitialised memory (garbage may look like NaN until written)
 _UNINITIALISED_PREFIXES = ("aten.empty", "aten.new_empty", "aten.resize_", "aten.set_")
 
-#: Where the first non-finite value appeared: an op's output in forward or backward, or a parameter before the step.
-Phase = Literal["forward", "backward", "before"]
+#: Where the first non-finite value appeared: an op's output in forward or backward, a parameter
+#: before the step, or a parameter's update in the optimizer step.
+Phase = Literal["forward", "backward", "before", "optimizer"]
 
 
 @dataclass
@@ -69,6 +73,8 @@ class NonFiniteOp:
     inputs: list[dict[str, Any]] = field(default_factory=list)
     user_frame: str | None = None
     autograd_node: str | None = None
+    optimizer: str | None = None  # phase "optimizer": the optimizer whose step made the parameter non-finite
+    parameter: str | None = None  # phase "optimizer": that parameter's qualified name
 
     @property
     def inputs_finite(self) -> bool:
@@ -78,6 +84,8 @@ class NonFiniteOp:
         kind = "NaN" if self.output_nan else "Inf"
         lines = [f"first non-finite ({kind}) output: {self.op} in {self.phase}"]
         lines.append(f"  module: {self.module_path or '<no module forward active>'}")
+        if self.optimizer is not None:
+            lines.append(f"  optimizer: {self.optimizer}, parameter: {self.parameter}")
         if self.autograd_node:
             lines.append(f"  autograd node: {self.autograd_node}")
         lines.append(f"  output: {self.output_dtype} {list(self.output_shape)}")
@@ -243,3 +251,60 @@ def locate_nonfinite(
                 if tracker is not None:
                     tracker.__exit__(*sys.exc_info())
     return mode.found
+
+
+def locate_nonfinite_update(
+    optimizers: Sequence[torch.optim.Optimizer],
+    module: torch.nn.Module,
+    allow_inf_ops: Iterable[str] = DEFAULT_ALLOW_INF_OPS,
+    internal_files: Iterable[str] = (),
+) -> NonFiniteOp | None:
+    """Run each optimizer's ``step()`` on the gradients in place; name the first parameter it makes non-finite.
+
+    For a step whose forward and backward stay finite (:func:`locate_nonfinite` found nothing) but
+    whose update does not: an infinite learning rate, an overflowing moment, a custom optimizer.
+    The parameters change, so call it on a state that is restored afterwards.
+
+    Args:
+        optimizers: the optimizers, in the order the training step uses them.
+        module: the model; its ``named_parameters()`` name the parameter.
+        allow_inf_ops / internal_files: as for :func:`locate_nonfinite`.
+
+    Returns:
+        A :class:`NonFiniteOp` with ``phase="optimizer"``, ``optimizer`` (class and index) and
+        ``parameter`` (qualified name; also ``module_path``); ``op`` is the first aten op of the step
+        whose output was non-finite, or ``"<Optimizer>.step"`` when no op's output showed it. None
+        when every parameter stays finite.
+
+    Example::
+
+        loss.backward()
+        found = locate_nonfinite_update([optimizer], model)
+    """
+    names = {id(param): name for name, param in module.named_parameters()}
+    for index, optimizer in enumerate(optimizers):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        was_finite = [bool(torch.isfinite(p.detach()).all()) for p in params]
+        mode = _CheckNumerics(None, allow_inf_ops, normalise_files(list(internal_files)))
+        with mode, torch.no_grad():
+            optimizer.step()
+        for param, before in zip(params, was_finite):
+            data = param.detach()
+            if not before or bool(torch.isfinite(data).all()):
+                continue
+            label = f"{type(optimizer).__name__} (optimizer {index})"
+            name = names.get(id(param))
+            return NonFiniteOp(
+                op=mode.found.op if mode.found is not None else f"{type(optimizer).__name__}.step",
+                phase="optimizer",
+                module_path=name,
+                output_dtype=str(data.dtype).replace("torch.", ""),
+                output_shape=tuple(data.shape),
+                output_nan=bool(torch.isnan(data).any()),
+                output_inf=bool(torch.isinf(data).any()),
+                inputs=mode.found.inputs if mode.found is not None else [],
+                user_frame=mode.found.user_frame if mode.found is not None else None,
+                optimizer=label,
+                parameter=name,
+            )
+    return None

@@ -21,7 +21,7 @@ from typing_extensions import override
 from deepep_lightning import _checks
 from deepep_lightning._enums import StrEnum
 from deepep_lightning._lightning_compat import optimizer_step_progress
-from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite
+from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite, locate_nonfinite_update
 from deepep_lightning.health import _replay, _step_hooks
 from deepep_lightning.health._collectives import min_max_over_ranks
 from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
@@ -410,6 +410,9 @@ class NaNRollbackCallback(Callback):
                     backward=pl_module.automatic_optimization,
                     internal_files=_PLUMBING_FILES,
                 )
+                if found is None and pl_module.automatic_optimization:
+                    # forward and backward stayed finite: the update itself went non-finite
+                    found = locate_nonfinite_update(trainer.optimizers, pl_module, internal_files=_PLUMBING_FILES)
         for optimizer in trainer.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return found
@@ -488,8 +491,15 @@ class NaNRollbackCallback(Callback):
         return self._latest_snapshot(trainer, before_step=before) or snapshot
 
     def _classify(self, trainer: pl.Trainer, failing: HealthVerdict, replayed: HealthVerdict) -> Classification:
-        """Reproducible when the replay fails at the same step for the same reason (one label on all ranks)."""
+        """Reproducible when the replay fails at the same step for the same reason, or finds a non-finite
+        parameter within the failed check's window (one label on all ranks)."""
         same = replayed.bad_step == failing.bad_step and replayed.reason == failing.reason
+        # A parameter is read at a check only (the window's last step), a replay checks each step: it
+        # finds a non-finite parameter at the step whose update made it, inside the check's window at
+        # or before the step the check reported (the later symptom: a loss, a gradient, the window end).
+        if replayed.reason == HealthReason.NONFINITE_PARAM and replayed.bad_step is not None:
+            reported = failing.bad_step if failing.bad_step is not None else failing.end_step - 1
+            same = same or failing.first_step <= replayed.bad_step <= reported
         same = bool(trainer.strategy.reduce_boolean_decision(same, all=True))
         label = Classification.REPRODUCIBLE if same else Classification.NONDETERMINISTIC
         self._emit(trainer, EventKind(label.value), replayed.bad_step, reason=replayed.reason)
@@ -501,7 +511,11 @@ class NaNRollbackCallback(Callback):
         """Run the non-finite locator on the failing step, log and warn its report; returns it as a dict."""
         assert replayed.bad_step is not None
         found = self._diagnose(trainer, pl_module, snapshot, replayed.bad_step)
-        text = found.describe() if found is not None else "no op produced a non-finite value"
+        text = (
+            found.describe()
+            if found is not None
+            else "no op of the step (forward, backward, optimizer step) produced a non-finite value when run again"
+        )
         self._emit(
             trainer,
             EventKind.DIAGNOSIS,
@@ -510,6 +524,8 @@ class NaNRollbackCallback(Callback):
             op=found and found.op,
             module=found and found.module_path,
             phase=found and found.phase,
+            optimizer=found and found.optimizer,
+            parameter=found and found.parameter,
         )
         rank_zero_warn(f"NaNRollbackCallback diagnosis at step {replayed.bad_step}:\n{text}")
         return found.to_dict() if found is not None else None

@@ -91,3 +91,20 @@ def test_nan_is_never_allowed():
 def test_without_module_no_path_but_op_found():
     found = locate_nonfinite(lambda x: torch.log(x - x).sum(), torch.ones(3, requires_grad=True), backward=False)
     assert found.op == "aten.log.default" and found.module_path is None
+
+
+def test_update_locator_names_the_optimizer_and_the_parameter():
+    from deepep_lightning.audit.nonfinite import locate_nonfinite_update
+
+    def run(lr):
+        torch.manual_seed(0)
+        net = Net()
+        optimizers = [torch.optim.SGD(net.encoder.parameters(), lr=0.1), torch.optim.SGD(net.inner.parameters(), lr=lr)]
+        net(torch.randn(4, 3)).backward()
+        return locate_nonfinite_update(optimizers, net)
+
+    assert run(0.1) is None  # negative control: a finite update is not reported
+    found = run(float("inf"))
+    assert found is not None and found.phase == "optimizer" and found.optimizer == "SGD (optimizer 1)"
+    assert found.parameter == found.module_path == "inner.lin.weight"
+    assert "optimizer: SGD (optimizer 1), parameter: inner.lin.weight" in found.describe()

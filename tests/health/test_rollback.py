@@ -357,3 +357,47 @@ def test_stop_without_a_usable_snapshot_and_non_finite_weights_raises(tmp_path):
     corrupt = _corrupt_every_snapshot(rollback)("parameter", steps=[6], mode="always")
     with pytest.warns(UserWarning, match="falling back"), pytest.raises(RuntimeError, match="cannot stop with finite"):
         fit(tmp_path, [corrupt, health, rollback], max_steps=MAX_STEPS)
+
+
+class BlowUpAdam(torch.optim.Adam):
+    """Adam whose update turns the output layer's weight infinite while ``armed`` (loss and gradients stay finite)."""
+
+    armed = False
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        if self.armed:
+            with torch.no_grad():
+                self.param_groups[0]["params"][2].mul_(float("inf"))
+        return loss
+
+
+def _blow_up_module(step):
+    from .conftest import ToyModule
+
+    class BlowUpModule(ToyModule):
+        def training_step(self, batch, batch_idx):
+            self.trainer.optimizers[0].armed = self.trainer.global_step == step  # in replays and the diagnosis too
+            return super().training_step(batch, batch_idx)
+
+        def configure_optimizers(self):
+            return BlowUpAdam(self.parameters(), lr=self.lr)
+
+    return BlowUpModule()
+
+
+@pytest.mark.parametrize("check_every", [1, 4])
+def test_persistent_parameter_inf_from_the_update_is_reproducible_and_named(tmp_path, check_every):
+    """With a window of 4 steps the check reports a later step than the update: still reproducible, and the
+    diagnosis names the optimizer and the parameter (forward and backward of the step are finite)."""
+    health = NumericalHealthCallback(check_every_n_steps=check_every)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")
+    with pytest.warns(UserWarning, match="NaNRollbackCallback diagnosis at step 5"):
+        _, module = fit(tmp_path, [health, rollback], max_steps=MAX_STEPS, module=_blow_up_module(5))
+    detected = next(e for e in health.events.events if e["kind"] == "detected")
+    assert detected["step"] == (5 if check_every == 1 else 6)  # the window's check sees the symptom one step later
+    assert rollback.incidents[0]["classification"] == "reproducible"
+    diagnosis = next(e for e in health.events.events if e["kind"] == "diagnosis")
+    assert diagnosis["phase"] == "optimizer" and diagnosis["optimizer"] == "BlowUpAdam (optimizer 0)"
+    assert diagnosis["parameter"] == "inner.3.weight" and "parameter: inner.3.weight" in diagnosis["report"]
+    assert rollback.stop_report["weights_at_step"] == 4 and all(torch.isfinite(p).all() for p in module.parameters())
