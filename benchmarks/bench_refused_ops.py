@@ -91,7 +91,29 @@ ROUTED_SHAPES = {
     ],
     "replication_pad3d_backward": [((2, 32, 32, 64, 64), 1), ((8, 64, 16, 28, 28), 2), ((2, 16, 64, 64, 64), 4)],
     "reflection_pad2d_backward": [((8, 64, 256, 256), 3), ((32, 256, 64, 64), 1), ((8, 3, 512, 512), 16)],
+    "adaptive_max_pool2d_backward": [
+        ((32, 512, 7, 7), (1, 1)),
+        ((32, 256, 14, 14), (7, 7)),
+        ((8, 64, 112, 112), (5, 5)),
+    ],
+    "max_pool3d_with_indices_backward": [  # (N, C, D, H, W), (kernel, stride, padding)
+        ((8, 64, 16, 56, 56), (3, 2, 1)),
+        ((2, 32, 32, 64, 64), (2, 2, 0)),
+        ((2, 32, 32, 64, 64), (3, 1, 1)),
+    ],
+    "max_unpool2d": [((16, 64, 56, 56), 2), ((8, 128, 28, 28), 2), ((4, 3, 256, 256), 2)],  # SegNet-style decoder
+    "_ctc_loss_backward": [  # (T, N, C), target length
+        ((200, 32, 29), 40),
+        ((100, 64, 29), 20),
+        ((400, 16, 1000), 60),
+    ],
+    # PyTorch has a deterministic path for these (slower); pytorch_deterministic is timed too
+    "index_add": [((1000,), 8 * 2**20), ((10000, 64), 2**20), ((100000,), 2**20)],  # (self shape, entries)
+    "scatter_add": [((1000,), 8 * 2**20), ((100000,), 2**20), ((10, 1000), 2**20)],
+    "_index_put_impl_": [((100000, 128), 2**20), ((1000, 64), 2**20), ((1000000,), 8 * 2**20)],
 }
+#: Routed ops for which PyTorch's deterministic mode has an implementation of its own (no refusal).
+HAS_PYTORCH_DETERMINISTIC = ("index_add", "scatter_add", "_index_put_impl_")
 QUICK_ROUTED = {
     "nll_loss2d_forward": [((2, 3, 8, 8), (True, -100))],
     "_adaptive_avg_pool2d_backward": [((2, 3, 8, 8), (3, 3))],
@@ -100,6 +122,12 @@ QUICK_ROUTED = {
     "reflection_pad3d_backward": [((2, 3, 4, 8, 8), 1)],
     "replication_pad3d_backward": [((2, 3, 4, 8, 8), 1)],
     "reflection_pad2d_backward": [((2, 3, 8, 8), 2)],
+    "adaptive_max_pool2d_backward": [((2, 3, 8, 8), (3, 3))],
+    "max_pool3d_with_indices_backward": [((2, 3, 4, 8, 8), (3, 2, 1))],
+    "_ctc_loss_backward": [((12, 2, 5), 3)],
+    "index_add": [((10,), 100)],
+    "scatter_add": [((10,), 100)],
+    "_index_put_impl_": [((10, 4), 100)],
 }
 
 
@@ -209,6 +237,40 @@ def _routed_args(op, shape, arguments, device):
         x = randn(*shape)
         out = F.avg_pool3d(x, kernel, stride, padding)
         return randn(*out.shape), x, [kernel] * 3, [stride] * 3, [padding] * 3, False, True, None
+    if op == "adaptive_max_pool2d_backward":
+        x = randn(*shape)
+        out, indices = F.adaptive_max_pool2d(x, arguments, return_indices=True)
+        return randn(*out.shape), x, indices
+    if op == "max_pool3d_with_indices_backward":
+        kernel, stride, padding = arguments
+        x = randn(*shape)
+        out, indices = F.max_pool3d(x, kernel, stride, padding, return_indices=True)
+        return randn(*out.shape), x, [kernel] * 3, [stride] * 3, [padding] * 3, [1, 1, 1], False, indices
+    if op == "max_unpool2d":
+        kernel = arguments
+        pooled, indices = F.max_pool2d(randn(*shape), kernel, return_indices=True)
+        return pooled, indices, list(shape[2:])
+    if op == "_ctc_loss_backward":
+        (t, n, c), target_length = shape, arguments
+        log_probs = randn(t, n, c).log_softmax(2)
+        targets = torch.randint(1, c, (n, target_length), generator=generator).to(device)
+        input_lengths, target_lengths = [t] * n, [target_length] * n
+        nll, log_alpha = torch.ops.aten._ctc_loss(log_probs, targets, input_lengths, target_lengths, 0, False)
+        grad = torch.ones_like(nll)
+        return grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, 0, False
+    if op in HAS_PYTORCH_DETERMINISTIC:
+        entries = arguments
+        rows = shape[0]
+        index = torch.randint(0, rows, (entries,), generator=generator).to(device)
+        values = randn(entries, *shape[1:])
+        if op == "index_add":
+            return torch.zeros(shape, device=device), 0, index, values
+        if op == "scatter_add":
+            if len(shape) == 1:
+                return torch.zeros(shape, device=device), 0, index, values
+            columns = torch.randint(0, shape[1], (entries // shape[1] or 1, shape[1]), generator=generator)
+            return torch.zeros(shape, device=device), 1, columns.to(device), randn(*columns.shape)
+        return torch.zeros(shape, device=device), [index], values, True, False
     pad = arguments
     spatial = 3 if op.endswith("3d_backward") else 2
     x = randn(*shape)
@@ -232,16 +294,36 @@ def routed_methods(op, shape, arguments, device):
             patch_refused_ops(deterministic)
             torch.use_deterministic_algorithms(deterministic)
 
-        run.prepare = prepare
+        def fresh():  # on a copy of ``self``: an in-place op (index_put_) accumulates into it on every call
+            out = aten(args[0].clone(), *args[1:])
+            return out if isinstance(out, tuple) else (out,)
+
+        run.prepare, run.fresh = prepare, fresh
         return run
 
-    return {"deepep_deterministic": method(True), "pytorch_atomic": method(False)}
+    methods = {"deepep_deterministic": method(True), "pytorch_atomic": method(False)}
+    if op in HAS_PYTORCH_DETERMINISTIC:
+
+        def pytorch_deterministic():
+            out = aten(*args)
+            return out if isinstance(out, tuple) else (out,)
+
+        def prepare():
+            patch_refused_ops(False)
+            torch.use_deterministic_algorithms(True)
+
+        pytorch_deterministic.prepare = prepare
+        methods["pytorch_deterministic"] = pytorch_deterministic
+    return methods
 
 
 def repeats_bitwise(methods):
     """Whether deepep_deterministic run twice gives bitwise equal gradients."""
-    _prepare(methods["deepep_deterministic"])
-    first, again = methods["deepep_deterministic"](), methods["deepep_deterministic"]()
+    run = methods["deepep_deterministic"]
+    _prepare(run)
+    call = getattr(run, "fresh", run)
+    first = [tensor.clone() for tensor in call()]
+    again = call()
     return all(torch.equal(a, b) for a, b in zip(first, again))
 
 
@@ -352,6 +434,11 @@ def main(argv=None):
                 "median_ms": times,
                 "host_ms": {name: host for name, (_, host) in measured.items()},
                 "ratio_vs_atomic": ratio,
+                "pytorch_deterministic_vs_atomic": (
+                    times["pytorch_deterministic"] / times["pytorch_atomic"]
+                    if "pytorch_deterministic" in times
+                    else None
+                ),
                 "meets_1_5x_target": ratio <= 1.5,
                 "repeat_bitwise": repeat_bitwise,
                 "peak_extra_mib": peak_extra_mib(methods, args.device),
