@@ -6,6 +6,7 @@ they run inside the captured CUDA graph of the training step and are bitwise rep
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -43,8 +44,4 @@ def adapt_entropy_coef_(
     move back. ``entropy`` is the rollout's mean policy entropy (a 0-d tensor, read without a sync).
     """
     log_coef.add_(target_entropy - entropy.detach(), alpha=rate)
-    log_coef.clamp_(min=_log(low), max=_log(high))
-
-
-def _log(value: float) -> float:
-    return float(torch.log(torch.tensor(value, dtype=torch.float64))) if value > 0 else float("-inf")
+    log_coef.clamp_(min=math.log(low) if low > 0 else -math.inf, max=math.log(high))
