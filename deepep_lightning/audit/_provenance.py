@@ -1,4 +1,4 @@
-"""Where an op seen by a dispatch mode comes from: the user's frame, the module path, the phase.
+"""Where an op seen by a dispatch mode comes from: the user's frame, the qualified module path, the phase.
 
 Shared by the op-hash log (:mod:`.op_hashes`) and the non-finite locator (:mod:`.nonfinite`), so
 both name the same frame and the same module for the same op.
@@ -13,6 +13,8 @@ from collections.abc import Collection
 from typing import Any
 
 import torch
+
+from deepep_lightning._lightning_compat import module_tracker
 
 __all__: list[str] = []
 
@@ -55,12 +57,35 @@ def is_user_file(filename: str, internal_files: frozenset[str] = frozenset()) ->
     return not internal_files or os.path.normpath(os.path.abspath(filename)) not in internal_files
 
 
+def named_module_tracker(module: torch.nn.Module) -> Any:
+    """A ``ModTracker`` (from :func:`~deepep_lightning._lightning_compat.module_tracker`) that names every
+    submodule of ``module`` by its qualified path in ``module.named_modules()`` (``blocks.2.attn``).
+
+    On its own, ``ModTracker`` names a module by its class when its parent's ``forward`` never ran,
+    which is the rule in a LightningModule (``training_step`` is not ``forward``): ``Attn`` for each of
+    24 identical blocks. The root is named by its class. None without a tracker.
+    """
+    tracker = module_tracker()
+    if tracker is None:
+        return None
+    # ModTracker's name table (private): filled in advance and marked as walked, so it keeps these names
+    known, seen = getattr(tracker, "_known_modules", None), getattr(tracker, "_seen_modules", None)
+    if known is not None and seen is not None:
+        root = type(module).__name__
+        for name, submodule in module.named_modules():
+            known[submodule] = name or root
+            seen.add(submodule)
+        tracker.deepep_root_name = root
+    return tracker
+
+
 def innermost_module(tracker: Any) -> str | None:
     """The deepest module path a ``ModTracker`` is inside now (None without a tracker or outside modules)."""
     if tracker is None:
         return None
+    root = getattr(tracker, "deepep_root_name", None)
     names = [name for name in tracker.parents if name != "Global"]
-    return max(names, key=lambda name: (name.count("."), len(name))) if names else None
+    return max(names, key=lambda name: (-1 if name == root else name.count("."), len(name))) if names else None
 
 
 def in_backward(tracker: Any, node: Any) -> bool:

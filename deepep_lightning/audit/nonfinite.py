@@ -28,8 +28,14 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from deepep_lightning._lightning_compat import current_autograd_node, module_tracker
-from deepep_lightning.audit._provenance import in_backward, innermost_module, is_user_file, normalise_files
+from deepep_lightning._lightning_compat import current_autograd_node
+from deepep_lightning.audit._provenance import (
+    in_backward,
+    innermost_module,
+    is_user_file,
+    named_module_tracker,
+    normalise_files,
+)
 from deepep_lightning.protocols import step_loss
 
 __all__ = ["DEFAULT_ALLOW_INF_OPS", "NonFiniteOp", "locate_nonfinite", "locate_nonfinite_update"]
@@ -234,7 +240,7 @@ def locate_nonfinite(
         bad_param = _nonfinite_parameter(module)
         if bad_param is not None:
             return bad_param
-    tracker = module_tracker() if module is not None else None
+    tracker = named_module_tracker(module) if module is not None else None
     mode = _CheckNumerics(tracker, allow_inf_ops, normalise_files(list(internal_files)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # anomaly mode announces itself on every entry

@@ -1,8 +1,8 @@
 """Per-op hash log (a ``TorchDispatchMode``) and the first divergent op between two logs.
 
 :class:`OpHashMode` sees every ATen/custom op that runs, forward and backward (autograd runs the
-backward ops through the same dispatcher), and records for each: name, phase, module path (from
-``torch.distributed._tools.mod_tracker.ModTracker``), a short user stack, dtype/shape and exact
+backward ops through the same dispatcher), and records for each: name, phase, qualified module path (from
+``named_modules()``, tracked by a ``ModTracker``: ``blocks.2.attn``), a short user stack, dtype/shape and exact
 hashes (:func:`~deepep_lightning.audit.hashing.tensor_hash`) of the tensor inputs **before** the op
 runs (in-place ops mutate them) and of the outputs after, and the non-tensor arguments. This is
 PyTorch's ``DebugMode(record_tensor_attributes, log_tensor_hashes)`` idea with exact hashes and
@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from deepep_lightning._lightning_compat import current_autograd_node, module_tracker
-from deepep_lightning.audit._provenance import in_backward, innermost_module, is_user_file
+from deepep_lightning._lightning_compat import current_autograd_node
+from deepep_lightning.audit._provenance import in_backward, innermost_module, is_user_file, named_module_tracker
 from deepep_lightning.audit.causes import EMPTY_LIKE_OPS, base_name, likely_cause
 from deepep_lightning.audit.hashing import hashes_to_ints, max_abs_diff, tensor_hash
 
@@ -131,7 +131,7 @@ class OpHashMode(TorchDispatchMode):
     """Record every op's input/output hashes; use as ``with OpHashMode(module) as log: ...``.
 
     Args:
-        module: the model (module paths come from a ``ModTracker`` over it; ``None``: no paths).
+        module: the model (module paths are its ``named_modules()`` names; ``None``: no paths).
         keep_bytes: keep detached copies of outputs (on their device) until this many bytes, so a
             divergence can report its max |diff|; 0 keeps none (hash only, the fastest).
 
@@ -149,7 +149,7 @@ class OpHashMode(TorchDispatchMode):
         self.records: list[OpRecord] = []
         self.kept: dict[int, list[Tensor]] = {}
         self._keep_left = keep_bytes
-        self._tracker = module_tracker() if module is not None else None
+        self._tracker = named_module_tracker(module) if module is not None else None
         self._producer: WeakIdKeyDictionary = WeakIdKeyDictionary()
         # tensor -> (version counter, hash): an input that an earlier op produced (or that was hashed
         # before) and has not been written since is not hashed again

@@ -139,3 +139,47 @@ class SequenceModule(CleanModule):
     @classmethod
     def audit_variants(cls):
         return {"clean": {}, "unseeded": {"noisy": True}}
+
+
+class _Attn(nn.Module):
+    """``tanh(lin(x))``; with ``plant="forward"`` a log of zero, with ``plant="backward"`` a sqrt of zero."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.plant = "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if self.plant == "forward":
+            return torch.log(y * 0)
+        if self.plant == "backward":
+            return torch.sqrt(y * 0)  # finite forward, infinite gradient
+        return torch.tanh(y)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.attn = _Attn(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x))
+
+
+class IdenticalBlocks(pl.LightningModule):
+    """Four identical blocks called from ``training_step`` (never through ``forward``); block ``planted``'s
+    ``attn`` plants a non-finite value in ``plant`` ("forward" or "backward")."""
+
+    def __init__(self, planted: int = 2, plant: str = "forward", width: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(width) for _ in range(4)])
+        self.blocks[planted].attn.plant = plant
+        self.head = nn.Linear(width, 1)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = batch
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).pow(2).mean()

@@ -1,5 +1,6 @@
 """locate_nonfinite: names the planted op, its module and frame, in forward and in backward."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -36,7 +37,7 @@ def test_forward_plant_named_with_module_inputs_and_frame():
     found = locate_nonfinite(net, torch.randn(4, 3), module=net)
     assert found is not None
     assert found.op == "aten.log.default" and found.phase == "forward"
-    assert found.module_path == "Net.inner"
+    assert found.module_path == "inner"  # the qualified path of named_modules(), not the class
     assert found.output_inf and not found.output_nan and found.output_shape == (4, 3)
     assert found.inputs[0]["max"] == 0.0 and found.inputs[0]["zeros"] == 12 and found.inputs_finite
     assert "test_nonfinite.py" in found.user_frame and "PLANTED-FORWARD" in found.user_frame
@@ -50,7 +51,7 @@ def test_backward_plant_named_with_autograd_node_and_forward_frame():
     found = locate_nonfinite(net, x, module=net)
     assert found is not None and found.phase == "backward"
     assert found.autograd_node == "SqrtBackward0"
-    assert found.module_path == "Net.inner"
+    assert found.module_path == "inner"  # the qualified path of named_modules(), not the class
     assert "PLANTED-BACKWARD" in found.user_frame
 
 
@@ -108,3 +109,16 @@ def test_update_locator_names_the_optimizer_and_the_parameter():
     assert found is not None and found.phase == "optimizer" and found.optimizer == "SGD (optimizer 1)"
     assert found.parameter == found.module_path == "inner.lin.weight"
     assert "optimizer: SGD (optimizer 1), parameter: inner.lin.weight" in found.describe()
+
+
+@pytest.mark.parametrize("plant, phase", [("forward", "forward"), ("backward", "backward")])
+@pytest.mark.parametrize("planted", [1, 2])
+def test_a_plant_in_one_of_identical_blocks_is_named_by_its_index(plant, phase, planted):
+    """Blocks called from training_step: ModTracker alone names each of them by its class (``_Attn``)."""
+    from _planted import IdenticalBlocks
+
+    torch.manual_seed(0)
+    module = IdenticalBlocks(planted=planted, plant=plant)
+    found = locate_nonfinite(lambda: module.training_step(torch.randn(3, 4), 0), module=module)
+    assert found is not None and found.phase == phase
+    assert found.module_path == f"blocks.{planted}.attn"

@@ -137,3 +137,17 @@ def test_cause_heuristics():
         == "input from outside"
     )
     assert likely_cause(_record("aten.mm.default"), inputs_identical=True)[0] == "unknown"
+
+
+def test_module_paths_are_qualified_names_in_forward_and_backward():
+    """Blocks called from a LightningModule's training_step are named by index, not by class."""
+    from _planted import IdenticalBlocks
+
+    module = IdenticalBlocks(plant="none")
+    with OpHashMode(module) as log:
+        module.training_step(torch.randn(3, 4), 0).backward()
+    forward = {r.module_path for r in log.records if r.phase == "forward"}
+    backward = {r.module_path for r in log.records if r.phase == "backward"}
+    expected = {f"blocks.{i}.{name}" for i in range(4) for name in ("norm", "attn.lin")} | {"head"}
+    assert expected <= forward and {"blocks.2.attn.lin", "blocks.0.norm", "head"} <= backward
+    assert not any(path and path.startswith(("_Block", "_Attn", "LayerNorm", "Linear")) for path in forward | backward)
