@@ -29,6 +29,7 @@ __all__ = [
     "choice",
     "int_at_least",
     "int_in_range",
+    "non_empty_str",
     "non_negative_int",
     "number",
     "path",
@@ -228,3 +229,10 @@ def path(
         if not os.access(parent, os.W_OK | os.X_OK):
             _fail(owner, name, f"a path in a writable directory ({str(parent)!r} is not writable)", value, error)
     return result
+
+
+def non_empty_str(owner: str | None, name: str, value: Any, *, error: type[Exception] | None = None) -> str:
+    """A ``str`` with at least one non-blank character (a metric's or a file's name)."""
+    if not isinstance(value, str) or not value.strip():
+        _fail(owner, name, "a non-empty str", value, error)
+    return value
