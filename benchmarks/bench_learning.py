@@ -51,8 +51,8 @@ def model_config(path: str | Path, overrides: list[str], device: str, quick: boo
             raise SystemExit(f"--override: expected KEY=VALUE, got {item!r}")
         model[key] = json.loads(value)
     model["cuda_graph"] = device == "cuda" and bool(model.get("cuda_graph", True))
-    if device == "cuda":
-        model["fused_value_head"] = True
+    if device == "cuda" and not any(item.startswith("fused_value_head=") for item in overrides):
+        model["fused_value_head"] = True  # the compiled op, as the speed figures use it
     if quick:
         model.update(QUICK)
         if model.get("env") == "memory":
@@ -204,7 +204,11 @@ def main() -> None:
     parser.add_argument("--memory-steps", type=int, default=None, help="default: the memory config's max_steps")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda: CUDA-graph step")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 50 steps (smoke test)")
+    parser.add_argument("--replot", default=None, metavar="JSON", help="only draw the PNGs of a result file")
     args = parser.parse_args()
+    if args.replot:
+        _replot(Path(args.replot))
+        return
     label = args.label or Path(args.config).stem
     out = Path(args.out)
     config, max_steps = model_config(args.config, args.override, args.device, args.quick)
@@ -233,10 +237,25 @@ def main() -> None:
     payload = {"config": config, "args": vars(args), "steps": steps, "total_wall_s": time.perf_counter() - start,
                "summary": summary, "cartpole": cartpole, "memory": memory}  # fmt: skip
     write_json(out / f"learning_{label}.json", payload)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"matplotlib is not installed: no PNG (draw it elsewhere: --replot {out / f'learning_{label}.json'})")
+        return
     if cartpole:
         plot(cartpole, out / f"learning_{label}.png", f"CartPole, {label}", "100-episode mean return", args.threshold)
     if memory:
         plot(memory, out / f"memory_{label}.png", f"cue recall, {label}", "success, last 20 steps", 0.95)
+
+
+def _replot(path: Path) -> None:
+    payload = json.loads(path.read_text())
+    label, threshold = path.stem.removeprefix("learning_"), payload["args"]["threshold"]
+    if payload["cartpole"]:
+        plot(payload["cartpole"], path.with_suffix(".png"), f"CartPole, {label}", "100-episode mean return", threshold)
+    if payload["memory"]:
+        plot(payload["memory"], path.with_name(f"memory_{label}.png"), f"cue recall, {label}", "success, last 20 steps",
+             0.95)  # fmt: skip
 
 
 def _median(values: list[float]) -> float | None:
