@@ -18,6 +18,7 @@ _EXPORTS = {
     "CompareResult": "deepep_lightning.compare",
     "NumericalHealthCallback": "deepep_lightning.health",
     "NaNRollbackCallback": "deepep_lightning.health",
+    "RegressionTrigger": "deepep_lightning.health",
     "FaultInjectionCallback": "deepep_lightning.health",
     "LossSpikeDetector": "deepep_lightning.health",
     "NonFiniteError": "deepep_lightning.health",

@@ -39,6 +39,7 @@ class EventKind(StrEnum):
     POLICY = "policy"  # skip or lower_lr applied
     STOPPED = "stopped"  # rollback gave up; training stops
     CORRUPT_SNAPSHOT = "corrupt_snapshot"  # a snapshot file failed verification
+    REGRESSION = "regression"  # a monitored metric collapsed from its best
 
 
 def _jsonable(value: Any) -> Any:

@@ -29,6 +29,7 @@ from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
 from deepep_lightning.health.events import EventKind, run_log_dir
 from deepep_lightning.health.flags import HealthReason
 from deepep_lightning.health.health_callback import HealthVerdict, NumericalHealthCallback
+from deepep_lightning.health.regression import RegressionTrigger
 from deepep_lightning.health.snapshot import Snapshot, SnapshotRing, clone_update_state, restore_update_state
 from deepep_lightning.protocols import RolloutStateful, UncapturedSteps
 
@@ -122,6 +123,11 @@ class NaNRollbackCallback(Callback):
             run stops with a report.
         locate: run the non-finite locator on reproducible failures.
         rollback_on_spike: treat a confirmed loss spike like a non-finite value.
+        regression: also roll back when a monitored metric collapses (a
+            :class:`~deepep_lightning.health.regression.RegressionTrigger`): restore the weights and
+            optimizer state of the snapshot with the best value, then ``policy`` — ``"lower_lr"``
+            scales every LR, ``"skip"`` drops the steps since that snapshot (the data moves on), and
+            ``"stop"`` stops — at most ``max_retries`` times until the metric sets a new best.
 
     Raises:
         MisconfigurationException: an invalid argument, or no NumericalHealthCallback in the trainer.
@@ -144,6 +150,7 @@ class NaNRollbackCallback(Callback):
         max_skipped_steps: int = 100,
         locate: bool = True,
         rollback_on_spike: bool = True,
+        regression: RegressionTrigger | None = None,
     ) -> None:
         self.snapshot_every_n_steps: int = _checks.int_at_least(
             None, "snapshot_every_n_steps", snapshot_every_n_steps, 1
@@ -162,6 +169,13 @@ class NaNRollbackCallback(Callback):
         self.snapshot_dir = None if directory is None else os.fspath(directory)
         self.locate = bool(locate)
         self.rollback_on_spike = bool(rollback_on_spike)
+        if regression is not None and not isinstance(regression, RegressionTrigger):
+            raise MisconfigurationException(
+                f"`NaNRollbackCallback(regression=...)` must be a RegressionTrigger or None, got {regression!r}."
+            )
+        self.regression = regression
+        self._snapshot_metric: dict[int, float] = {}  # snapshot step -> the monitored value at it
+        self._monitor_missing_warned = False
         self.ring = SnapshotRing(self.keep_snapshots)
         self.incidents: list[dict[str, Any]] = []
         self.stopped = False
@@ -255,11 +269,18 @@ class NaNRollbackCallback(Callback):
         return self._health.events.emit(trainer, kind, step, **fields)
 
     # ---------------------------------------------------------------- snapshots
-    def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metric: float | None = None) -> None:
         assert self._health is not None
         snapshot = Snapshot.capture(trainer, pl_module, self._health.state_dict(), self._lr_scale)
         self.ring.push(snapshot)
         self._last_snapshot_step = snapshot.step
+        if self.regression is not None:
+            if metric is not None:
+                self._snapshot_metric[snapshot.step] = metric
+            kept = set(self.ring.steps())
+            self._snapshot_metric = {step: v for step, v in self._snapshot_metric.items() if step in kept}
+            ranked = self.regression.rank(self._snapshot_metric)
+            self.ring.pinned = ranked[0] if ranked else None
         oldest = self.ring.steps()[0]
         self._buffer = [entry for entry in self._buffer if entry.step >= oldest]
 
@@ -330,8 +351,71 @@ class NaNRollbackCallback(Callback):
             self._handle_failure(trainer, pl_module, verdict)
         elif not verdict.healthy:
             self._emit(trainer, EventKind.SPIKE_IGNORED, verdict.bad_step, details=verdict.details)
-        elif is_last or trainer.global_step - (self._last_snapshot_step or 0) >= self.snapshot_every_n_steps:
-            self._snapshot(trainer, pl_module)
+        else:
+            metric = self._monitored(trainer) if self.regression is not None else None
+            if (
+                metric is not None
+                and self.regression is not None
+                and self.regression.update(metric, trainer.global_step)
+            ):
+                self._handle_regression(trainer, pl_module, metric)
+            elif is_last or trainer.global_step - (self._last_snapshot_step or 0) >= self.snapshot_every_n_steps:
+                self._snapshot(trainer, pl_module, metric)
+
+    # ---------------------------------------------------------------- regression (a collapse of a metric)
+    def _monitored(self, trainer: pl.Trainer) -> float | None:
+        """The monitored metric now, averaged over ranks (read at a check only: no per-step sync); None when absent."""
+        assert self.regression is not None
+        raw = trainer.callback_metrics.get(self.regression.monitor)
+        if not trainer.strategy.reduce_boolean_decision(raw is not None, all=True):
+            if not self._monitor_missing_warned:
+                self._monitor_missing_warned = True
+                rank_zero_warn(
+                    f"NaNRollbackCallback: the monitored metric {self.regression.monitor!r} is not logged (yet); "
+                    f"logged: {sorted(trainer.callback_metrics)}. HINT: `self.log({self.regression.monitor!r}, ...)`."
+                )
+            return None
+        value = torch.as_tensor(raw).detach().float().reshape(()).to(trainer.strategy.root_device)
+        return float(trainer.strategy.reduce(value, reduce_op="mean"))
+
+    def _best_snapshot(self, trainer: pl.Trainer) -> Snapshot | None:
+        """The snapshot with the best monitored value that every rank can load."""
+        assert self.regression is not None
+        for step in self.regression.rank(self._snapshot_metric):
+            snapshot = self.ring.load(step)
+            if trainer.strategy.reduce_boolean_decision(snapshot is not None, all=True):
+                return snapshot
+        return None
+
+    def _handle_regression(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: float) -> None:
+        """Restore the best snapshot's weights and apply the policy (or stop past the retry cap)."""
+        assert self.regression is not None and self._health is not None
+        trigger, step = self.regression, trainer.global_step
+        why = trigger.describe(value)
+        incident: dict[str, Any] = {"step": step, "reason": "regression", "detected_at": step, "attempts": 0}
+        incident.update(monitor=trigger.monitor, value=value, best=trigger.best, best_step=trigger.best_step)
+        self.incidents.append(incident)
+        self._emit(trainer, EventKind.REGRESSION, step, details=why, **_public(incident))
+        snapshot = self._best_snapshot(trainer)
+        if snapshot is None or self.policy == "stop" or trigger.attempts >= self.max_retries:
+            self._stop(trainer, pl_module, incident, why, weights_from=snapshot)
+            return
+        trigger.attempts += 1
+        incident["attempts"] = trigger.attempts
+        snapshot.restore_weights(trainer, pl_module)
+        self._emit(trainer, EventKind.ROLLBACK, snapshot.step, to_step=snapshot.step, weights_only=True)
+        if self.policy == "lower_lr":
+            self._lr_scale *= self.lr_factor
+        self._apply_lr_scale(trainer, snapshot.lr_scale)
+        dropped = [snapshot.step, step]
+        self._emit(trainer, EventKind.POLICY, step, policy=self.policy, lr_scale=self._lr_scale, dropped_steps=dropped)
+        incident["outcome"] = Outcome.RECOVERED.value
+        # the older snapshots lead to the collapse (a NaN replay from them would redo it): start afresh here
+        trigger.bad_checks = 0
+        best = self._snapshot_metric.get(snapshot.step, trigger.best)
+        self.ring.clear()
+        self._snapshot_metric = {}
+        self._snapshot(trainer, pl_module, best)
 
     # ---------------------------------------------------------------- rollback and replay
     def _rolls_back(self, verdict: HealthVerdict) -> bool:
@@ -546,12 +630,23 @@ class NaNRollbackCallback(Callback):
             self._lr_scale *= self.lr_factor
             self._emit(trainer, EventKind.POLICY, verdict.bad_step, policy="lower_lr", lr_scale=self._lr_scale)
 
-    def _stop(self, trainer: pl.Trainer, pl_module: pl.LightningModule, incident: dict[str, Any], why: str) -> None:
-        """Stop training with finite weights: those of the newest snapshot every rank loads, else the
-        current ones when they are finite on every rank; raise when neither exists."""
+    def _stop(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        incident: dict[str, Any],
+        why: str,
+        weights_from: Snapshot | None = None,
+    ) -> None:
+        """Stop training with finite weights: those of ``weights_from`` (weights and optimizer only), else of
+        the newest snapshot every rank loads, else the current ones when they are finite on every rank;
+        raise when none exists."""
         stopped_at = max(trainer.global_step, int(incident.get("detected_at", trainer.global_step)))
-        snapshot = self._latest_snapshot(trainer)
-        if snapshot is not None:
+        snapshot = weights_from if weights_from is not None else self._latest_snapshot(trainer)
+        if weights_from is not None:
+            weights_from.restore_weights(trainer, pl_module)
+            weights = f"Weights restored to the snapshot of step {weights_from.step}"
+        elif snapshot is not None:
             self._restore(trainer, pl_module, snapshot)
             weights = f"Weights restored to the snapshot of step {snapshot.step}"
         else:
@@ -588,6 +683,7 @@ class NaNRollbackCallback(Callback):
             "incidents": copy.deepcopy(self.incidents),
             "stopped": self.stopped,
             "stop_report": copy.deepcopy(self.stop_report),
+            "regression": self.regression.state_dict() if self.regression is not None else None,
         }
 
     @override
@@ -602,6 +698,8 @@ class NaNRollbackCallback(Callback):
             self.resumed_stop_report = {"why": "unknown (a checkpoint without a stop report)"}
         self.stopped = False
         self.stop_report = None
+        if self.regression is not None and state_dict.get("regression") is not None:
+            self.regression.load_state_dict(state_dict["regression"])
 
 
 def _install_optimizer_step_skip(pl_module: pl.LightningModule, skips: Callable[[], bool]) -> None:

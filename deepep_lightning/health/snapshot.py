@@ -289,6 +289,15 @@ class Snapshot:
             automatic.load_state_dict(copy.deepcopy(self.progress["automatic"]))
             manual.load_state_dict(copy.deepcopy(self.progress["manual"]))
 
+    def restore_weights(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Put back the parameters, buffers and optimizer states only, in place; the RNG, the rollout
+        (data position), the LR schedulers and the loop counters stay where they are."""
+        self.wait()
+        _restore_module(pl_module, self.model)
+        for optimizer, saved in zip(trainer.optimizers, self.optimizers):
+            _restore_optimizer(optimizer, saved)
+            optimizer.zero_grad(set_to_none=True)
+
     def payload(self) -> dict[str, Any]:
         self.wait()
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
@@ -381,6 +390,7 @@ class SnapshotRing:
         self.directory = directory
         self.run_id = run_id
         self._items: list[Snapshot | tuple[int, str]] = []  # in memory, or (step, path) on disk
+        self.pinned: int | None = None  # a step kept beyond ``keep`` (the best snapshot by a monitored metric)
         if directory is not None:
             remove_dead_temporary_files(directory)
 
@@ -397,13 +407,40 @@ class SnapshotRing:
             snapshot.run_id = self.run_id
             save_snapshot_file(snapshot, path)
             self._items.append((snapshot.step, path))
-        while len(self._items) > self.keep:
-            old = self._items.pop(0)
-            if isinstance(old, tuple) and os.path.exists(old[1]):
-                os.remove(old[1])
+        while len(self._items) > self.keep + (self.pinned is not None and self.pinned in self.steps()):
+            index = next(i for i, step in enumerate(self.steps()) if step != self.pinned)
+            self._discard(self._items.pop(index))
+
+    @staticmethod
+    def _discard(item: Snapshot | tuple[int, str]) -> None:
+        if isinstance(item, tuple):
+            with contextlib.suppress(OSError):
+                os.remove(item[1])
+
+    def clear(self) -> None:
+        """Drop every snapshot (and delete the files)."""
+        for item in self._items:
+            self._discard(item)
+        self._items = []
+        self.pinned = None
 
     def steps(self) -> list[int]:
         return [item.step if isinstance(item, Snapshot) else item[0] for item in self._items]
+
+    def load(self, step: int, on_corrupt: Callable[[str, Exception], None] | None = None) -> Snapshot | None:
+        """The snapshot of ``step``, or None when there is none or its file is corrupt (then deleted and dropped)."""
+        for index, item in enumerate(self._items):
+            if isinstance(item, Snapshot) and item.step == step:
+                return item
+            if isinstance(item, tuple) and item[0] == step:
+                try:
+                    return load_snapshot_file(item[1], self.run_id)
+                except (CorruptSnapshotError, OSError, EOFError, RuntimeError) as error:
+                    if on_corrupt is not None:
+                        on_corrupt(item[1], error)
+                    self._discard(self._items.pop(index))
+                    return None
+        return None
 
     def latest(
         self, on_corrupt: Callable[[str, Exception], None] | None = None, before_step: int | None = None

@@ -61,8 +61,10 @@ class Report(pl.Callback):
             json.dump({"state": state, "events": events, "step": trainer.global_step, "rollback": rollback}, handle)
 
 
-def fit(out: Path, name: str, faults: list, max_steps: int = 10, module=ToyModule, **rollback_args) -> None:
-    health = NumericalHealthCallback(check_every_n_steps=2)
+def fit(
+    out: Path, name: str, faults: list, max_steps: int = 10, module=ToyModule, health_args=None, **rollback_args
+) -> None:
+    health = NumericalHealthCallback(**{"check_every_n_steps": 2, **(health_args or {})})
     rollback = NaNRollbackCallback(**{"snapshot_every_n_steps": 4, **rollback_args})
     extra = [make(rollback) if callable(make) and not isinstance(make, pl.Callback) else make for make in faults]
     callbacks = [*extra, health, rollback, Report(str(out / name), health, rollback)]
@@ -88,6 +90,21 @@ def main() -> None:
             [RankFault(0, steps=[9]), lambda rollback: TruncateNewestSnapshot(rollback, step=9)],
             keep_snapshots=3,
             snapshot_dir="snaps",
+        )
+    elif scenario == "regression":
+        # the metric collapses on rank 1 only (its weights are blown up): the averaged metric decides for both
+        from deepep_lightning.health import RegressionTrigger
+        from tests.health.test_regression import Collapse, ScoredModule
+
+        fit(
+            out,
+            "regression",
+            [Collapse(20, rank=1)],
+            max_steps=30,
+            module=ScoredModule,
+            health_args={"spike_detection": False},
+            policy="lower_lr",
+            regression=RegressionTrigger("train/score", mode="max", threshold=1.0, patience=2),
         )
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")

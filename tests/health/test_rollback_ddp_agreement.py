@@ -1,4 +1,4 @@
-"""Rollback decisions agreed by 2 gloo processes: skip on every rank, one fallback snapshot, no hang."""
+"""Rollback decisions agreed by 2 gloo processes: skip on every rank, one fallback snapshot, one regression rollback."""
 
 import json
 
@@ -39,3 +39,12 @@ def test_corrupt_newest_snapshot_on_one_rank_falls_back_on_all_ranks(tmp_path, f
         assert runs["corrupt"][rank]["state"] == runs["clean"][rank]["state"]  # recovered bitwise
     assert ("corrupt_snapshot", 10) in [tuple(e) for e in runs["corrupt"][1]["events"]]
     assert not any(kind == "corrupt_snapshot" for kind, _ in runs["corrupt"][0]["events"])
+
+
+def test_regression_on_one_rank_rolls_back_every_rank(tmp_path, fit_process):
+    """Rank 1's metric collapses alone: the metric averaged over ranks triggers the same rollback on both."""
+    ranks = _run(fit_process, tmp_path, "regression", ["regression"])["regression"]
+    for rank in ranks:
+        assert [tuple(e) for e in rank["events"]] == [("regression", 24), ("rollback", 20), ("policy", 24)]
+        assert rank["step"] == 30 and rank["rollback"]["lr_scale"] == 0.5
+    assert ranks[0]["state"] == ranks[1]["state"]  # rank 1's blown-up weights were replaced on both: in sync again

@@ -1,0 +1,147 @@
+"""Regression rollback: a collapse of a monitored metric restores the best snapshot and applies the policy."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from deepep_lightning import RegressionTrigger
+from deepep_lightning.health import NaNRollbackCallback, NumericalHealthCallback
+
+from .conftest import ToyModule, checkpoint_round_trip, fit
+
+MAX_STEPS = 40
+
+
+class ScoredModule(ToyModule):
+    """Logs ``train/score``: minus the loss on a fixed evaluation set (a pure function of the weights)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        generator = torch.Generator().manual_seed(5)
+        self.eval_x = torch.randn(64, 4, generator=generator)
+        self.eval_y = self.eval_x.sum(dim=1, keepdim=True)
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            was_training = self.training
+            self.eval()
+            score = -torch.nn.functional.mse_loss(self.inner(self.eval_x), self.eval_y)
+            self.train(was_training)
+        self.log("train/score", score)
+        return super().training_step(batch, batch_idx)
+
+
+class Collapse(pl.Callback):
+    """At step ``step``, saturates the tanh layer (x 1000: its gradients vanish) and blows up the output layer
+    (x 100): finite everywhere, and Adam's bounded steps need far longer than the run to undo it."""
+
+    def __init__(self, step: int, rank: int | None = None) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step and self.rank in (None, trainer.global_rank):
+            with torch.no_grad():
+                pl_module.inner[0].weight.mul_(1000.0)
+                pl_module.inner[3].weight.mul_(100.0)
+
+
+def _score(module):
+    with torch.no_grad():
+        return float(-torch.nn.functional.mse_loss(module.inner(module.eval_x), module.eval_y))
+
+
+def _run(tmp_path, trigger, policy="lower_lr", collapse=True, **kwargs):
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy=policy, regression=trigger, **kwargs)
+    callbacks = ([Collapse(20)] if collapse else []) + [health, rollback]
+    trainer, module = fit(tmp_path, callbacks, max_steps=MAX_STEPS, module=ScoredModule)
+    return trainer, module, health, rollback
+
+
+def _trigger():
+    return RegressionTrigger("train/score", mode="max", threshold=1.0, patience=2)
+
+
+def test_collapse_restores_the_best_snapshot_and_recovers(tmp_path):
+    _, clean, _, _ = _run(tmp_path / "clean", None, collapse=False)
+    _, collapsed, _, _ = _run(tmp_path / "collapsed", None)
+    assert _score(collapsed) < 100 * _score(clean)  # negative control: without the trigger it stays collapsed
+
+    trainer, module, health, rollback = _run(tmp_path / "rollback", _trigger())
+    kinds = [(e["kind"], e["step"]) for e in health.events.events]
+    assert [k for k, _ in kinds] == ["regression", "rollback", "policy"]
+    # two checks (patience=2, every 2 steps) after the collapse at step 20; the snapshot of step 20 is the best
+    assert kinds == [("regression", 24), ("rollback", 20), ("policy", 24)]
+    assert rollback.incidents[0]["best_step"] == 20 and rollback.incidents[0]["outcome"] == "recovered"
+    assert trainer.global_step == MAX_STEPS and rollback.state_dict()["lr_scale"] == 0.5
+    assert _score(module) > 2 * _score(clean)  # recovered: near the clean run (scores are negative)
+    assert _score(module) > 100 * _score(collapsed)
+
+
+def test_stop_policy_stops_at_the_best_weights(tmp_path):
+    with pytest.warns(UserWarning, match="stopped training: train/score="):
+        trainer, module, health, rollback = _run(tmp_path, _trigger(), policy="stop")
+    assert rollback.stopped and trainer.global_step == 24
+    assert rollback.stop_report["weights_at_step"] == 20 and [e["kind"] for e in health.events.events][-1] == "stopped"
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_retry_cap_stops_when_the_collapse_comes_back(tmp_path):
+    """The collapse comes back at every step from 20 on, so no new best is reached: max_retries rollbacks, a stop."""
+
+    class EveryRestore(Collapse):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step >= 20:
+                with torch.no_grad():
+                    pl_module.inner[0].weight.fill_(50.0)
+                    pl_module.inner[3].weight.fill_(50.0)
+
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", max_retries=1, regression=_trigger())
+    with pytest.warns(UserWarning, match="stopped training"):
+        fit(tmp_path, [EveryRestore(0), health, rollback], max_steps=MAX_STEPS, module=ScoredModule)
+    kinds = [e["kind"] for e in health.events.events]
+    assert kinds.count("regression") == 2 and kinds.count("rollback") == 1 and kinds[-1] == "stopped"
+
+
+def test_trigger_state_round_trips_through_the_checkpoint(tmp_path):
+    trainer, _, _, rollback = _run(tmp_path, _trigger())
+    twin = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", regression=_trigger())
+    saved = checkpoint_round_trip(tmp_path, trainer, rollback, twin)
+    assert saved["regression"]["best"] == rollback.regression.best and saved["regression"]["checks"] == 20
+    assert twin.regression.best_step == rollback.regression.best_step
+
+
+def test_trigger_rule():
+    trigger = RegressionTrigger("m", mode="min", threshold=0.5, threshold_mode="abs", patience=2, warmup_checks=1)
+    assert not trigger.update(100.0, 0)  # warm-up: not a best yet
+    assert [trigger.update(v, s) for s, v in enumerate([1.0, 1.4, 1.6, 1.2, 1.6, 1.7], start=1)] == [
+        False,  # best 1.0
+        False,  # within 0.5
+        False,  # past it, 1 of 2
+        False,  # back within: the count restarts
+        False,
+        True,  # 2 checks in a row past it
+    ]
+    assert trigger.best == 1.0 and trigger.best_step == 1
+    assert trigger.rank({4: 2.0, 8: 1.0, 12: float("nan"), 16: 1.0}) == [16, 8, 4]  # best first, newest on a tie
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"monitor": ""}, "monitor"),
+        ({"monitor": "m", "mode": "up"}, "mode"),
+        ({"monitor": "m", "threshold": float("inf")}, "threshold"),
+        ({"monitor": "m", "threshold": 0}, "threshold"),
+        ({"monitor": "m", "threshold_mode": "pct"}, "threshold_mode"),
+        ({"monitor": "m", "patience": 0}, "patience"),
+    ],
+)
+def test_bad_arguments(kwargs, name):
+    with pytest.raises(MisconfigurationException, match=f"RegressionTrigger\\({name}=") as info:
+        RegressionTrigger(**kwargs)
+    assert repr(kwargs[name]) in str(info.value)
+    with pytest.raises(MisconfigurationException, match="regression"):
+        NaNRollbackCallback(regression="train/score")
