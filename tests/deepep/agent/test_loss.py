@@ -115,3 +115,39 @@ def test_a_tensor_entropy_coefficient_equals_the_float():
     as_float = _loss(logits, q, actions, rewards, dones, bootstrap, entropy_coef=0.25)
     as_tensor = _loss(logits, q, actions, rewards, dones, bootstrap, entropy_coef=torch.tensor(0.25, dtype=q.dtype))
     assert torch.equal(as_float.loss, as_tensor.loss)
+
+
+def _policy_share_of_a_critic_burst(kl_coef, steps=50):
+    """Mean π(action 0) after ``steps`` Adam steps on a critic that prefers action 0 in every state.
+
+    The shape of the measured collapse: a critic shift gives one action a higher Q in all states at
+    once, and the all-action gradient moves the whole policy onto it within a few dozen steps.
+    """
+    import copy
+
+    from deepep_lightning.deepep.agent.targets import polyak_update_
+
+    torch.manual_seed(0)
+    policy = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+    target = copy.deepcopy(policy).requires_grad_(False)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=3e-3)
+    features = torch.randn(1, 256, 8)
+    q = torch.tensor([0.5, 0.0]).expand(1, 256, 2)
+    actions, rewards = torch.zeros(1, 256, dtype=torch.long), torch.zeros(1, 256)
+    dones, bootstrap = torch.zeros(1, 256, dtype=torch.bool), torch.zeros(256)
+    for _ in range(steps):
+        polyak_update_(list(target.parameters()), list(policy.parameters()), 0.05)
+        logits = policy(features)
+        terms = _loss(logits, q, actions, rewards, dones, bootstrap, value_coef=0.0,
+                      target_logits=target(features) if kl_coef else None, kl_coef=kl_coef)  # fmt: skip
+        optimizer.zero_grad()
+        terms.loss.backward()
+        optimizer.step()
+    with torch.no_grad():
+        return torch.softmax(policy(features), -1)[..., 0].mean().item()
+
+
+def test_kl_trust_region_slows_the_jump_onto_a_globally_preferred_action():
+    without = _policy_share_of_a_critic_burst(0.0)
+    assert without > 0.9  # negative control: unanchored, 50 steps put the policy on action 0 almost everywhere
+    assert _policy_share_of_a_critic_burst(1.0) < without - 0.1
