@@ -206,6 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     markdown = None
     try:
+        from deepep_lightning.audit.targets import DEEPEP_TARGET, audit_device, load_lightning_module_class
+
+        if args.device is not None:
+            audit_device(args.device)
+        if args.level == "l4":
+            load_lightning_module_class(args.target or DEEPEP_TARGET)
         if args.level == "l1":
             results, markdown = _l1(args)
         elif args.level in ("l2", "l3"):
@@ -228,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ]
     except (ValueError, TypeError, OSError) as error:
         print(f"deepep-audit: error: {error}", file=sys.stderr)
+        return EXIT_COULD_NOT_RUN
+    except Exception as error:  # the tool's own failure is "could not run" (2), never "divergent" (1)
+        print(f"deepep-audit: error: {type(error).__name__}: {error}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     report = AuditReport(results)
     if args.json_out:

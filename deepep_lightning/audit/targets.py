@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import move_data_to_device
 from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state
 from deepep_lightning.protocols import AuditLevel, SequenceAuditable, step_loss
 
-__all__ = ["DEEPEP_TARGET", "ModuleTarget", "load_class", "load_config"]
+__all__ = ["DEEPEP_TARGET", "ModuleTarget", "audit_device", "load_class", "load_config", "load_lightning_module_class"]
 
 #: The default target: the reference workload, by import string (the audit never imports it otherwise).
 DEEPEP_TARGET = "deepep_lightning.deepep.module:DeepEPModule"
@@ -60,6 +60,33 @@ def load_class(spec: str) -> type:
     if not hasattr(module, attribute):
         raise ValueError(f"`target` {spec!r}: module {module_name!r} has no attribute {attribute!r}")
     return getattr(module, attribute)
+
+
+def load_lightning_module_class(spec: str) -> type:
+    """:func:`load_class`, and the class must be a LightningModule (what every level steps)."""
+    import lightning.pytorch as pl
+
+    cls = load_class(spec)
+    if not (isinstance(cls, type) and issubclass(cls, pl.LightningModule)):
+        raise ValueError(f"`target` {spec!r} is not a LightningModule (it is {cls!r})")
+    return cls
+
+
+def audit_device(device: str | None) -> torch.device:
+    """``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (default: CUDA when available); anything else is refused clearly."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"`device` must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from error
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"`device` must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"`device` is {device!r} but CUDA is not available here; HINT: --device cpu")
+    if parsed.type == "cuda" and parsed.index is not None and parsed.index >= torch.cuda.device_count():
+        raise ValueError(f"`device` is {device!r} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return parsed
 
 
 def load_config(config: Any) -> dict[str, Any]:
@@ -127,12 +154,12 @@ class ModuleTarget:
         variant: str | None = None,
     ) -> None:
         self.spec = target or DEEPEP_TARGET
-        self.cls = load_class(self.spec)
+        self.cls = load_lightning_module_class(self.spec)
         self.config = load_config(config)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
         self.steps = steps
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = audit_device(device)
         # asked of the class, before any instance exists: a classmethod protocol
         self.sequence: type[SequenceAuditable] | None = self.cls if isinstance(self.cls, SequenceAuditable) else None
         variants = self.sequence.audit_variants() if self.sequence is not None else {}

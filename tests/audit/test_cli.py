@@ -107,3 +107,18 @@ def test_variant_flag_and_its_value_head_alias(capsys, flag):
     assert main([*args, flag, "unseeded"]) == 1  # negative control: the planted variant diverges
     assert main([*args, flag, "no_such_variant"]) == 2
     assert "'clean', 'unseeded'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["l2", "--target", "collections:OrderedDict", "--device", "cpu"], "is not a LightningModule"),
+        (["l4", "--target", "collections:OrderedDict", "--steps", "2"], "is not a LightningModule"),
+        (["l2", "--target", "_planted:CleanModule", "--device", "tpu"], "`device` must be 'cpu', 'cuda' or 'cuda:N'"),
+        (["l1", "--device", "tpu"], "got 'tpu'"),
+    ],
+)
+def test_own_errors_exit_2_with_a_clear_message(capsys, argv, message):
+    """The tool's own errors are "could not run" (2), never "divergent" (1)."""
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
