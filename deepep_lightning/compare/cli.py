@@ -78,24 +78,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> ExitCode:
-    """Console entry point ``deepep-compare``; returns the :class:`ExitCode` (0 identical, 1 diverged, 2 error)."""
+    """Console entry point ``deepep-compare``; returns the :class:`ExitCode` (0 identical, 1 diverged, 2 error).
+
+    Every failure of the tool itself (unreadable runs, an unwritable ``--json``/``--plot`` path, a
+    missing plotting library, an unexpected exception) is 2: 1 means only that the runs diverged.
+    """
     args = _parser().parse_args(argv)
     try:
         result = compare_runs(args.runs, rtol=args.rtol, tags=args.tags)
+        if args.json == "-":
+            print(json.dumps(result.to_dict(), indent=2))
+        else:
+            print(result.format_table())
+            if args.json:
+                with open(args.json, "w", encoding="utf-8") as handle:
+                    json.dump(result.to_dict(), handle, indent=2)
+        if args.plot:
+            drawn = plot_comparison(result, args.plot)
+            print(f"plot of {len(drawn)} tag(s) written to {args.plot}", file=sys.stderr)
+        if args.tb_layout:
+            layout_file = write_tensorboard_layout(result, args.tb_layout)
+            print(f"TensorBoard layout written to {layout_file}", file=sys.stderr)
     except (OSError, ValueError, EventFileError) as error:
         print(f"deepep-compare: error: {error}", file=sys.stderr)
         return ExitCode.ERROR
-    if args.json == "-":
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result.format_table())
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(result.to_dict(), handle, indent=2)
-    if args.plot:
-        drawn = plot_comparison(result, args.plot)
-        print(f"plot of {len(drawn)} tag(s) written to {args.plot}", file=sys.stderr)
-    if args.tb_layout:
-        layout_file = write_tensorboard_layout(result, args.tb_layout)
-        print(f"TensorBoard layout written to {layout_file}", file=sys.stderr)
+    except Exception as error:  # the tool's own failure, never "diverged"
+        print(f"deepep-compare: error: {type(error).__name__}: {error}", file=sys.stderr)
+        return ExitCode.ERROR
     return ExitCode.IDENTICAL if result.identical else ExitCode.DIVERGED

@@ -325,3 +325,21 @@ def test_two_seeded_train_py_runs_are_identical(tmp_path):
     assert report["identical"] is True
     loss = report["comparisons"][0]["tags"]["train/loss"]  # the curves were really there
     assert loss["steps_reference"] == steps and loss["common_steps"] == steps
+
+
+def test_the_tools_own_output_errors_exit_2_not_diverged(reference, tmp_path, capsys, monkeypatch):
+    """1 means the runs diverged; an unwritable --json path or a failing plot is the tool's error (2)."""
+    from deepep_lightning.compare import cli
+
+    blocked = tmp_path / "file"
+    blocked.write_text("x")
+    assert main([str(reference), str(reference), "--json", str(blocked / "out.json")]) == 2
+    assert "deepep-compare: error" in capsys.readouterr().err
+
+    def broken_plot(result, path):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(cli, "plot_comparison", broken_plot)
+    assert main([str(reference), str(reference), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "ImportError" in capsys.readouterr().err
+    assert main([str(reference), str(reference)]) == 0  # negative control: the same runs, no output, exit 0
