@@ -79,7 +79,21 @@ class HealthEventLog:
         self._counts: dict[str, int] = {}
 
     def attach(self, trainer: pl.Trainer) -> None:
-        self.path = os.path.join(run_log_dir(trainer), self.filename)
+        """Pick this run's file: ``<log_dir>/<filename>``, or ``<stem>.<n><suffix>`` when another run wrote that one.
+
+        Called again by the same log (a second ``fit`` of the same callbacks), it keeps its file.
+        """
+        directory = run_log_dir(trainer)
+        if self.path is not None and os.path.dirname(self.path) == directory:
+            return
+        stem, suffix = os.path.splitext(self.filename)
+        path, index = os.path.join(directory, self.filename), 0
+        while os.path.exists(path):
+            index += 1
+            path = os.path.join(directory, f"{stem}.{index}{suffix}")
+        if index:
+            log.info("health events of this run go to %s (%s belongs to another run)", path, self.filename)
+        self.path = path
 
     def emit(self, trainer: pl.Trainer | None, kind: EventKind, step: int, **fields: Any) -> dict[str, Any]:
         """Record one event of ``kind`` at ``step``; enum values are written as their strings."""

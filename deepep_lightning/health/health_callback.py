@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 #: What a failed check does without a rollback: raise :class:`NonFiniteError`, warn, or stop cleanly.
 Action = Literal["raise", "warn", "stop"]
 _ACTIONS: tuple[str, ...] = get_args(Action)
+
+#: The largest ``check_every_n_steps``: the device table holds a row per step between two checks.
+MAX_CHECK_EVERY_N_STEPS = 10_000
 
 
 class NonFiniteError(RuntimeError):
@@ -83,7 +88,7 @@ class NumericalHealthCallback(Callback):
     and :meth:`resume_checks_at` after it restored and replayed steps.
 
     Args:
-        check_every_n_steps: steps between host reads; 1 detects on the very step.
+        check_every_n_steps: steps between host reads; 1 detects on the very step (at most 10,000).
         check_loss / check_gradients: which per-step checks to run. Gradient checks are
             skipped under a ``GradScaler`` (it skips overflowing steps itself).
         on_nonfinite: ``"raise"`` (:class:`NonFiniteError`), ``"warn"`` or ``"stop"`` (clean stop).
@@ -93,7 +98,9 @@ class NumericalHealthCallback(Callback):
         spike_detection: run the loss spike detector (see :class:`LossSpikeDetector`).
         spike_window / spike_z_threshold / spike_warmup / spike_persistence: its settings.
         on_spike: action without rollback: ``"warn"``, ``"raise"`` or ``"stop"``.
-        events_filename: JSON-lines event log in the run's log directory.
+        events_filename: JSON-lines event log in the run's log directory (a file name); when a file of
+            that name is already there (another run sharing the directory), the next free
+            ``<stem>.<n>.jsonl`` is used instead of appending to it.
 
     Raises:
         MisconfigurationException: an argument is invalid.
@@ -120,21 +127,31 @@ class NumericalHealthCallback(Callback):
         on_spike: Action = "warn",
         events_filename: str = DEFAULT_EVENTS_FILENAME,
     ) -> None:
-        self.check_every_n_steps: int = _checks.int_at_least(None, "check_every_n_steps", check_every_n_steps, 1)
+        # the flags table holds one row per step between checks: a bound keeps setup from allocating gigabytes
+        self.check_every_n_steps: int = _checks.int_in_range(
+            None, "check_every_n_steps", check_every_n_steps, 1, MAX_CHECK_EVERY_N_STEPS
+        )
         self.on_nonfinite: Action = _checks.choice(None, "on_nonfinite", on_nonfinite, _ACTIONS)
         self.on_large_param: Action = _checks.choice(None, "on_large_param", on_large_param, _ACTIONS)
         self.on_spike: Action = _checks.choice(None, "on_spike", on_spike, _ACTIONS)
         self.param_max_abs: float | None = _checks.number(
-            None, "param_max_abs", param_max_abs, minimum=0, exclusive_minimum=True, allow_none=True
+            None, "param_max_abs", param_max_abs, minimum=0, exclusive_minimum=True, finite=True, allow_none=True
         )
-        self.check_loss = bool(check_loss)
-        self.check_gradients = bool(check_gradients)
-        self.log_norms = bool(log_norms)
+        self.check_loss = _checks.strict_bool(None, "check_loss", check_loss)
+        self.check_gradients = _checks.strict_bool(None, "check_gradients", check_gradients)
+        self.log_norms = _checks.strict_bool(None, "log_norms", log_norms)
+        _checks.strict_bool(None, "spike_detection", spike_detection)
         self.spike_detector = (
             LossSpikeDetector(spike_window, spike_z_threshold, spike_warmup, spike_persistence)
             if spike_detection
             else None
         )
+        _checks.non_empty_str(None, "events_filename", events_filename)
+        if os.path.basename(events_filename) != events_filename or events_filename in (".", ".."):
+            raise MisconfigurationException(
+                f"`events_filename` must be a file name without a directory, got {events_filename!r} "
+                "(HINT: the event log is written in the run's log directory)"
+            )
         self.events = HealthEventLog(events_filename)
         self.flags: StepFlags | None = None
         self.last_verdict: HealthVerdict | None = None
@@ -168,6 +185,20 @@ class NumericalHealthCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.flags = StepFlags(self.check_every_n_steps, pl_module.device)
         self.events.attach(trainer)
+        if trainer.is_global_zero:
+            assert self.events.path is not None
+            directory = os.path.dirname(self.events.path) or "."
+            try:
+                os.makedirs(directory, exist_ok=True)
+                writable = os.access(directory, os.W_OK | os.X_OK)
+            except OSError:
+                writable = False
+            if not writable:
+                raise MisconfigurationException(
+                    f"`NumericalHealthCallback(events_filename={self.events.filename!r})` is written in the run's "
+                    f"log directory {directory!r}, which is not writable. HINT: `Trainer(default_root_dir=...)` "
+                    "or a logger with a writable `save_dir`."
+                )
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self._grad_checks_enabled = self.check_gradients and scaler is None
 

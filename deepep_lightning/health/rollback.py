@@ -111,7 +111,7 @@ class NaNRollbackCallback(Callback):
 
     Args:
         snapshot_every_n_steps: minimum steps between snapshots (taken only at healthy checks).
-        keep_snapshots: size of the ring; older ones are the fallback if a newer file is corrupt.
+        keep_snapshots: size of the ring (at most 1000); older ones are the fallback if a newer file is corrupt.
         snapshot_dir: write snapshots there (atomic, checksummed files) instead of host memory;
             a relative path is inside the run's log directory.
         policy: ``"skip"``, ``"lower_lr"`` or ``"stop"`` for reproducible failures.
@@ -155,7 +155,8 @@ class NaNRollbackCallback(Callback):
         self.snapshot_every_n_steps: int = _checks.int_at_least(
             None, "snapshot_every_n_steps", snapshot_every_n_steps, 1
         )
-        self.keep_snapshots: int = _checks.int_at_least(None, "keep_snapshots", keep_snapshots, 1)
+        # each snapshot is a full copy of model and optimizer state (host memory or disk)
+        self.keep_snapshots: int = _checks.int_in_range(None, "keep_snapshots", keep_snapshots, 1, 1000)
         self.policy: Policy = _checks.choice(None, "policy", policy, _POLICIES)
         self.skip_batches: int = _checks.int_at_least(None, "skip_batches", skip_batches, 1)
         _checks.number(
@@ -167,8 +168,8 @@ class NaNRollbackCallback(Callback):
         writable = isinstance(snapshot_dir, (str, os.PathLike)) and os.path.isabs(os.fspath(snapshot_dir))
         directory = _checks.path(None, "snapshot_dir", snapshot_dir, writable_parent=writable, allow_none=True)
         self.snapshot_dir = None if directory is None else os.fspath(directory)
-        self.locate = bool(locate)
-        self.rollback_on_spike = bool(rollback_on_spike)
+        self.locate = _checks.strict_bool(None, "locate", locate)
+        self.rollback_on_spike = _checks.strict_bool(None, "rollback_on_spike", rollback_on_spike)
         if regression is not None and not isinstance(regression, RegressionTrigger):
             raise MisconfigurationException(
                 f"`NaNRollbackCallback(regression=...)` must be a RegressionTrigger or None, got {regression!r}."

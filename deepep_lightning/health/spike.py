@@ -42,8 +42,8 @@ class LossSpikeDetector:
         self, window: int = 100, z_threshold: float = 6.0, warmup: int | None = None, persistence: int = 1
     ) -> None:
         # named as NumericalHealthCallback's arguments, which pass straight through
-        self.window: int = _checks.int_at_least(None, "spike_window", window, 2)
-        _checks.number(None, "spike_z_threshold", z_threshold, minimum=0, exclusive_minimum=True)
+        self.window: int = _checks.int_in_range(None, "spike_window", window, 2, 100_000)
+        _checks.number(None, "spike_z_threshold", z_threshold, minimum=0, exclusive_minimum=True, finite=True)
         self.z_threshold = float(z_threshold)
         warmup = _checks.int_at_least(None, "spike_warmup", warmup, 2, allow_none=True)
         self.warmup: int = window if warmup is None else warmup

@@ -142,6 +142,17 @@ def test_state_dict_round_trip(tmp_path):
         ({"param_max_abs": -1.0}, "param_max_abs"),
         ({"on_large_param": "boom"}, "on_large_param"),
         ({"spike_window": 1}, "spike_window"),
+        ({"check_every_n_steps": 10**6}, "check_every_n_steps"),  # would allocate a row per step at setup
+        ({"check_loss": "false"}, "check_loss"),  # a truthy string must not pass as a switch
+        ({"check_gradients": 0}, "check_gradients"),
+        ({"log_norms": "yes"}, "log_norms"),
+        ({"spike_detection": "false"}, "spike_detection"),
+        ({"param_max_abs": float("inf")}, "param_max_abs"),
+        ({"spike_z_threshold": float("inf")}, "spike_z_threshold"),
+        ({"spike_window": 10**9}, "spike_window"),
+        ({"events_filename": ""}, "events_filename"),
+        ({"events_filename": "logs/events.jsonl"}, "events_filename"),
+        ({"events_filename": 3}, "events_filename"),
     ],
 )
 def test_bad_arguments_name_argument_and_value(kwargs, name):
@@ -176,3 +187,26 @@ def test_rollback_contract_hands_failed_checks_over_and_back(tmp_path):
         fit(tmp_path / "detached", [FaultInjectionCallback("loss", steps=[3]), health], max_steps=6)
     health.resume_checks_at(20)
     assert health.state_dict()["next_unchecked"] == 20
+
+
+def test_valid_edges_are_accepted():
+    """Negative control for the bounds: the largest window and plain bools pass."""
+    health = NumericalHealthCallback(check_every_n_steps=10_000, check_loss=False, events_filename="run.jsonl")
+    assert health.check_every_n_steps == 10_000 and health.check_loss is False
+
+
+def test_unwritable_log_directory_is_named_at_setup(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")  # a directory below a file cannot exist, even for root
+    with pytest.raises(MisconfigurationException, match="events_filename='health_events.jsonl'.*not writable"):
+        fit(blocker / "run", [NumericalHealthCallback()], max_steps=2)
+
+
+def test_runs_sharing_a_log_dir_write_separate_event_logs(tmp_path):
+    for _ in range(2):
+        health = NumericalHealthCallback(check_every_n_steps=1, on_nonfinite="warn")
+        with pytest.warns(UserWarning, match="at step"):
+            fit(tmp_path, [FaultInjectionCallback("loss", steps=[3]), health], max_steps=5)
+    first = (tmp_path / "health_events.jsonl").read_text().splitlines()
+    second = (tmp_path / "health_events.1.jsonl").read_text().splitlines()
+    assert len(first) == len(second) >= 1  # the same events each: none appended to the other run's log

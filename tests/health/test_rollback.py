@@ -154,6 +154,11 @@ def test_needs_health_callback(tmp_path):
         ({"lr_factor": 0}, "lr_factor"),
         ({"max_retries": -1}, "max_retries"),
         ({"snapshot_dir": 3}, "snapshot_dir"),
+        ({"locate": "false"}, "locate"),
+        ({"rollback_on_spike": 1}, "rollback_on_spike"),
+        ({"keep_snapshots": 10**6}, "keep_snapshots"),
+        ({"max_skipped_steps": 0}, "max_skipped_steps"),
+        ({"lr_factor": float("nan")}, "lr_factor"),
     ],
 )
 def test_bad_arguments_name_argument_and_value(kwargs, name):
@@ -401,3 +406,18 @@ def test_persistent_parameter_inf_from_the_update_is_reproducible_and_named(tmp_
     assert diagnosis["phase"] == "optimizer" and diagnosis["optimizer"] == "BlowUpAdam (optimizer 0)"
     assert diagnosis["parameter"] == "inner.3.weight" and "parameter: inner.3.weight" in diagnosis["report"]
     assert rollback.stop_report["weights_at_step"] == 4 and all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_unwritable_snapshot_dir_is_named(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(
+        MisconfigurationException, match="`snapshot_dir` must be a path in a writable directory"
+    ) as info:
+        NaNRollbackCallback(snapshot_dir=str(blocker / "snaps"))  # absolute: checked at construction
+    assert "a_file" in str(info.value)
+    rollback = NaNRollbackCallback(snapshot_dir="snaps")  # relative: inside the log directory, checked at setup
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "snaps").write_text("x")  # the log directory is writable, the snapshot directory is not
+    with pytest.raises(MisconfigurationException, match="snapshot_dir='snaps'.*must be a writable directory"):
+        fit(tmp_path / "run", [NumericalHealthCallback(), rollback], max_steps=2)
