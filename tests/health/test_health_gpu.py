@@ -274,3 +274,63 @@ def test_graph_refuses_to_replay_after_a_restore_that_is_not_in_place(tmp_path, 
     ]
     with pytest.raises(RuntimeError, match="replaced since the capture"):
         _gpu_fit(tmp_path, callbacks, 12, module=_graph_module)
+
+
+# ---------------------------------------------------------------- skip and regression on the graph path
+class _DisarmBeforeChecks(pl.Callback):
+    """First in the callback list: disarms the sync debug mode before a check's batch-end (a check reads, by design)."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step % self.every == 0:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+class _Weights(pl.Callback):
+    def __init__(self):
+        self.after = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]  # device copies
+
+
+def test_graph_skipped_steps_drop_their_update_without_a_host_sync(tmp_path):
+    """The skip keeps the step's outputs (never None) and undoes its update with device copies only."""
+    health = NumericalHealthCallback(check_every_n_steps=4, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=1000, policy="skip")
+    rollback.load_state_dict({"skip_steps": [5, 6]})
+    weights, recorder = _Weights(), Recorder()
+    callbacks = [_DisarmBeforeChecks(4), _Arm(), health, rollback, weights, recorder, _Disarm()]
+    try:
+        trainer, module = _gpu_fit(tmp_path, callbacks, 10, module=_graph_module)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert trainer.global_step == 10 and module._graphed.captures == 1 and recorder.first == recorder.last
+    assert all(torch.equal(a, b) for a, b in zip(weights.after[7], weights.after[5]))  # steps 5, 6 dropped
+    assert not all(torch.equal(a, b) for a, b in zip(weights.after[8], weights.after[7]))  # step 7 updates
+    assert "loss" in recorder.outputs[5] and health.events.events == []  # a skipped step is no new failure
+
+
+def test_graph_regression_trigger_reads_only_at_checks_and_restores_in_place(tmp_path):
+    """The entropy collapse of test_regression on the graph path: rolled back in place, one capture, no sync."""
+    from .test_regression import deepep_regression_run, entropy_trigger
+
+    trainer, module, health = deepep_regression_run(tmp_path, entropy_trigger(), accelerator="gpu", cuda_graph=True)
+    assert [e["kind"] for e in health.events.events] == ["regression", "rollback", "policy"]
+    assert module._graphed.captures == 1  # weights restored in place: the graph kept its pointers
+    assert float(trainer.callback_metrics["train/entropy"]) > 0.6
+
+
+def test_graph_regression_trigger_adds_no_sync_between_checks(tmp_path):
+    from .test_regression import entropy_trigger
+
+    health = NumericalHealthCallback(check_every_n_steps=4, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, regression=entropy_trigger())
+    callbacks = [_DisarmBeforeChecks(4), _Arm(), health, rollback, _Disarm()]
+    try:
+        trainer, _ = _gpu_fit(tmp_path, callbacks, 12, module=_graph_module)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert trainer.global_step == 12 and rollback.regression.checks == 3  # read at the three checks only

@@ -145,3 +145,47 @@ def test_bad_arguments(kwargs, name):
     assert repr(kwargs[name]) in str(info.value)
     with pytest.raises(MisconfigurationException, match="regression"):
         NaNRollbackCallback(regression="train/score")
+
+
+class SharpenPolicy(pl.Callback):
+    """At step ``step``, scales DeepEP's policy logits x 100 in place: a near-deterministic policy (entropy ~0.1,
+    a collapse of exploration) that training does not undo on its own."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == self.step:
+            with torch.no_grad():
+                pl_module.agent.policy_net[2].weight.mul_(100.0)
+                pl_module.agent.policy_net[2].bias.mul_(100.0)
+
+
+def deepep_regression_run(tmp_path, trigger, accelerator="cpu", **module_args):
+    """DeepEP with the entropy collapse at step 10; returns the trainer, the module and the health callback."""
+    from deepep_lightning.deepep import DeepEPModule
+
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", regression=trigger)
+    args = {"num_envs": 16, "rollout_length": 16, "hidden_size": 32, "steps_per_epoch": 40, "fused_value_head": False}
+    trainer, module = fit(
+        tmp_path,
+        [SharpenPolicy(10), health, rollback],
+        max_steps=30,
+        module=lambda: DeepEPModule(**{**args, **module_args}),
+        accelerator=accelerator,
+    )
+    return trainer, module, health
+
+
+def entropy_trigger():
+    return RegressionTrigger("train/entropy", mode="max", threshold=0.5, patience=2)
+
+
+def test_deepep_entropy_collapse_is_rolled_back(tmp_path):
+    trainer, _, health = deepep_regression_run(tmp_path / "off", None)
+    assert float(trainer.callback_metrics["train/entropy"]) < 0.3  # negative control: it stays collapsed
+    trainer, _, health = deepep_regression_run(tmp_path / "on", entropy_trigger())
+    kinds = [e["kind"] for e in health.events.events]
+    assert kinds == ["regression", "rollback", "policy"] and health.events.events[0]["step"] == 14
+    assert float(trainer.callback_metrics["train/entropy"]) > 0.6  # exploring again (log 2 = 0.69)
