@@ -1,8 +1,7 @@
 """One composable wrapper around ``LightningModule.training_step`` for the health callbacks.
 
 Fault injection must reach into a step (poison the batch, a parameter or the
-loss) and rollback must skip steps (return ``None``: Lightning then runs no
-backward and the optimizer sees no gradients). Both must also fire when a step
+loss) and rollback must skip steps (run the step, drop its update). Both must also fire when a step
 is *replayed*, which no Lightning hook surrounding the batch does. So the
 callbacks register hooks here; the wrapper is an instance attribute installed
 once per module and removed when the last hook is gone.
@@ -13,6 +12,9 @@ optimizer step being computed). Hooks run in the order they were added, except
 ``innermost`` ones, which wrap the step most tightly: their pre-hooks run after all
 others and their post-hooks before all others (rollback's skip must save the state
 the step really starts from, after a fault was planted in it).
+
+A skipped step still returns its output (Lightning refuses ``None`` under DDP); its update is
+dropped by :func:`install_optimizer_step_skip`, a wrapper of the module's ``optimizer_step`` hook.
 """
 
 from __future__ import annotations
@@ -92,3 +94,29 @@ def remove_step_hook(module: pl.LightningModule, name: str) -> None:
     if not hooks.pre and not hooks.post:
         del module.__dict__[_ATTR]
         module.__dict__.pop("training_step", None)
+
+
+def install_optimizer_step_skip(pl_module: pl.LightningModule, skips: Callable[[], bool]) -> None:
+    """Wrap the module's ``optimizer_step`` hook: on a skipped step, run the closure (training step and
+    backward, so every DDP rank runs the same all-reduces) but not the optimizer, and drop the gradients.
+
+    Lightning counts the step either way (its progress counters advance around the hook), so the
+    data position and ``global_step`` move on as for a taken step. ``on_before_optimizer_step`` and
+    gradient clipping run inside the optimizer's step and so are skipped with it.
+    """
+    original = type(pl_module).optimizer_step.__get__(pl_module)
+
+    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if not skips():
+            original(epoch, batch_idx, optimizer, optimizer_closure)
+            return
+        if optimizer_closure is not None:
+            optimizer_closure()
+        optimizer.zero_grad(set_to_none=True)
+
+    pl_module.__dict__["optimizer_step"] = optimizer_step
+
+
+def remove_optimizer_step_skip(module: pl.LightningModule) -> None:
+    """Undo :func:`install_optimizer_step_skip`."""
+    module.__dict__.pop("optimizer_step", None)

@@ -8,7 +8,6 @@ import logging
 import os
 import uuid
 import warnings
-from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
@@ -25,7 +24,12 @@ from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite, loca
 from deepep_lightning.health import _replay, _step_hooks
 from deepep_lightning.health._collectives import min_max_over_ranks
 from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
-from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
+from deepep_lightning.health._step_hooks import (
+    add_step_hook,
+    install_optimizer_step_skip,
+    remove_optimizer_step_skip,
+    remove_step_hook,
+)
 from deepep_lightning.health.events import EventKind, run_log_dir
 from deepep_lightning.health.flags import HealthReason
 from deepep_lightning.health.health_callback import HealthVerdict, NumericalHealthCallback
@@ -236,12 +240,12 @@ class NaNRollbackCallback(Callback):
             post=self._skip_hook,
             pre=lambda step, batch: self._before_step(trainer, pl_module, step, batch),
         )
-        _install_optimizer_step_skip(pl_module, lambda: self.skips(trainer.global_step))
+        install_optimizer_step_skip(pl_module, lambda: self.skips(trainer.global_step))
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         remove_step_hook(pl_module, "rollback")
-        pl_module.__dict__.pop("optimizer_step", None)
+        remove_optimizer_step_skip(pl_module)
         self._undo = None
         if self._health is not None:
             self._health.detach_rollback()
@@ -701,27 +705,6 @@ class NaNRollbackCallback(Callback):
         self.stop_report = None
         if self.regression is not None and state_dict.get("regression") is not None:
             self.regression.load_state_dict(state_dict["regression"])
-
-
-def _install_optimizer_step_skip(pl_module: pl.LightningModule, skips: Callable[[], bool]) -> None:
-    """Wrap the module's ``optimizer_step`` hook: on a skipped step, run the closure (training step and
-    backward, so every DDP rank runs the same all-reduces) but not the optimizer, and drop the gradients.
-
-    Lightning counts the step either way (its progress counters advance around the hook), so the
-    data position and ``global_step`` move on as for a taken step. ``on_before_optimizer_step`` and
-    gradient clipping run inside the optimizer's step and so are skipped with it.
-    """
-    original = type(pl_module).optimizer_step.__get__(pl_module)
-
-    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        if not skips():
-            original(epoch, batch_idx, optimizer, optimizer_closure)
-            return
-        if optimizer_closure is not None:
-            optimizer_closure()
-        optimizer.zero_grad(set_to_none=True)
-
-    pl_module.__dict__["optimizer_step"] = optimizer_step
 
 
 def _public(incident: dict[str, Any]) -> dict[str, Any]:
