@@ -85,17 +85,23 @@ class NaNRollbackCallback(Callback):
        for bit those of a run that never had the fault (same steps, same batches, same RNG);
     3. the same failure again ⇒ *reproducible numerical bug*: the non-finite locator replays
        the bad step under a dispatch mode and names the op; then ``policy`` is applied —
-       ``"skip"`` the ``skip_batches`` batches from the bad one (their update is dropped, their
-       data position still advances), ``"lower_lr"`` multiplies every LR by ``lr_factor``, or
+       ``"skip"`` the ``skip_batches`` batches from the bad one (the step runs on every rank and
+       returns its loss, but its optimizer step is not taken; the data position advances; at most
+       ``max_skipped_steps`` in a run), ``"lower_lr"`` multiplies every LR by ``lr_factor``, or
        ``"stop"`` — and the replay is retried, at most ``max_retries`` times, from a snapshot
        strictly older than the bad step, one snapshot further back per retry (the bad step's
        loss is a function of the state before it, so only an earlier restart can change it:
        the PaLM recipe; ``keep_snapshots`` bounds how far back);
-    4. when giving up, the model is left at the last healthy snapshot (never NaN), a report is
-       logged, and the trainer stops cleanly (``trainer.should_stop``; no later step updates).
+    4. when giving up, the model is left at the last healthy snapshot (never NaN; with no usable
+       snapshot, the current weights if finite, else :class:`RuntimeError`), a report is logged
+       and checkpointed (``stop_report``), and the trainer stops cleanly (``trainer.should_stop``).
+       A checkpoint written after the stop resumes training from those weights, with a warning
+       naming the stop.
 
     Every event goes to the health event log (JSON lines in the run's log directory, and
-    TensorBoard). Decisions are rank-consistent under DDP (the health verdict is agreed).
+    TensorBoard). Decisions are rank-consistent under DDP: the health verdict is agreed, the
+    snapshot restored is the newest one that every rank can load, a skipped step is skipped on
+    every rank, and a monitored metric is averaged over ranks.
 
     Guarantee scope: bitwise replay needs deterministic kernels (see ``DESIGN.md``) and
     ``accumulate_grad_batches=1``; batches are copied at ``on_train_batch_start`` (host memory
