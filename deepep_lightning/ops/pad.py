@@ -1,10 +1,11 @@
 """Deterministic backward of reflection and replication padding (1-D, 2-D, 3-D) routed at the dispatcher.
 
-PyTorch's CUDA ``reflection_pad{1,2,3}d_backward`` and ``replication_pad{1,2,3}d_backward`` add the
+PyTorch's CUDA ``reflection_pad{1,3}d_backward`` and ``replication_pad{1,2,3}d_backward`` add the
 padded border into the input gradient with float ``atomicAdd`` and are refused under
 ``torch.use_deterministic_algorithms(True)``. ``F.pad(mode="reflect"/"replicate")`` reaches
-``reflection_pad3d`` on CUDA in deterministic mode (for some ranks PyTorch itself switches to a
-decomposition there); direct callers of the aten ops reach every one of them.
+``reflection_pad1d/3d`` on CUDA in deterministic mode (for replicate PyTorch itself switches to a
+decomposition there); direct callers of the aten ops reach every one of them. ``reflection_pad2d_backward``
+is not routed: PyTorch's CUDA kernel switches to a gather of its own in deterministic mode.
 
 * covered: ``self`` of rank ``len(padding) / 2 + 1`` or ``+ 2``, float16/bfloat16/float32/float64, any
   strides (channels-last in gives channels-last out), empty batches, non-negative padding (below the input
@@ -79,14 +80,17 @@ def _register_fake() -> None:
 
 
 on_extension_loaded(_register_fake)
+#: Spatial ranks whose reflection backward PyTorch refuses in deterministic mode (2-D has its own gather).
+_ROUTED_REFLECTION_RANKS = (1, 3)
 for _spatial in (1, 2, 3):
-    register_route(
-        Route(
-            f"reflection_pad{_spatial}d_backward",
-            _reflection,
-            partial(pad_backward_unsupported_reason, reflect=True, spatial=_spatial),
+    if _spatial in _ROUTED_REFLECTION_RANKS:
+        register_route(
+            Route(
+                f"reflection_pad{_spatial}d_backward",
+                _reflection,
+                partial(pad_backward_unsupported_reason, reflect=True, spatial=_spatial),
+            )
         )
-    )
     register_route(
         Route(
             f"replication_pad{_spatial}d_backward",

@@ -60,11 +60,6 @@ CASES = {
     ),
     "avg_pool3d_divisor": ((2, 4, 8, 8, 8), lambda x: (F.avg_pool3d(x, 3, 1, divisor_override=5) ** 2).sum(), True),
     "reflection_pad3d": ((2, 4, 6, 7, 8), lambda x: (F.pad(x, (2, 3, 1, 2, 3, 1), mode="reflect") ** 2).sum(), True),
-    "reflection_pad2d_aten": (
-        (2, 4, 7, 8),
-        lambda x: (torch._C._nn.reflection_pad2d(x, (3, 2, 1, 4)) ** 2).sum(),
-        True,
-    ),
     "reflection_pad1d_aten": ((2, 4, 9), lambda x: (torch._C._nn.reflection_pad1d(x, (4, 3)) ** 2).sum(), True),
     "replication_pad3d_aten": (
         (2, 4, 6, 7, 8),
@@ -169,8 +164,27 @@ def test_empty_batch_backwards(deterministic_routing):
 
 def test_uncovered_case_keeps_pytorchs_error(deterministic_routing):
     x = _inputs((1, 2, 6, 6, 6), torch.float32)
-    with pytest.raises(RuntimeError, match="deterministic"):
-        _grad(lambda t: F.max_pool3d(t, 3, stride=2).sum(), x)  # not this area's op: PyTorch's refusal
+    _grad(lambda t: torch._C._nn.reflection_pad3d(t, (1, 2, 1, 1, 1, 1)).square().sum(), x)  # covered: routed
+    with pytest.raises(RuntimeError, match="reflection_pad3d_backward.*deterministic"):
+        # negative padding (cropping) is left to PyTorch's kernel, which refuses deterministic mode
+        _grad(lambda t: torch._C._nn.reflection_pad3d(t, (-1, 2, 1, 1, 1, 1)).square().sum(), x)
+
+
+def test_reflection_pad2d_backward_is_left_to_pytorchs_deterministic_kernel(cuda_kernels):
+    from deepep_lightning.ops import patch_refused_ops, routed_aten_ops
+
+    assert "reflection_pad2d_backward" not in routed_aten_ops()
+    assert "reflection_pad3d_backward" in routed_aten_ops()
+    patch_refused_ops(False)
+    torch.use_deterministic_algorithms(True)
+    x = _inputs((2, 4, 7, 8), torch.float32)
+    loss_fn = lambda t: (torch._C._nn.reflection_pad2d(t, (3, 2, 1, 4)) ** 2).sum()  # noqa: E731
+    _, first = _grad(loss_fn, x)  # PyTorch's own gather: no refusal
+    for _ in range(5):
+        assert torch.equal(_grad(loss_fn, x)[1], first)
+    torch.use_deterministic_algorithms(False)
+    _, want = _grad(loss_fn, x.detach().double().requires_grad_())
+    torch.testing.assert_close(first.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("case", ["nll_loss2d_sum_weight", "adaptive_avg_pool2d", "avg_pool3d", "reflection_pad3d"])
