@@ -11,7 +11,9 @@ gradient in one order (bitwise reproducible, and a sample's result does not depe
 ``max_unpool2d`` / ``max_unpool3d`` forwards (PyTorch: ``max_unpooling2d_forward_out does not have a
 deterministic implementation``) are scatters that overwrite: with duplicate indices the entry with the
 largest position wins, as in PyTorch's CPU loop, found with an integer ``scatter_reduce("amax")``
-(order-free) and a gather.
+(order-free) and a gather. ``torch.compile`` does not reach that route: it traces ``max_unpool`` with
+PyTorch's Python decomposition (an ``index_put``), which raises PyTorch's deterministic-mode error at
+trace time; eager calls, TorchScript and CUDA graphs are routed.
 
 Routed at the dispatcher's CUDA key (:mod:`deepep_lightning.ops._routes`) in deterministic mode:
 ``adaptive_max_pool2d_backward``, ``adaptive_max_pool3d_backward``, ``max_pool3d_with_indices_backward``,
@@ -87,7 +89,7 @@ def argmax_scatter_backward(grad_output: Tensor, input: Tensor, indices: Tensor,
     planes = math.prod(input.shape[:-spatial_dims])
     out_cells = math.prod(indices.shape[-spatial_dims:])
     offsets = torch.arange(planes, device=indices.device, dtype=torch.int64).mul_(in_cells).view(planes, 1)
-    keys = (indices.reshape(planes, out_cells) + offsets).view(-1)
+    keys = (indices.reshape(planes, out_cells) + offsets).reshape(-1)  # channels-last indices do not view
     grad = segment_scatter_add(grad_output.reshape(-1), keys, planes * in_cells)
     return grad.view(input.shape).contiguous(memory_format=_suggested_memory_format(input))
 

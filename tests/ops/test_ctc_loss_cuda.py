@@ -75,7 +75,17 @@ def test_reductions_and_infinite_losses(reduction, zero_infinity, deterministic_
     loss, ours = _grad(logits, targets, input_lengths, target_lengths, reduction, zero_infinity)
     oracle_loss, oracle = _oracle(logits, targets, input_lengths, target_lengths, reduction=reduction,
                                   zero_infinity=zero_infinity)  # fmt: skip
-    torch.testing.assert_close(ours.double().cpu(), oracle, rtol=0, atol=1e-5, equal_nan=True)
+    torch.use_deterministic_algorithms(False)
+    _, theirs = _grad(logits, targets, input_lengths, target_lengths, reduction, zero_infinity)  # PyTorch's kernel
+    torch.use_deterministic_algorithms(True)
+    ours, theirs = ours.double().cpu(), theirs.double().cpu()
+    # The infinite loss (zero_infinity=False) makes the same entries non-finite as in the oracle.
+    finite = oracle.isfinite()
+    assert torch.equal(ours.isfinite(), finite)
+    # "sum"/"none" gradients are not divided by target length and batch: compare with PyTorch's own error.
+    their_error = (theirs - oracle)[finite & theirs.isfinite()].abs().max().item()
+    our_error = (ours - oracle)[finite].abs().max().item()
+    assert our_error <= 2 * their_error + 1e-6 * oracle[finite].abs().max().item(), (our_error, their_error)
     if zero_infinity:
         assert torch.all(ours[:, 1] == 0)
         assert torch.isfinite(ours).all()

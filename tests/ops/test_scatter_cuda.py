@@ -174,8 +174,13 @@ def test_routed_op_matches_pytorch_and_repeats_bitwise(name, dtype, deterministi
         assert torch.equal(fn(self, index, source), ours)
     oracle = fn(self.double().cpu(), index.cpu(), source.double().cpu())
     _assert_near_oracle(ours, oracle, dtype)
-    torch.use_deterministic_algorithms(False)  # PyTorch's atomic kernel, same inputs: same values to rounding
-    _assert_near_oracle(fn(self, index, source), oracle, dtype)
+    torch.use_deterministic_algorithms(False)  # PyTorch's atomic kernel, same inputs
+    theirs = fn(self, index, source)
+    # PyTorch's atomics round after every add (~200 per row here: sqrt(200) roundings in float16/bfloat16),
+    # the deterministic kernel rounds its sum once: it must be no farther from the oracle than PyTorch.
+    their_error = (theirs.double().cpu() - oracle).abs().max().item()
+    our_error = (ours.double().cpu() - oracle).abs().max().item()
+    assert our_error <= their_error + RTOL[dtype] * oracle.abs().max().item(), (our_error, their_error)
 
 
 def test_route_is_the_deepep_kernel_and_off_outside_deterministic_mode(deterministic_routing):
