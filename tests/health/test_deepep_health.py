@@ -91,3 +91,36 @@ def test_deepep_real_overflow_detected_diagnosed_and_recovered(tmp_path):
     assert ("recovered", bad) in kinds and trainer.global_step == 20 and not rollback.stopped
     assert all(torch.isfinite(p).all() for p in module.parameters())
     assert trainer.optimizers[0].param_groups[0]["lr"] <= 1.0 + 1e-9  # lowered at least once
+
+
+@pytest.mark.slow
+def test_nan_demo_comment_names_the_op_its_diagnosis_reports(tmp_path):
+    """configs/nan_demo.yaml, run as train.py would (its callbacks and model), names the op of its comment."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    config = repo / "configs" / "nan_demo.yaml"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(repo / "train.py"),
+            "fit",
+            "--config",
+            str(config),
+            "--trainer.logger.init_args.save_dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    events_file = next(tmp_path.glob("nan_demo/version_*/health_events.jsonl"))
+    events = [json.loads(line) for line in events_file.read_text().splitlines()]
+    diagnosis = next(e for e in events if e["kind"] == "diagnosis")
+    assert diagnosis["op"] in config.read_text() and f"at step {diagnosis['step']}" in config.read_text()
+    assert events[-1]["kind"] == "recovered"
