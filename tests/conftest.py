@@ -1,5 +1,9 @@
 """Shared test setup: small thread pools (CI has 2 cores), GPU markers that skip cleanly, and fixtures.
 
+Every test runs with the process-global determinism settings restored afterwards (deterministic
+algorithms, cuDNN flags, the ``configure()`` record, the environment variables it sets, the torch
+CPU RNG), so a test that configures determinism cannot change the tests after it.
+
 Fixtures for every test directory:
 
 * ``boring_module``: the class :class:`BoringModule`, the smallest module a Trainer can fit (as
@@ -26,6 +30,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
+import deepep_lightning.determinism.configuration as configure_module
+
 torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +51,63 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if item.get_closest_marker("multigpu") and n_gpus < 2:
             item.add_marker(skip_multi)
+
+
+_DETERMINISM_ENV = (
+    "CUBLAS_WORKSPACE_CONFIG",
+    "PYTHONHASHSEED",
+    "PL_SEED_WORKERS",
+    "PL_GLOBAL_SEED",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_COLLNET_ENABLE",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+    "NVSHMEM_DISABLE_NVLS",
+)
+
+
+def _determinism_state() -> tuple:
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,  # type: ignore[attr-defined]
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        configure_module._last_record,
+        {name: os.environ.get(name) for name in _DETERMINISM_ENV},
+        torch.get_rng_state(),
+    )
+
+
+def _restore_determinism_state(saved: tuple) -> None:
+    torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    torch.utils.deterministic.fill_uninitialized_memory = saved[2]  # type: ignore[attr-defined]
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved[3], saved[4]
+    configure_module._last_record = saved[5]
+    for name, value in saved[6].items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    torch.set_rng_state(saved[7])
+
+
+# configure(), DeterminismCallback and the strategy change process-wide flags, variables and seeds.
+# Both scopes: a module-scoped fixture that configures runs after the module-scoped save (autouse
+# fixtures come first in their scope), so the module's tests keep it and the next module does not.
+@pytest.fixture(autouse=True, scope="module")
+def _restore_determinism_after_the_module():
+    saved = _determinism_state()
+    yield
+    _restore_determinism_state(saved)
+
+
+@pytest.fixture(autouse=True)
+def _restore_determinism_after_the_test():
+    saved = _determinism_state()
+    yield
+    _restore_determinism_state(saved)
 
 
 def boring_data(num_samples: int = 32, in_features: int = 4, seed: int = 0) -> torch.Tensor:
