@@ -99,3 +99,10 @@ def test_path_in_a_read_only_directory_is_refused(tmp_path):
     locked.mkdir(mode=0o500)
     with pytest.raises(MisconfigurationException, match="is not writable"):
         _checks.path(None, "out", Path(locked) / "file.json", writable_parent=True)
+
+
+def test_non_empty_str_refuses_blank_and_non_str():
+    assert _checks.non_empty_str("RegressionTrigger", "monitor", "train/return") == "train/return"
+    for value in ("", "   ", None, 3):
+        with pytest.raises(MisconfigurationException, match=r"`RegressionTrigger\(monitor=...\)` must be a non-empty"):
+            _checks.non_empty_str("RegressionTrigger", "monitor", value)
