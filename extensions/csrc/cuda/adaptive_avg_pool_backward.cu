@@ -10,7 +10,8 @@
 // that box in increasing od, then oh, then ow, and writes grad_input once.
 // Why deterministic: every sum has a fixed set of terms in a fixed order, whatever the launch.
 // Sums are in accscalar_t (float for float/half/bfloat16, double for double). 2-D runs as 3-D with
-// D = OD = 1. grad_input is computed contiguous and returned in self's suggested memory format
+// D = OD = 1. Every division by a size goes through IntDivider (uint32 multiply-shift when every value
+// fits, gather_launch.cuh), window bounds are hoisted out of the inner loops, W is innermost. grad_input is computed contiguous and returned in self's suggested memory format
 // (channels-last in, channels-last out, as PyTorch does). All work is on the current stream, no sync.
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
@@ -21,9 +22,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <optional>
-#include <vector>
+
+#include "gather_launch.cuh"
 
 namespace deepep {
 
@@ -32,44 +33,47 @@ void check_adaptive_avg_pool_backward_args(const at::Tensor& grad_output, const 
 
 namespace {
 
-constexpr int kThreads = 256;
+using gather::Divider;
+using gather::kThreads;
 
-struct Extents {
-  int64_t in_d, in_h, in_w, out_d, out_h, out_w;
+// One axis of input size `in` and output size `out`, with dividers by both sizes.
+template <typename index_t>
+struct AdaptiveAxis {
+  index_t in, out;
+  Divider<index_t> by_in, by_out;
+
+  // Output window o covers inputs [floor(o * in / out), ceil((o + 1) * in / out)).
+  __device__ __forceinline__ index_t window_size(index_t o) const {
+    return by_out.div((o + 1) * in + out - 1) - by_out.div(o * in);
+  }
+  // Input i lies in the windows [floor(i * out / in), ceil((i + 1) * out / in)).
+  __device__ __forceinline__ index_t first_window(index_t i) const { return by_in.div(i * out); }
+  __device__ __forceinline__ index_t end_window(index_t i) const { return by_in.div((i + 1) * out + in - 1); }
 };
 
-__device__ __forceinline__ int64_t window_start(int64_t o, int64_t out_size, int64_t in_size) {
-  return (o * in_size) / out_size;
-}
-
-__device__ __forceinline__ int64_t window_end(int64_t o, int64_t out_size, int64_t in_size) {
-  return ((o + 1) * in_size + out_size - 1) / out_size;
-}
-
-template <typename scalar_t, typename accscalar_t>
+template <typename scalar_t, typename accscalar_t, typename index_t>
 __global__ void __launch_bounds__(kThreads)
     adaptive_avg_pool_backward_kernel(const scalar_t* __restrict__ grad_output, scalar_t* __restrict__ grad_input,
-                                      int64_t total, Extents e) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t index = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; index < total; index += step) {
-    const int64_t w = index % e.in_w;
-    const int64_t h = (index / e.in_w) % e.in_h;
-    const int64_t d = (index / (e.in_w * e.in_h)) % e.in_d;
-    const int64_t plane = index / (e.in_w * e.in_h * e.in_d);
-    // The windows holding (d, h, w): the window formulas with input and output sizes swapped.
-    const int64_t od0 = window_start(d, e.in_d, e.out_d), od1 = window_end(d, e.in_d, e.out_d);
-    const int64_t oh0 = window_start(h, e.in_h, e.out_h), oh1 = window_end(h, e.in_h, e.out_h);
-    const int64_t ow0 = window_start(w, e.in_w, e.out_w), ow1 = window_end(w, e.in_w, e.out_w);
-    const scalar_t* plane_grad = grad_output + plane * e.out_d * e.out_h * e.out_w;
+                                      index_t total, AdaptiveAxis<index_t> ad, AdaptiveAxis<index_t> ah,
+                                      AdaptiveAxis<index_t> aw) {
+  const index_t step = static_cast<index_t>(gridDim.x) * kThreads;
+  for (index_t index = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; index < total; index += step) {
+    const auto by_w = aw.by_in.divmod(index);
+    const auto by_h = ah.by_in.divmod(by_w.div);
+    const auto by_d = ad.by_in.divmod(by_h.div);
+    const index_t w = by_w.mod, h = by_h.mod, d = by_d.mod, plane = by_d.div;
+    const index_t od0 = ad.first_window(d), od1 = ad.end_window(d);
+    const index_t oh0 = ah.first_window(h), oh1 = ah.end_window(h);
+    const index_t ow0 = aw.first_window(w), ow1 = aw.end_window(w);
+    const scalar_t* plane_grad = grad_output + plane * ad.out * ah.out * aw.out;
     accscalar_t sum = 0;
-    for (int64_t od = od0; od < od1; ++od) {
-      const int64_t size_d = window_end(od, e.out_d, e.in_d) - window_start(od, e.out_d, e.in_d);
-      for (int64_t oh = oh0; oh < oh1; ++oh) {
-        const int64_t size_dh = size_d * (window_end(oh, e.out_h, e.in_h) - window_start(oh, e.out_h, e.in_h));
-        const scalar_t* row = plane_grad + (od * e.out_h + oh) * e.out_w;
-        for (int64_t ow = ow0; ow < ow1; ++ow) {
-          const int64_t size = size_dh * (window_end(ow, e.out_w, e.in_w) - window_start(ow, e.out_w, e.in_w));
-          sum += static_cast<accscalar_t>(row[ow]) / static_cast<accscalar_t>(size);
+    for (index_t od = od0; od < od1; ++od) {
+      const index_t size_d = ad.window_size(od);
+      for (index_t oh = oh0; oh < oh1; ++oh) {
+        const index_t size_dh = size_d * ah.window_size(oh);
+        const scalar_t* row = plane_grad + (od * ah.out + oh) * aw.out;
+        for (index_t ow = ow0; ow < ow1; ++ow) {
+          sum += static_cast<accscalar_t>(row[ow]) / static_cast<accscalar_t>(size_dh * aw.window_size(ow));
         }
       }
     }
@@ -85,8 +89,8 @@ at::Tensor adaptive_avg_pool_backward_cuda(const at::Tensor& grad_output, const 
   const c10::cuda::CUDAGuard device_guard(self.device());
   const int64_t dims = self.dim();
   auto size = [&](const at::Tensor& t, int64_t axis_from_end) { return t.size(dims - axis_from_end); };
-  const Extents extents{spatial == 3 ? size(self, 3) : 1,        size(self, 2),        size(self, 1),
-                        spatial == 3 ? size(grad_output, 3) : 1, size(grad_output, 2), size(grad_output, 1)};
+  const int64_t in_d = spatial == 3 ? size(self, 3) : 1, out_d = spatial == 3 ? size(grad_output, 3) : 1;
+  const int64_t in_h = size(self, 2), out_h = size(grad_output, 2), in_w = size(self, 1), out_w = size(grad_output, 1);
   const at::Tensor grad_c = grad_output.contiguous();
   // Written in full by the kernel: no deterministic-mode fill needed.
   at::Tensor grad_input =
@@ -94,13 +98,25 @@ at::Tensor adaptive_avg_pool_backward_cuda(const at::Tensor& grad_output, const 
   const int64_t total = grad_input.numel();
   if (total == 0) return grad_input;
   if (grad_c.numel() == 0) return grad_input.zero_();
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, int64_t{1} << 20);
+  const unsigned int blocks = gather::grid_blocks(total);
+  // The window formulas form (size + 1) * other_size + size along each axis.
+  const bool narrow = gather::fits_uint32({total, grad_c.numel(), (in_d + 1) * (out_d + 1), (in_h + 1) * (out_h + 1),
+                                           (in_w + 1) * (out_w + 1)});
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, self.scalar_type(), "adaptive_avg_pool_backward_cuda", [&] {
     using accscalar_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-    adaptive_avg_pool_backward_kernel<scalar_t, accscalar_t><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
-        grad_c.const_data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>(), total, extents);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gather::with_index_type(narrow, [&](auto index_zero) {
+      using index_t = decltype(index_zero);
+      auto axis = [](int64_t in, int64_t out) {
+        return AdaptiveAxis<index_t>{static_cast<index_t>(in), static_cast<index_t>(out),
+                                     Divider<index_t>(static_cast<index_t>(in)),
+                                     Divider<index_t>(static_cast<index_t>(out))};
+      };
+      adaptive_avg_pool_backward_kernel<scalar_t, accscalar_t, index_t><<<blocks, kThreads, 0, stream>>>(
+          grad_c.const_data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>(), static_cast<index_t>(total),
+          axis(in_d, out_d), axis(in_h, out_h), axis(in_w, out_w));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   const auto format = self.suggest_memory_format();
   return format == at::MemoryFormat::Contiguous ? grad_input : grad_input.contiguous(format);

@@ -8,7 +8,10 @@
 // increasing od, oh, ow, the divisor as PyTorch's forward computes it (divisor_override, else the
 // window clipped to the padded input when count_include_pad, else clipped to the input).
 // Why deterministic: a fixed set of terms per element, summed in a fixed order. Sums are in
-// accscalar_t. grad_input is computed contiguous and returned in self's suggested memory format.
+// accscalar_t; the divisor is the product of per-axis extents, each computed once per window index.
+// Divisions by sizes and strides go through IntDivider (uint32 multiply-shift when every value fits,
+// gather_launch.cuh); W is innermost. grad_input is computed contiguous and returned in self's suggested
+// memory format.
 // All work is on the current stream, no sync.
 #include <ATen/ATen.h>
 #include <ATen/AccumulateType.h>
@@ -19,8 +22,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <optional>
+
+#include "gather_launch.cuh"
 
 namespace deepep {
 
@@ -30,51 +34,56 @@ void check_avg_pool3d_backward_args(const at::Tensor& grad_output, const at::Ten
 
 namespace {
 
-constexpr int kThreads = 256;
+using gather::Divider;
+using gather::kThreads;
 
+// One axis: input size, output size, kernel, stride, padding; all non-negative (covers() checks p <= k / 2).
+template <typename index_t>
 struct Axis {
-  int64_t in, out, kernel, stride, pad;
+  index_t in, out, kernel, stride, pad;
+  Divider<index_t> by_in, by_stride;
 
-  // First and one-past-last output whose window holds input i.
-  __device__ __forceinline__ int64_t first(int64_t i) const {
-    const int64_t low = i + pad - kernel + 1;
-    return low <= 0 ? 0 : (low + stride - 1) / stride;
+  // First and one-past-last output whose window [o * s - p, o * s - p + k) holds input i.
+  __device__ __forceinline__ index_t first(index_t i) const {
+    const index_t high = i + pad + 1;  // window o holds i iff o * s + k >= high and o * s <= i + p
+    return high <= kernel ? 0 : by_stride.div(high - kernel + stride - 1);
   }
-  __device__ __forceinline__ int64_t last(int64_t i) const { return min((i + pad) / stride + 1, out); }
-  __device__ __forceinline__ int64_t start(int64_t o) const { return o * stride - pad; }
-  __device__ __forceinline__ int64_t padded_end(int64_t o) const { return min(start(o) + kernel, in + pad); }
+  __device__ __forceinline__ index_t last(index_t i) const {
+    const index_t end = by_stride.div(i + pad) + 1;
+    return end < out ? end : out;
+  }
+  // The window's extent clipped to the padded input (count_include_pad) or to the input.
+  __device__ __forceinline__ index_t extent(index_t o, bool count_include_pad) const {
+    const index_t padded_start = o * stride;  // window start + pad, >= 0
+    const index_t padded_end = min(padded_start + kernel, in + 2 * pad);
+    if (count_include_pad) return padded_end - padded_start;
+    return min(padded_end, in + pad) - max(padded_start, pad);
+  }
 };
 
-template <typename scalar_t, typename accscalar_t>
+template <typename scalar_t, typename accscalar_t, typename index_t>
 __global__ void __launch_bounds__(kThreads)
     avg_pool3d_backward_kernel(const scalar_t* __restrict__ grad_output, scalar_t* __restrict__ grad_input,
-                               int64_t total, Axis ad, Axis ah, Axis aw, bool count_include_pad,
-                               int64_t divisor_override) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t index = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; index < total; index += step) {
-    const int64_t w = index % aw.in;
-    const int64_t h = (index / aw.in) % ah.in;
-    const int64_t d = (index / (aw.in * ah.in)) % ad.in;
-    const int64_t plane = index / (aw.in * ah.in * ad.in);
+                               index_t total, Axis<index_t> ad, Axis<index_t> ah, Axis<index_t> aw,
+                               bool count_include_pad, index_t divisor_override) {
+  const index_t step = static_cast<index_t>(gridDim.x) * kThreads;
+  for (index_t index = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; index < total; index += step) {
+    const auto by_w = aw.by_in.divmod(index);
+    const auto by_h = ah.by_in.divmod(by_w.div);
+    const auto by_d = ad.by_in.divmod(by_h.div);
+    const index_t w = by_w.mod, h = by_h.mod, d = by_d.mod, plane = by_d.div;
     const scalar_t* plane_grad = grad_output + plane * ad.out * ah.out * aw.out;
+    const index_t od1 = ad.last(d), oh0 = ah.first(h), oh1 = ah.last(h), ow0 = aw.first(w), ow1 = aw.last(w);
     accscalar_t sum = 0;
-    for (int64_t od = ad.first(d); od < ad.last(d); ++od) {
-      const int64_t d0 = ad.start(od), d1 = ad.padded_end(od);
-      for (int64_t oh = ah.first(h); oh < ah.last(h); ++oh) {
-        const int64_t h0 = ah.start(oh), h1 = ah.padded_end(oh);
-        for (int64_t ow = aw.first(w); ow < aw.last(w); ++ow) {
-          const int64_t w0 = aw.start(ow), w1 = aw.padded_end(ow);
-          int64_t divisor;
-          if (divisor_override != 0) {
-            divisor = divisor_override;
-          } else if (count_include_pad) {
-            divisor = (d1 - d0) * (h1 - h0) * (w1 - w0);
-          } else {
-            divisor = (min(d1, ad.in) - max(d0, int64_t{0})) * (min(h1, ah.in) - max(h0, int64_t{0})) *
-                      (min(w1, aw.in) - max(w0, int64_t{0}));
-          }
-          sum += static_cast<accscalar_t>(plane_grad[(od * ah.out + oh) * aw.out + ow]) /
-                 static_cast<accscalar_t>(divisor);
+    for (index_t od = ad.first(d); od < od1; ++od) {
+      const index_t extent_d = divisor_override != 0 ? 1 : ad.extent(od, count_include_pad);
+      for (index_t oh = oh0; oh < oh1; ++oh) {
+        const index_t extent_dh = divisor_override != 0 ? 1 : extent_d * ah.extent(oh, count_include_pad);
+        const scalar_t* row = plane_grad + (od * ah.out + oh) * aw.out;
+        for (index_t ow = ow0; ow < ow1; ++ow) {
+          const index_t divisor =
+              divisor_override != 0 ? divisor_override : extent_dh * aw.extent(ow, count_include_pad);
+          sum += static_cast<accscalar_t>(row[ow]) / static_cast<accscalar_t>(divisor);
         }
       }
     }
@@ -94,9 +103,6 @@ at::Tensor avg_pool3d_backward_cuda(const at::Tensor& grad_output, const at::Ten
   (void)ceil_mode;  // it decides only the output size, which grad_output carries
   const c10::cuda::CUDAGuard device_guard(self.device());
   const int64_t dims = self.dim();
-  auto axis = [&](int64_t i) {
-    return Axis{self.size(dims - 3 + i), grad_output.size(dims - 3 + i), kernel_size[i], stride[i], padding[i]};
-  };
   const at::Tensor grad_c = grad_output.contiguous();
   // Written in full by the kernel: no deterministic-mode fill needed.
   at::Tensor grad_input =
@@ -104,14 +110,35 @@ at::Tensor avg_pool3d_backward_cuda(const at::Tensor& grad_output, const at::Ten
   const int64_t total = grad_input.numel();
   if (total == 0) return grad_input;
   if (grad_c.numel() == 0) return grad_input.zero_();
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, int64_t{1} << 20);
+  const unsigned int blocks = gather::grid_blocks(total);
+  // Values formed: offsets below the numels, o * stride + kernel, in + 2 * pad + kernel + stride.
+  bool narrow = gather::fits_uint32({total, grad_c.numel(), std::abs(divisor_override.value_or(0))});
+  for (int64_t i = 0; i < 3; ++i) {
+    narrow = narrow && gather::fits_uint32({(grad_output.size(dims - 3 + i) + 1) * stride[i] + kernel_size[i],
+                                            self.size(dims - 3 + i) + 2 * padding[i] + kernel_size[i] + stride[i]});
+  }
+  // A negative divisor_override (PyTorch accepts it) runs on the signed path.
+  narrow = narrow && divisor_override.value_or(1) > 0;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, self.scalar_type(), "avg_pool3d_backward_cuda", [&] {
     using accscalar_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-    avg_pool3d_backward_kernel<scalar_t, accscalar_t><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
-        grad_c.const_data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>(), total, axis(0), axis(1), axis(2),
-        count_include_pad, divisor_override.value_or(0));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    gather::with_index_type(narrow, [&](auto index_zero) {
+      using index_t = decltype(index_zero);
+      auto axis = [&](int64_t i) {
+        const auto in = static_cast<index_t>(self.size(dims - 3 + i)), s = static_cast<index_t>(stride[i]);
+        return Axis<index_t>{in,
+                             static_cast<index_t>(grad_output.size(dims - 3 + i)),
+                             static_cast<index_t>(kernel_size[i]),
+                             s,
+                             static_cast<index_t>(padding[i]),
+                             Divider<index_t>(in),
+                             Divider<index_t>(s)};
+      };
+      avg_pool3d_backward_kernel<scalar_t, accscalar_t, index_t><<<blocks, kThreads, 0, stream>>>(
+          grad_c.const_data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>(), static_cast<index_t>(total), axis(0),
+          axis(1), axis(2), count_include_pad, static_cast<index_t>(divisor_override.value_or(0)));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
   const auto format = self.suggest_memory_format();
   return format == at::MemoryFormat::Contiguous ? grad_input : grad_input.contiguous(format);

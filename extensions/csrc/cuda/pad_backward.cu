@@ -7,11 +7,14 @@
 //   reflection: L - o for o < L, o - L inside, 2 (I - 1) + L - o past the end (pads < I);
 //   replication: clamp(o - L, 0, I - 1).
 // So input i is read by, in increasing o:
-//   reflection: L - i (if 1 <= i <= L), i + L, 2 (I - 1) + L - i (if it is >= L + I): at most 3 outputs;
+//   reflection: L - i (if 1 <= i <= L), i + L, 2 (I - 1) + L - i (if it is >= L + I): at most 3 outputs,
+//     computed arithmetically and kept in registers (fixed slots, fully unrolled);
 //   replication: the range [i == 0 ? 0 : i + L, i == I - 1 ? O : i + L + 1).
 // Thread (plane, d, h, w) sums grad_output over the product of its three axis sets in increasing
-// (od, oh, ow) and writes grad_input once. Why deterministic: a fixed set of terms per element, summed
-// in a fixed order. Missing axes (1-D, 2-D) are size-1 axes without padding. Sums are in accscalar_t.
+// (od, oh, ow) and writes grad_input once; an interior element is one load and one store. Why
+// deterministic: a fixed set of terms per element, summed in a fixed order. Missing axes (1-D, 2-D) are
+// size-1 axes without padding. Sums are in accscalar_t. Indexing is uint32 when every offset fits
+// (gather_launch.cuh); W is innermost, so a warp reads and writes consecutive addresses.
 // grad_input is computed contiguous and returned in self's suggested memory format.
 // All work is on the current stream, no sync.
 #include <ATen/ATen.h>
@@ -23,8 +26,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <optional>
+
+#include "gather_launch.cuh"
 
 namespace deepep {
 
@@ -34,65 +38,107 @@ void check_pad_backward_args(const at::Tensor& grad_output, const at::Tensor& se
 
 namespace {
 
-constexpr int kThreads = 256;
+using gather::Divider;
+using gather::kThreads;
 
+template <typename index_t>
 struct PadAxis {
-  int64_t in, left, out;
+  index_t in, left, out;
 };
 
-// The outputs reading input i along one axis: a range [begin, end) (replication), or up to three
-// points (reflection), visited in increasing order.
-struct Sources {
-  int64_t begin, end;  // replication range; reflection: unused
-  int64_t points[3];
-  int count;
+// Splits a flat grad_input index into (plane, d, h, w).
+template <typename index_t>
+struct Position {
+  index_t plane, d, h, w;
 };
 
-template <bool kReflect>
-__device__ __forceinline__ Sources sources(const PadAxis& a, int64_t i) {
-  Sources s{};
-  if (kReflect) {
-    if (i >= 1 && i <= a.left) s.points[s.count++] = a.left - i;
-    s.points[s.count++] = i + a.left;
-    const int64_t mirrored = 2 * (a.in - 1) + a.left - i;
-    if (mirrored >= a.left + a.in && mirrored < a.out) s.points[s.count++] = mirrored;
-  } else {
-    s.begin = i == 0 ? 0 : i + a.left;
-    s.end = i == a.in - 1 ? a.out : i + a.left + 1;
+template <typename index_t>
+struct Splitter {
+  Divider<index_t> w, h, d;
+
+  __device__ __forceinline__ Position<index_t> operator()(index_t index) const {
+    const auto by_w = w.divmod(index);
+    const auto by_h = h.divmod(by_w.div);
+    const auto by_d = d.divmod(by_h.div);
+    return {by_d.div, by_d.mod, by_h.mod, by_w.mod};
   }
-  return s;
+};
+
+// The (up to 3) outputs reading input i along a reflected axis, increasing; slot 1 always holds.
+template <typename index_t>
+struct Reflected {
+  index_t at[3];
+  bool holds[3];
+};
+
+template <typename index_t>
+__device__ __forceinline__ Reflected<index_t> reflected(const PadAxis<index_t>& a, index_t i) {
+  Reflected<index_t> r;
+  r.at[0] = a.left - i;
+  r.holds[0] = i >= 1 && i <= a.left;
+  r.at[1] = i + a.left;
+  r.holds[1] = true;
+  r.at[2] = 2 * (a.in - 1) + a.left - i;
+  r.holds[2] = r.at[2] >= a.left + a.in && r.at[2] < a.out;
+  return r;
 }
 
-template <bool kReflect>
-__device__ __forceinline__ int64_t source_count(const Sources& s) {
-  return kReflect ? s.count : s.end - s.begin;
-}
-
-template <bool kReflect>
-__device__ __forceinline__ int64_t source_at(const Sources& s, int64_t k) {
-  return kReflect ? s.points[k] : s.begin + k;
-}
-
-template <typename scalar_t, typename accscalar_t, bool kReflect>
+template <typename scalar_t, typename accscalar_t, typename index_t>
 __global__ void __launch_bounds__(kThreads)
-    pad_backward_kernel(const scalar_t* __restrict__ grad_output, scalar_t* __restrict__ grad_input, int64_t total,
-                        PadAxis ad, PadAxis ah, PadAxis aw) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t index = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; index < total; index += step) {
-    const int64_t w = index % aw.in;
-    const int64_t h = (index / aw.in) % ah.in;
-    const int64_t d = (index / (aw.in * ah.in)) % ad.in;
-    const int64_t plane = index / (aw.in * ah.in * ad.in);
+    reflection_pad_backward_kernel(const scalar_t* __restrict__ grad_output, scalar_t* __restrict__ grad_input,
+                                   index_t total, PadAxis<index_t> ad, PadAxis<index_t> ah, PadAxis<index_t> aw,
+                                   Splitter<index_t> split) {
+  const index_t step = static_cast<index_t>(gridDim.x) * kThreads;
+  for (index_t index = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; index < total; index += step) {
+    const auto [plane, d, h, w] = split(index);
     const scalar_t* plane_grad = grad_output + plane * ad.out * ah.out * aw.out;
-    const Sources sd = sources<kReflect>(ad, d), sh = sources<kReflect>(ah, h), sw = sources<kReflect>(aw, w);
+    const Reflected<index_t> sd = reflected(ad, d), sh = reflected(ah, h), sw = reflected(aw, w);
     accscalar_t sum = 0;
-    for (int64_t kd = 0; kd < source_count<kReflect>(sd); ++kd) {
-      const int64_t od = source_at<kReflect>(sd, kd);
-      for (int64_t kh = 0; kh < source_count<kReflect>(sh); ++kh) {
-        const scalar_t* row = plane_grad + (od * ah.out + source_at<kReflect>(sh, kh)) * aw.out;
-        for (int64_t kw = 0; kw < source_count<kReflect>(sw); ++kw) {
-          sum += static_cast<accscalar_t>(row[source_at<kReflect>(sw, kw)]);
+#pragma unroll
+    for (int kd = 0; kd < 3; ++kd) {
+      if (!sd.holds[kd]) continue;
+#pragma unroll
+      for (int kh = 0; kh < 3; ++kh) {
+        if (!sh.holds[kh]) continue;
+        const scalar_t* row = plane_grad + (sd.at[kd] * ah.out + sh.at[kh]) * aw.out;
+#pragma unroll
+        for (int kw = 0; kw < 3; ++kw) {
+          if (sw.holds[kw]) sum += static_cast<accscalar_t>(row[sw.at[kw]]);
         }
+      }
+    }
+    grad_input[index] = static_cast<scalar_t>(sum);
+  }
+}
+
+// The outputs reading input i along a replicated axis: [begin, end).
+template <typename index_t>
+__device__ __forceinline__ index_t replicated_begin(const PadAxis<index_t>& a, index_t i) {
+  return i == 0 ? 0 : i + a.left;
+}
+
+template <typename index_t>
+__device__ __forceinline__ index_t replicated_end(const PadAxis<index_t>& a, index_t i) {
+  return i == a.in - 1 ? a.out : i + a.left + 1;
+}
+
+template <typename scalar_t, typename accscalar_t, typename index_t>
+__global__ void __launch_bounds__(kThreads)
+    replication_pad_backward_kernel(const scalar_t* __restrict__ grad_output, scalar_t* __restrict__ grad_input,
+                                    index_t total, PadAxis<index_t> ad, PadAxis<index_t> ah, PadAxis<index_t> aw,
+                                    Splitter<index_t> split) {
+  const index_t step = static_cast<index_t>(gridDim.x) * kThreads;
+  for (index_t index = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; index < total; index += step) {
+    const auto [plane, d, h, w] = split(index);
+    const scalar_t* plane_grad = grad_output + plane * ad.out * ah.out * aw.out;
+    const index_t w0 = replicated_begin(aw, w), w1 = replicated_end(aw, w);
+    const index_t h0 = replicated_begin(ah, h), h1 = replicated_end(ah, h);
+    const index_t d1 = replicated_end(ad, d);
+    accscalar_t sum = 0;
+    for (index_t od = replicated_begin(ad, d); od < d1; ++od) {
+      for (index_t oh = h0; oh < h1; ++oh) {
+        const scalar_t* row = plane_grad + (od * ah.out + oh) * aw.out;
+        for (index_t ow = w0; ow < w1; ++ow) sum += static_cast<accscalar_t>(row[ow]);
       }
     }
     grad_input[index] = static_cast<scalar_t>(sum);
@@ -109,8 +155,9 @@ at::Tensor pad_backward_cuda(const at::Tensor& grad_output, const at::Tensor& se
   const int64_t dims = self.dim(), spatial = static_cast<int64_t>(padding.size()) / 2;
   // axis 0 = last dim (padding[0], padding[1]), as aten orders padding.
   auto axis = [&](int64_t from_last) {
-    if (from_last >= spatial) return PadAxis{1, 0, 1};
-    return PadAxis{self.size(dims - 1 - from_last), padding[2 * from_last], grad_output.size(dims - 1 - from_last)};
+    if (from_last >= spatial) return PadAxis<int64_t>{1, 0, 1};
+    return PadAxis<int64_t>{self.size(dims - 1 - from_last), padding[2 * from_last],
+                            grad_output.size(dims - 1 - from_last)};
   };
   const at::Tensor grad_c = grad_output.contiguous();
   // Written in full by the kernel: no deterministic-mode fill needed.
@@ -118,20 +165,24 @@ at::Tensor pad_backward_cuda(const at::Tensor& grad_output, const at::Tensor& se
       at::Tensor(at::detail::empty_cuda(self.sizes(), self.scalar_type(), self.device(), std::nullopt));
   const int64_t total = grad_input.numel();
   if (total == 0) return grad_input;
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, int64_t{1} << 20);
+  const unsigned int blocks = gather::grid_blocks(total);
+  const bool narrow = gather::fits_uint32({grad_c.numel(), total});
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, self.scalar_type(), "pad_backward_cuda", [&] {
     using accscalar_t = at::acc_type<scalar_t, /*is_cuda=*/true>;
-    const auto launch = [&](auto kernel) {
-      kernel<<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
-          grad_c.const_data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>(), total, axis(2), axis(1), axis(0));
+    gather::with_index_type(narrow, [&](auto index_zero) {
+      using index_t = decltype(index_zero);
+      auto narrowed = [&](const PadAxis<int64_t>& a) {
+        return PadAxis<index_t>{static_cast<index_t>(a.in), static_cast<index_t>(a.left), static_cast<index_t>(a.out)};
+      };
+      const PadAxis<index_t> ad = narrowed(axis(2)), ah = narrowed(axis(1)), aw = narrowed(axis(0));
+      const Splitter<index_t> split{Divider<index_t>(aw.in), Divider<index_t>(ah.in), Divider<index_t>(ad.in)};
+      const auto kernel = reflect ? reflection_pad_backward_kernel<scalar_t, accscalar_t, index_t>
+                                  : replication_pad_backward_kernel<scalar_t, accscalar_t, index_t>;
+      kernel<<<blocks, kThreads, 0, stream>>>(grad_c.const_data_ptr<scalar_t>(), grad_input.data_ptr<scalar_t>(),
+                                              static_cast<index_t>(total), ad, ah, aw, split);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    if (reflect) {
-      launch(pad_backward_kernel<scalar_t, accscalar_t, true>);
-    } else {
-      launch(pad_backward_kernel<scalar_t, accscalar_t, false>);
-    }
+    });
   });
   const auto format = self.suggest_memory_format();
   return format == at::MemoryFormat::Contiguous ? grad_input : grad_input.contiguous(format);
