@@ -1,19 +1,27 @@
 """Deterministic argmax-scatter ops: the max-pooling backwards, ``max_unpool`` and ``embedding_bag`` "max".
 
 The backward of a max pooling sends each output cell's gradient to the input element its saved index
-points at; PyTorch's CUDA kernels for adaptive, fractional and 3-D max pooling do that with float
-``atomicAdd`` and refuse deterministic mode (``adaptive_max_pool2d_backward_cuda does not have a
-deterministic implementation``), as does ``embedding_bag(mode="max")``'s backward. Each is one
-:func:`~deepep_lightning.ops.scatter.segment_scatter_add` here: the saved per-plane index plus the
-plane's offset is a flat input position, and the sorted, fixed-order segment sum gives every input
-gradient in one order (bitwise reproducible, and a sample's result does not depend on the batch).
+points at; PyTorch's CUDA kernels for adaptive and 3-D max pooling do that with float ``atomicAdd`` and
+refuse deterministic mode (``adaptive_max_pool2d_backward_cuda does not have a deterministic
+implementation``). Here :func:`argmax_window_backward` gathers instead
+(``torch.ops.deepep.argmax_window_backward``, ``extensions/csrc/cuda/max_pool_backward.cu``): one thread
+per input element visits, in a fixed order, the few output windows that can hold it (bounded by kernel,
+stride and dilation, or by the adaptive window arithmetic) and sums the gradients whose saved index is
+this element. One pass, no sort, no float atomics: bitwise reproducible, and a sample's result does not
+depend on the batch. It reads only the windows that can hold an element, so the indices must be the
+forward's (as for PyTorch's own max_pool2d backward).
+
+Fractional max pooling's windows are known only through the saved indices, and ``embedding_bag``'s
+"max" rows are arbitrary: those are one sorted, fixed-order
+:func:`~deepep_lightning.ops.scatter.segment_scatter_add` (:func:`argmax_scatter_backward`).
 
 ``max_unpool2d`` / ``max_unpool3d`` forwards (PyTorch: ``max_unpooling2d_forward_out does not have a
 deterministic implementation``) are scatters that overwrite: with duplicate indices the entry with the
-largest position wins, as in PyTorch's CPU loop, found with an integer ``scatter_reduce("amax")``
-(order-free) and a gather. ``torch.compile`` does not reach that route: it traces ``max_unpool`` with
-PyTorch's Python decomposition (an ``index_put``), which raises PyTorch's deterministic-mode error at
-trace time; eager calls, TorchScript and CUDA graphs are routed.
+largest position wins, as in PyTorch's CPU loop. :func:`max_unpool` (``torch.ops.deepep.max_unpool_forward``)
+takes an integer ``atomicMax`` of the position per output cell (order-free) and then gathers.
+``torch.compile`` does not reach that route: it traces ``max_unpool`` with PyTorch's Python
+decomposition (an ``index_put``), which raises PyTorch's deterministic-mode error at trace time; eager
+calls, TorchScript and CUDA graphs are routed.
 
 Routed at the dispatcher's CUDA key (:mod:`deepep_lightning.ops._routes`) in deterministic mode:
 ``adaptive_max_pool2d_backward``, ``adaptive_max_pool3d_backward``, ``max_pool3d_with_indices_backward``,
@@ -27,10 +35,10 @@ import math
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available
+from deepep_lightning.ops._loader import cuda_kernels_available, on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
 
-__all__ = ["argmax_scatter_backward", "max_unpool"]
+__all__ = ["argmax_scatter_backward", "argmax_window_backward", "max_unpool"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _MAX_ENTRIES = 2**31 - 2
@@ -94,6 +102,67 @@ def argmax_scatter_backward(grad_output: Tensor, input: Tensor, indices: Tensor,
     return grad.view(input.shape).contiguous(memory_format=_suggested_memory_format(input))
 
 
+def argmax_window_backward(
+    grad_output: Tensor,
+    input: Tensor,
+    indices: Tensor,
+    spatial_dims: int,
+    kernel_size: list[int] | None = None,
+    stride: list[int] | None = None,
+    padding: list[int] | None = None,
+    dilation: list[int] | None = None,
+) -> Tensor:
+    """``grad_input`` of a max pooling by gathering over the windows that can hold each input element.
+
+    Args:
+        grad_output: ``[*planes, *out_spatial]`` gradient of the pooled output.
+        input: the pooling's input ``[*planes, *in_spatial]`` (only its shape and memory format are read).
+        indices: int64 ``[*planes, *out_spatial]``, the forward's ``return_indices``.
+        spatial_dims: 2 or 3.
+        kernel_size, stride, padding, dilation: the pooling's windows, ``spatial_dims`` ints each; all
+            ``None`` (default) for an adaptive max pooling.
+
+    Returns:
+        ``grad_input`` shaped like ``input``, in ``input``'s suggested memory format (as PyTorch's kernels).
+
+    Example::
+
+        >>> x = torch.randn(1, 1, 4, 4)
+        >>> y, i = torch.nn.functional.adaptive_max_pool2d(x, 2, return_indices=True)
+        >>> argmax_window_backward(torch.ones_like(y), x, i, 2).sum()
+        tensor(4.)
+    """
+    windows = [list(w) if w is not None else [] for w in (kernel_size, stride, padding, dilation)]
+    grad = torch.ops.deepep.argmax_window_backward.default(
+        grad_output, indices, list(input.shape[-spatial_dims:]), *windows
+    )
+    return grad.contiguous(memory_format=_suggested_memory_format(input))
+
+
+def _argmax_window_fake(grad_output, indices, input_size, kernel_size, stride, padding, dilation):
+    torch._check(
+        grad_output.shape == indices.shape,
+        lambda: (
+            f"argmax_window_backward: indices {tuple(indices.shape)} must have grad_output's shape "
+            f"{tuple(grad_output.shape)}"
+        ),
+    )
+    return grad_output.new_empty(tuple(grad_output.shape[: -len(input_size)]) + tuple(input_size))
+
+
+def _max_unpool_fake(self, indices, output_size):
+    torch._check(self.shape == indices.shape, lambda: "max_unpool_forward: indices must have self's shape")
+    return self.new_empty(tuple(self.shape[: -len(output_size)]) + tuple(output_size))
+
+
+def _register() -> None:
+    torch.library.register_fake("deepep::argmax_window_backward")(_argmax_window_fake)
+    torch.library.register_fake("deepep::max_unpool_forward")(_max_unpool_fake)
+
+
+on_extension_loaded(_register)
+
+
 def _suggested_memory_format(tensor: Tensor) -> torch.memory_format:
     """ATen's ``suggest_memory_format``: channels-last when the strides are channels-last and not contiguous."""
     if tensor.is_contiguous():
@@ -128,19 +197,40 @@ def _adaptive3d_covers(grad_output, self, indices):
 
 
 def _adaptive2d(grad_output, self, indices):
-    return argmax_scatter_backward(grad_output, self, indices, 2)
+    return argmax_window_backward(grad_output, self, indices, 2)
 
 
 def _adaptive3d(grad_output, self, indices):
-    return argmax_scatter_backward(grad_output, self, indices, 3)
+    return argmax_window_backward(grad_output, self, indices, 3)
+
+
+def _triple(values, default=None) -> list[int] | None:
+    """PyTorch's 3-D pooling argument convention: one int for all dims, or three; empty means ``default``."""
+    values = list(values)
+    if not values and default is not None:
+        return default
+    if len(values) == 1:
+        values = values * 3
+    if len(values) != 3 or any(not isinstance(v, int) for v in values):
+        return None
+    return values
 
 
 def _max_pool3d_covers(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    kernel = _triple(kernel_size)
+    windows = (kernel, _triple(stride, kernel), _triple(padding), _triple(dilation))
+    if any(w is None for w in windows):
+        return "kernel_size, stride, padding and dilation must be 1 or 3 ints"
+    if min(kernel + windows[1] + windows[3]) <= 0 or min(windows[2]) < 0:
+        return "kernel_size, stride and dilation must be positive, padding >= 0"
     return _pool_backward_reason(grad_output, self, indices, 3)
 
 
 def _max_pool3d(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    return argmax_scatter_backward(grad_output, self, indices, 3)
+    kernel = _triple(kernel_size)
+    return argmax_window_backward(
+        grad_output, self, indices, 3, kernel, _triple(stride, kernel), _triple(padding), _triple(dilation)
+    )
 
 
 def _fractional2d_covers(grad_output, self, kernel_size, output_size, indices):
@@ -162,8 +252,9 @@ def _fractional3d(grad_output, self, kernel_size, output_size, indices):
 def max_unpool(input: Tensor, indices: Tensor, output_size) -> Tensor:
     """Deterministic ``max_unpool{2,3}d`` forward: ``out[plane, indices[plane, j]] = input[plane, j]``.
 
-    With duplicate indices the largest ``j`` wins (PyTorch's CPU order). ``output_size`` is the spatial
-    output size (2 or 3 ints). An index outside the output plane is a device-side assert, as in PyTorch.
+    With duplicate indices the largest ``j`` wins (PyTorch's CPU order); cells no index names are 0.
+    ``output_size`` is the spatial output size (2 or 3 ints). An index outside the output plane is a
+    device-side assert on CUDA, as in PyTorch.
 
     Example::
 
@@ -171,22 +262,7 @@ def max_unpool(input: Tensor, indices: Tensor, output_size) -> Tensor:
         >>> max_unpool(y, i, [4, 4]).shape
         torch.Size([1, 1, 4, 4])
     """
-    spatial_dims = len(output_size)
-    out_cells = math.prod(output_size)
-    planes = math.prod(input.shape[:-spatial_dims])
-    in_cells = math.prod(input.shape[-spatial_dims:])
-    flat_indices = indices.reshape(planes, in_cells)
-    if flat_indices.numel() > 0:
-        torch._assert_async(((flat_indices >= 0) & (flat_indices < out_cells)).all(), "max_unpool: index out of range")
-    offsets = torch.arange(planes, device=indices.device, dtype=torch.int64).view(planes, 1)
-    keys = (flat_indices + offsets * out_cells).view(-1)
-    positions = torch.arange(keys.numel(), device=keys.device, dtype=torch.int64)
-    # Integer max is order-free: the winner of each output cell is the same whatever the thread order.
-    winner = torch.full((planes * out_cells,), -1, device=keys.device, dtype=torch.int64)
-    winner.scatter_reduce_(0, keys, positions, "amax")
-    values = input.reshape(-1)[winner.clamp(min=0)]
-    out = torch.where(winner >= 0, values, torch.zeros((), dtype=input.dtype, device=input.device))
-    return out.view(tuple(input.shape[:-spatial_dims]) + tuple(output_size))
+    return torch.ops.deepep.max_unpool_forward.default(input, indices, list(output_size))
 
 
 def _unpool_reason(self, indices, output_size, spatial_dims) -> str | None:
@@ -201,6 +277,8 @@ def _unpool_reason(self, indices, output_size, spatial_dims) -> str | None:
         return "self and indices must have one shape of the pool's rank"
     if indices.dtype != torch.int64 or self.numel() == 0:
         return "indices must be int64 and self non-empty"
+    if math.prod(self.shape[-spatial_dims:]) > _MAX_ENTRIES:
+        return "too many cells per plane for the kernel's 32-bit positions"
     return None
 
 

@@ -135,3 +135,47 @@ def test_routes_registered_and_cpu_left_to_pytorch():
         routes["_embedding_bag_dense_backward"].covers(out, indices, indices, indices, indices, 4, False, 0, None)
         == "only mode 'max' is refused (sum and mean are deterministic)"
     )
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "kernel,stride,padding,dilation,ceil_mode",
+    [(3, 2, 1, 1, False), (2, 1, 0, 2, False), (3, 2, 1, 2, True), ((1, 3, 2), (1, 2, 3), (0, 1, 1), (1, 1, 1), True)],
+)
+def test_max_pool3d_gather_windows_match_pytorch(kernel, stride, padding, dilation, ceil_mode):
+    """The gather visits only the windows that can hold a cell: every stride/padding/dilation/ceil_mode case must
+    find every window PyTorch's scatter adds from."""
+    x = _randn(2, 3, 7, 9, 8)
+    out, indices = F.max_pool3d(x, kernel, stride, padding, dilation, ceil_mode, return_indices=True)
+    grad = _randn(*out.shape, seed=1)
+
+    def triple(v):
+        return list(v) if isinstance(v, tuple) else [v]
+
+    args = (triple(kernel), triple(stride), triple(padding), triple(dilation), ceil_mode)
+    expected = aten.max_pool3d_with_indices_backward(grad, x, *args, indices)
+    torch.testing.assert_close(max_pool_module._max_pool3d(grad, x, *args, indices), expected, rtol=0, atol=1e-14)
+
+
+@needs_extension
+@pytest.mark.parametrize("in_size,out_size", [((5, 13), (7, 4)), ((1, 9), (3, 9)), ((16, 16), (16, 16))])
+def test_adaptive_gather_windows_match_pytorch(in_size, out_size):
+    """Adaptive windows that overlap (more outputs than inputs), tile, or are 1 wide."""
+    x = _randn(2, 3, *in_size)
+    out, indices = F.adaptive_max_pool2d(x, out_size, return_indices=True)
+    grad = _randn(*out.shape, seed=1)
+    expected = aten.adaptive_max_pool2d_backward(grad, x, indices)
+    torch.testing.assert_close(max_pool_module._adaptive2d(grad, x, indices), expected, rtol=0, atol=1e-15)
+
+
+@needs_extension
+def test_argmax_window_backward_opcheck_and_errors():
+    x = _randn(2, 3, 9, 7)
+    out, indices = F.adaptive_max_pool2d(x, (4, 3), return_indices=True)
+    grad = _randn(*out.shape, seed=1)
+    torch.library.opcheck(torch.ops.deepep.argmax_window_backward.default, (grad, indices, [9, 7], [], [], [], []))
+    torch.library.opcheck(torch.ops.deepep.max_unpool_forward.default, (out, indices, [9, 7]))
+    with pytest.raises(RuntimeError, match="indices must have grad_output's shape"):
+        torch.ops.deepep.argmax_window_backward(grad, indices[..., :2], [9, 7], [], [], [], [])
+    with pytest.raises(RuntimeError, match="must all be empty"):
+        torch.ops.deepep.argmax_window_backward(grad, indices, [9, 7], [2, 2], [], [], [])
