@@ -20,6 +20,12 @@ TorchScript and ``nn.Upsample`` inside scripted code are covered once routing is
 through ``index_put``, deterministic) and never reaches that op; :func:`interpolate` keeps the native
 forward and this backward there.
 
+``aten::upsample_linear1d_backward`` (``F.interpolate(mode="linear")``, 3-D input), which PyTorch's
+eager ``F.interpolate`` does reach in deterministic mode, is routed to the same bilinear gather on a
+``[N, C, 1, W]`` view: with one input and one output row the row map is the identity (weight 1, and the
+second tap is the same row with weight 0, as in PyTorch's own linear kernel), so the result is the
+linear backward.
+
 The output equals ``F.interpolate``'s native-kernel output bit for bit (outside deterministic
 mode; inside it, on CUDA, PyTorch itself uses the decomposition, equal up to fp rounding).
 """
@@ -187,19 +193,17 @@ def _fake_backward(
 register_op_python_side("upsample_bilinear2d", _fake_forward, _fake_backward)
 
 
-def _backward_route_covers(
-    grad_output: Tensor,
-    output_size: Sequence[int],
-    input_size: Sequence[int],
-    align_corners: bool,
-    scales_h: float | None = None,
-    scales_w: float | None = None,
+def _upsample_backward_reason(
+    grad_output: Tensor, output_size: Sequence[int], input_size: Sequence[int], spatial: int
 ) -> str | None:
-    if not isinstance(grad_output, Tensor) or grad_output.dim() != 4 or grad_output.dtype not in _DTYPES:
-        return "grad_output must be a 4-D float16/bfloat16/float32/float64 tensor"
-    if len(input_size) != 4 or len(output_size) != 2:
-        return f"input_size {list(input_size)} / output_size {list(output_size)} are not 4 / 2 entries"
-    if tuple(grad_output.shape) != (input_size[0], input_size[1], output_size[0], output_size[1]):
+    """Why the gather backward would hand an upsample backward of ``spatial`` dims to PyTorch, or ``None``."""
+    if not isinstance(grad_output, Tensor) or grad_output.dim() != spatial + 2 or grad_output.dtype not in _DTYPES:
+        return f"grad_output must be a {spatial + 2}-D float16/bfloat16/float32/float64 tensor"
+    if len(input_size) != spatial + 2 or len(output_size) != spatial:
+        return (
+            f"input_size {list(input_size)} / output_size {list(output_size)} are not {spatial + 2} / {spatial} entries"
+        )
+    if tuple(grad_output.shape) != (input_size[0], input_size[1], *output_size):
         return f"grad_output {tuple(grad_output.shape)} does not match input_size {list(input_size)}"
     if min(input_size[2:]) <= 0 or min(output_size) <= 0:
         return "empty spatial sizes are left to PyTorch"
@@ -210,6 +214,17 @@ def _backward_route_covers(
     if grad_output.is_cuda and not cuda_kernels_available():
         return "the deepep CUDA kernels were not built (no nvcc?)"
     return None
+
+
+def _backward_route_covers(
+    grad_output: Tensor,
+    output_size: Sequence[int],
+    input_size: Sequence[int],
+    align_corners: bool,
+    scales_h: float | None = None,
+    scales_w: float | None = None,
+) -> str | None:
+    return _upsample_backward_reason(grad_output, output_size, input_size, 2)
 
 
 def _backward_route(
@@ -225,4 +240,29 @@ def _backward_route(
     )
 
 
+def _linear1d_route_covers(
+    grad_output: Tensor,
+    output_size: Sequence[int],
+    input_size: Sequence[int],
+    align_corners: bool,
+    scales: float | None = None,
+) -> str | None:
+    return _upsample_backward_reason(grad_output, output_size, input_size, 1)
+
+
+def _linear1d_route(
+    grad_output: Tensor,
+    output_size: Sequence[int],
+    input_size: Sequence[int],
+    align_corners: bool,
+    scales: float | None = None,
+) -> Tensor:
+    batch, channels, width = input_size
+    grad_input = torch.ops.deepep.upsample_bilinear2d_backward.default(
+        grad_output.unsqueeze(2), [batch, channels, 1, width], align_corners, None, scales
+    )  # [N, C, 1, W]
+    return grad_input.view(batch, channels, width)
+
+
 register_route(Route("upsample_bilinear2d_backward", _backward_route, _backward_route_covers))
+register_route(Route("upsample_linear1d_backward", _linear1d_route, _linear1d_route_covers))

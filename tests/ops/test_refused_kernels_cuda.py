@@ -1,5 +1,6 @@
 """GPU tests of the deterministic kernels behind the dispatcher routes: nll_loss2d forward (4-D
-F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d and reflection/replication padding backwards.
+F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d, reflection/replication padding and linear 1-D
+interpolate backwards.
 
 Per case: PyTorch refuses it in deterministic mode (negative control), the routed result equals PyTorch's
 float64 CPU result to fp rounding, repeats bitwise x20, does not depend on the batch around a sample, and
@@ -72,6 +73,16 @@ CASES = {
         True,
     ),
     "replication_pad1d_aten": ((2, 4, 9), lambda x: (torch._C._nn.replication_pad1d(x, (4, 11)) ** 2).sum(), True),
+    "interpolate_linear_1d": (
+        (2, 4, 9),
+        lambda x: (F.interpolate(x, scale_factor=2.5, mode="linear") ** 2).sum(),
+        True,
+    ),
+    "interpolate_linear_1d_align_corners_down": (
+        (2, 4, 37),
+        lambda x: (F.interpolate(x, size=10, mode="linear", align_corners=True) ** 2).sum(),
+        True,
+    ),
 }
 DTYPES = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 

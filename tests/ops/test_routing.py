@@ -26,6 +26,7 @@ ROUTED_HERE = {
     "avg_pool3d_backward",
     "grid_sampler_2d_backward",
     "upsample_bilinear2d_backward",
+    "upsample_linear1d_backward",
     "reflection_pad1d_backward",
     "reflection_pad3d_backward",  # not 2-D: PyTorch's CUDA kernel has a deterministic gather of its own
     *(f"replication_pad{d}d_backward" for d in (1, 2, 3)),
@@ -165,6 +166,19 @@ def test_direct_aten_callers_are_routed(spy):
         "reflection_pad1d_backward",
     } <= set(spy)
     assert "reflection_pad2d_backward" not in spy
+
+
+@pytest.mark.parametrize("kwargs", [dict(scale_factor=2.5), dict(size=7, align_corners=True), dict(size=4)])
+def test_linear_1d_interpolate_backward_is_routed_and_equal(spy, kwargs):
+    x = torch.randn(3, 2, 9, dtype=torch.float64, requires_grad=True)
+    grad_output = torch.randn_like(F.interpolate(x, mode="linear", **kwargs))
+    (want,) = torch.autograd.grad(F.interpolate(x, mode="linear", **kwargs), x, grad_output)
+    assert spy == []
+    _routes.enable_routes("CPU")
+    torch.use_deterministic_algorithms(True)
+    (got,) = torch.autograd.grad(F.interpolate(x, mode="linear", **kwargs), x, grad_output)
+    assert spy == ["upsample_linear1d_backward"]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_uncovered_case_keeps_pytorchs_kernel_and_errors(spy):
