@@ -14,8 +14,16 @@ a fixed order (chunked, so one hot index does not serialise it). Routed at the d
 * ``_index_put_impl_`` with ``accumulate=True``: integer index tensors for the leading dims (no ``None``,
   no boolean masks, which need a host sync), ``values`` broadcastable.
 
-Everything else runs PyTorch's kernel unchanged. The argmax-scatter backwards (max pooling, embedding_bag
-"max") use the same op (:mod:`deepep_lightning.ops.max_pool`).
+Everything else runs PyTorch's kernel unchanged. The argmax-scatter backwards whose windows are known
+only through their indices (fractional max pooling, embedding_bag "max") use the same op
+(:mod:`deepep_lightning.ops.max_pool`).
+
+Where it stands against PyTorch's atomic kernel: the cost is a stable radix sort of 32-bit keys over
+only the ``ceil(log2(size))`` bits a row number can use, a binary search per row and two summing passes.
+When many entries land on few rows the atomics serialise on the same addresses and the sort is cheaper
+than they are; when the entries spread over many rows (mean segment of a few entries) the atomics barely
+collide, and the sort makes this op several times slower than them (still faster than PyTorch's own
+deterministic path). ``benchmarks/bench_refused_ops.py`` measures both regimes.
 """
 
 import math
@@ -250,6 +258,9 @@ def _scatter_add(self, dim, index, src):
     base = self.contiguous()
     if index.numel() == 0:
         return base.clone()
+    if self.dim() == 1:  # the index is the key: the kernel asserts it lies in [0, size)
+        values = src if src.shape[0] == index.shape[0] else src[: index.shape[0]]
+        return torch.ops.deepep.segment_scatter_add.default(values, index, base.shape[0], 0, base, 1.0)
     torch._assert_async(((index >= 0) & (index < self.shape[dim])).all(), "scatter_add: index out of range")
     strides = base.stride()
     # Flat position in self of each index entry: index * stride[dim] + coordinate * stride[d], d != dim.

@@ -74,6 +74,22 @@ def max_pool3d(batch, dtype):
     )
 
 
+def max_pool3d_dilated_ceil(batch, dtype):
+    x = _randn(batch, 3, 9, 11, 10, dtype=dtype)
+    out, indices = F.max_pool3d(x, 3, stride=2, padding=1, dilation=2, ceil_mode=True, return_indices=True)
+    args = ([3, 3, 3], [2, 2, 2], [1, 1, 1], [2, 2, 2], True)
+
+    def call(grad, x, indices):
+        return aten.max_pool3d_with_indices_backward(grad, x, *args, indices)
+
+    return (
+        call,
+        (_randn(*out.shape, dtype=dtype, seed=2), x, indices),
+        (lambda leaf: F.max_pool3d(leaf, 3, stride=2, padding=1, dilation=2, ceil_mode=True)),
+        x,
+    )
+
+
 def fractional_max_pool2d(batch, dtype):
     x = _randn(batch, 4, 20, 20, dtype=dtype)
     samples = _samples(batch, 4, 2).to(dtype)
@@ -166,6 +182,7 @@ CASES = {
         adaptive_max_pool2d_channels_last,
         adaptive_max_pool3d,
         max_pool3d,
+        max_pool3d_dilated_ceil,
         fractional_max_pool2d,
         fractional_max_pool3d,
         max_unpool2d,
