@@ -55,6 +55,20 @@ CASES = {
         lambda: (_randn(1, 2, 6, 7, 8), _randn(1, 2, 4, 5, 6), [1, 1, 1, 1, 1, 1]),
         torch.ops.aten.reflection_pad3d_backward,
     ),
+    "upsample_bicubic2d": (
+        "upsample_bicubic2d_backward",
+        lambda: (_randn(2, 3, 9, 7), [2, 3, 4, 5], False, None, None),
+        lambda grad, size, align, sh, sw: torch.ops.aten.upsample_bicubic2d_backward(
+            grad, grad.shape[2:], size, align, sh, sw
+        ),
+    ),
+    "upsample_bicubic2d_align_scales": (
+        "upsample_bicubic2d_backward",
+        lambda: (_randn(1, 2, 8, 10), [1, 2, 4, 5], True, 2.0, 2.0),
+        lambda grad, size, align, sh, sw: torch.ops.aten.upsample_bicubic2d_backward(
+            grad, grad.shape[2:], size, align, sh, sw
+        ),
+    ),
     "replication_pad1d": (
         "replication_pad_backward",
         lambda: (_randn(3, 12), _randn(3, 7), [2, 3]),

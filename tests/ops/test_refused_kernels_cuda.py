@@ -1,6 +1,6 @@
 """GPU tests of the deterministic kernels behind the dispatcher routes: nll_loss2d forward (4-D
-F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d, reflection/replication padding and linear 1-D
-interpolate backwards.
+F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d, reflection/replication padding, linear 1-D and
+bicubic interpolate backwards.
 
 Per case: PyTorch refuses it in deterministic mode (negative control), the routed result equals PyTorch's
 float64 CPU result to fp rounding, repeats bitwise x20, does not depend on the batch around a sample, and
@@ -76,6 +76,16 @@ CASES = {
     "interpolate_linear_1d": (
         (2, 4, 9),
         lambda x: (F.interpolate(x, scale_factor=2.5, mode="linear") ** 2).sum(),
+        True,
+    ),
+    "interpolate_bicubic": (
+        (2, 4, 9, 11),
+        lambda x: (F.interpolate(x, scale_factor=2.5, mode="bicubic") ** 2).sum(),
+        True,
+    ),
+    "interpolate_bicubic_align_corners_down": (
+        (2, 4, 23, 17),
+        lambda x: (F.interpolate(x, size=(7, 9), mode="bicubic", align_corners=True) ** 2).sum(),
         True,
     ),
     "interpolate_linear_1d_align_corners_down": (

@@ -27,6 +27,7 @@ ROUTED_HERE = {
     "grid_sampler_2d_backward",
     "upsample_bilinear2d_backward",
     "upsample_linear1d_backward",
+    "upsample_bicubic2d_backward",
     "reflection_pad1d_backward",
     "reflection_pad3d_backward",  # not 2-D: PyTorch's CUDA kernel has a deterministic gather of its own
     *(f"replication_pad{d}d_backward" for d in (1, 2, 3)),
@@ -178,6 +179,18 @@ def test_linear_1d_interpolate_backward_is_routed_and_equal(spy, kwargs):
     torch.use_deterministic_algorithms(True)
     (got,) = torch.autograd.grad(F.interpolate(x, mode="linear", **kwargs), x, grad_output)
     assert spy == ["upsample_linear1d_backward"]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs", [dict(scale_factor=1.7), dict(size=(4, 11), align_corners=True)])
+def test_bicubic_interpolate_backward_is_routed_and_equal(spy, kwargs):
+    x = torch.randn(2, 3, 6, 7, dtype=torch.float64, requires_grad=True)
+    grad_output = torch.randn_like(F.interpolate(x, mode="bicubic", **kwargs))
+    (want,) = torch.autograd.grad(F.interpolate(x, mode="bicubic", **kwargs), x, grad_output)
+    _routes.enable_routes("CPU")
+    torch.use_deterministic_algorithms(True)
+    (got,) = torch.autograd.grad(F.interpolate(x, mode="bicubic", **kwargs), x, grad_output)
+    assert spy == ["upsample_bicubic2d_backward"]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
