@@ -16,8 +16,8 @@
 //
 // Autograd is registered here, in C++ (torch::autograd::Function at the Autograd key), not with
 // torch.library.register_autograd from Python: the backward then runs without the Python layer,
-// which cost ~40-60 us of host time per call on the H200 machine, more than the upsample kernel
-// itself on small shapes (benchmarks/results/h200_session3_refused_bench/). The fake (meta)
+// costs more host time per call than the upsample kernel itself on small shapes (measured in
+// benchmarks/results/, summarised in BENCHMARKS.md). The fake (meta)
 // kernels stay in Python (deepep_lightning/ops/grid_sample.py, interpolate.py).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -33,8 +33,7 @@
 // longer ones are grouped by chunks (step 4), which rounds differently from a term-by-term sum
 // but is just as fixed.
 //
-// For speed (an earlier version without these measures took 0.28-0.50 ms against PyTorch's
-// 0.16-0.34 ms on an H200 for benchmarks/bench_refused_ops.py):
+// For speed:
 //   - outputs and scratch come from at::detail::empty_cuda: at::empty runs a NaN-fill kernel over
 //     every new tensor while torch.use_deterministic_algorithms(True) is on (PyTorch's
 //     fill_uninitialized_memory), 7 fills a call with at::empty; every byte here is written before
@@ -48,9 +47,8 @@
 //   - the sort runs on a cub::DoubleBuffer: no extra key/value copies in its temp storage;
 //   - long segments (heavy overlap: a grid that samples a small region, ~1600 points per cell) are
 //     pre-summed in chunks of K by many threads (step 4), so a pixel's thread adds L / K + L % K
-//     values per cell instead of L: without it the few threads of covered pixels walked thousands
-//     of entries each while the rest of the GPU idled (1.59x PyTorch's atomics on the H200 for
-//     N 8, C 32, 32x32 -> 128x128, grid x 0.2). The chunk pass costs one launch (P / K x C threads,
+//     values per cell instead of L, rather than the few threads of covered pixels walking thousands
+//     of entries each while the rest of the GPU idles. The chunk pass costs one launch (P / K x C threads,
 //     most of which exit after 2-4 cached reads when segments are short); no scan, no host sync.
 // All work is on the current stream, nothing synchronises.
 #include <ATen/ATen.h>

@@ -25,13 +25,11 @@
 // Sums are in accscalar_t (float for float/half/bfloat16, double for double): every sum has the
 // few taps of one axis (2-3 for scale <= 1.5x, ~2s for scale s), not the s^2 of a 2-D window.
 //
-// For speed (an earlier version, 4 index-table kernels and then one thread per grad_input element
-// summing its whole 2-D window, took 0.39-0.88 ms against PyTorch's 0.20-0.65 ms on an H200 for
-// benchmarks/bench_refused_ops.py):
-//   - 1 launch, not 5: the indices are computed where they are used, segment starts once per block
-//     into shared memory;
-//   - grad_output is read once, coalesced (the earlier version re-read each grad_input element's
-//     whole 2-D window from L1/L2, with 64-bit index arithmetic and double adds per element);
+// For speed:
+//   - 1 launch: the indices are computed where they are used, segment starts once per block into
+//     shared memory;
+//   - grad_output is read once, coalesced; each grad_input element is one running sum over the few
+//     row taps of its column sums, not over its whole 2-D window;
 //   - grad_input from at::detail::empty_cuda: at::empty's deterministic-mode NaN fill would write
 //     it once more; every element is written by the kernel.
 // All work is on the current stream, nothing synchronises.
