@@ -1,6 +1,6 @@
 """GPU tests of the deterministic kernels behind the dispatcher routes: nll_loss2d forward (4-D
 F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d, reflection/replication padding, linear 1-D and
-bicubic interpolate backwards.
+bicubic interpolate, and trilinear 3-D grid_sample backwards.
 
 Per case: PyTorch refuses it in deterministic mode (negative control), the routed result equals PyTorch's
 float64 CPU result to fp rounding, repeats bitwise x20, does not depend on the batch around a sample, and
@@ -26,6 +26,12 @@ def _segmentation_target(n, h, w, classes, seed=1):
     target = torch.randint(0, classes, (n, h, w), generator=torch.Generator().manual_seed(seed))
     target[:, :2, :3] = -100
     return target.cuda()
+
+
+def _volume_grid(x, spread=1.2, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    grid = (torch.rand(x.shape[0], 3, 4, 5, 3, generator=generator, dtype=torch.float64) * 2 - 1) * spread
+    return grid.to("cuda", x.dtype)
 
 
 def _weight(classes):
@@ -73,6 +79,21 @@ CASES = {
         True,
     ),
     "replication_pad1d_aten": ((2, 4, 9), lambda x: (torch._C._nn.replication_pad1d(x, (4, 11)) ** 2).sum(), True),
+    "grid_sample_3d_zeros": (
+        (2, 3, 5, 6, 7),
+        lambda x: (F.grid_sample(x, _volume_grid(x), align_corners=False) ** 2).sum(),
+        False,
+    ),
+    "grid_sample_3d_reflection_align": (
+        (2, 3, 5, 6, 7),
+        lambda x: (F.grid_sample(x, _volume_grid(x), padding_mode="reflection", align_corners=True) ** 2).sum(),
+        False,
+    ),
+    "grid_sample_3d_border": (
+        (2, 3, 5, 6, 7),
+        lambda x: (F.grid_sample(x, _volume_grid(x), padding_mode="border", align_corners=False) ** 2).sum(),
+        False,
+    ),
     "interpolate_linear_1d": (
         (2, 4, 9),
         lambda x: (F.interpolate(x, scale_factor=2.5, mode="linear") ** 2).sum(),
@@ -189,6 +210,24 @@ def test_uncovered_case_keeps_pytorchs_error(deterministic_routing):
     with pytest.raises(RuntimeError, match="reflection_pad3d_backward.*deterministic"):
         # negative padding (cropping) is left to PyTorch's kernel, which refuses deterministic mode
         _grad(lambda t: torch._C._nn.reflection_pad3d(t, (-1, 2, 1, 1, 1, 1)).square().sum(), x)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+def test_grid_sample_3d_grid_gradient_matches_pytorch(deterministic_routing, padding_mode):
+    x = _inputs((2, 3, 5, 6, 7), torch.float32)
+    grid = _volume_grid(x).requires_grad_()
+    grad_output = torch.randn(2, 3, 3, 4, 5, device="cuda")
+
+    def grads():
+        out = F.grid_sample(x, grid, padding_mode=padding_mode, align_corners=False)
+        return torch.autograd.grad(out, (x, grid), grad_output)
+
+    first = grads()
+    assert all(torch.equal(a, b) for a, b in zip(grads(), first))
+    torch.use_deterministic_algorithms(False)
+    want = grads()  # PyTorch's atomic kernel
+    for got, expected in zip(first, want):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 
 def test_reflection_pad2d_backward_is_left_to_pytorchs_deterministic_kernel(cuda_kernels):

@@ -28,6 +28,7 @@ ROUTED_HERE = {
     "upsample_bilinear2d_backward",
     "upsample_linear1d_backward",
     "upsample_bicubic2d_backward",
+    "grid_sampler_3d_backward",
     "reflection_pad1d_backward",
     "reflection_pad3d_backward",  # not 2-D: PyTorch's CUDA kernel has a deterministic gather of its own
     *(f"replication_pad{d}d_backward" for d in (1, 2, 3)),
@@ -192,6 +193,25 @@ def test_bicubic_interpolate_backward_is_routed_and_equal(spy, kwargs):
     (got,) = torch.autograd.grad(F.interpolate(x, mode="bicubic", **kwargs), x, grad_output)
     assert spy == ["upsample_bicubic2d_backward"]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
+@pytest.mark.parametrize("align_corners", [False, True])
+def test_grid_sample_3d_backward_is_routed_and_equal(spy, padding_mode, align_corners):
+    x = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64, requires_grad=True)
+    grid = ((torch.rand(2, 3, 2, 4, 3, dtype=torch.float64) * 2 - 1) * 1.3).requires_grad_()
+
+    def grads():
+        out = F.grid_sample(x, grid, padding_mode=padding_mode, align_corners=align_corners)
+        return torch.autograd.grad(out, (x, grid), torch.ones_like(out))
+
+    want = grads()
+    _routes.enable_routes("CPU")
+    torch.use_deterministic_algorithms(True)
+    got = grads()
+    assert spy == ["grid_sampler_3d_backward"]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
 def test_uncovered_case_keeps_pytorchs_kernel_and_errors(spy):

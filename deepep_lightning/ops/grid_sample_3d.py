@@ -1,0 +1,164 @@
+"""Deterministic backward of trilinear 3-D ``grid_sample`` routed at the dispatcher.
+
+PyTorch's CUDA ``grid_sampler_3d_backward`` scatters every output's 8 corner contributions into the input
+gradient with float ``atomicAdd`` and is refused under ``torch.use_deterministic_algorithms(True)``
+(``grid_sampler_3d_backward_cuda does not have a deterministic implementation``); ``F.grid_sample`` with a
+5-D input reaches it. The route computes the same backward from PyTorch ops:
+
+* the source coordinates and their derivatives follow PyTorch's ``GridSampler.cuh`` (unnormalize, then
+  clip for ``border``, reflect and clip for ``reflection``, each with its gradient multiplier);
+* ``grad_input`` is one ``index_put_(accumulate=True)`` of the 8 weighted corners of every output into
+  the flat input gradient: in deterministic mode PyTorch sorts the indices and sums each input's
+  contributions in a fixed order, so the result is bitwise reproducible;
+* ``grad_grid`` is a per-point gather (no accumulation across points), reduced over channels.
+
+* covered: ``interpolation_mode`` 0 (bilinear), every ``padding_mode``, both ``align_corners``,
+  float16/bfloat16/float32/float64 (coordinates in float32 or float64), 5-D input and grid of matching
+  batch, non-empty spatial sizes. Extra memory: 8 ``[N, C, D_out * H_out * W_out]`` value and index
+  tensors.
+* everything else (nearest/bicubic, shape errors) goes to PyTorch's kernel: its result and its errors.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from deepep_lightning.ops._routes import Route, register_route
+
+__all__ = ["grid_sampler_3d_backward_unsupported_reason"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ZEROS, _BORDER, _REFLECTION = 0, 1, 2
+
+
+def grid_sampler_3d_backward_unsupported_reason(
+    grad_output: Tensor,
+    input: Tensor,
+    grid: Tensor,
+    interpolation_mode: int,
+    padding_mode: int,
+    align_corners: bool,
+    output_mask: Sequence[bool],
+) -> str | None:
+    """Why the deterministic 3-D backward would hand these arguments to PyTorch, or ``None``."""
+    if not all(isinstance(t, Tensor) for t in (grad_output, input, grid)):
+        return "grad_output, input and grid must be torch.Tensor"
+    if interpolation_mode != 0:
+        return f"interpolation_mode={interpolation_mode!r} is not covered, only 0 (bilinear)"
+    if padding_mode not in (_ZEROS, _BORDER, _REFLECTION):
+        return f"padding_mode={padding_mode!r} is left to PyTorch to validate"
+    if input.dim() != 5 or grid.dim() != 5 or grid.shape[-1] != 3 or grid.shape[0] != input.shape[0]:
+        return f"input {tuple(input.shape)} / grid {tuple(grid.shape)} are left to PyTorch to validate"
+    if min(input.shape[2:]) <= 0:
+        return "empty spatial sizes are left to PyTorch"
+    expected = (input.shape[0], input.shape[1], *grid.shape[1:4])
+    if tuple(grad_output.shape) != expected:
+        return f"grad_output {tuple(grad_output.shape)} does not match {expected}"
+    if input.dtype not in _DTYPES or grid.dtype != input.dtype or grad_output.dtype != input.dtype:
+        return f"dtypes {input.dtype} / {grid.dtype} / {grad_output.dtype} are not one of {list(_DTYPES)}"
+    if not (input.device == grid.device == grad_output.device) or input.device.type not in ("cpu", "cuda"):
+        return f"devices {input.device} / {grid.device} / {grad_output.device} are not covered"
+    return None
+
+
+def _clip_set_grad(coordinate: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    # PyTorch's clip_coordinates_set_grad: gradient 0 where clipped (at or beyond either edge).
+    inside = (coordinate > 0) & (coordinate < size - 1)
+    return coordinate.clamp(0, size - 1), inside.to(coordinate.dtype)
+
+
+def _reflect_set_grad(coordinate: Tensor, twice_low: int, twice_high: int) -> tuple[Tensor, Tensor]:
+    # PyTorch's reflect_coordinates_set_grad.
+    if twice_low == twice_high:
+        return torch.zeros_like(coordinate), torch.zeros_like(coordinate)
+    low, span = twice_low / 2, (twice_high - twice_low) / 2
+    shifted = coordinate - low
+    sign = torch.where(shifted < 0, -1.0, 1.0).to(coordinate.dtype)
+    shifted = shifted.abs()
+    extra = torch.fmod(shifted, span)
+    even = torch.remainder(torch.floor(shifted / span), 2) == 0
+    reflected = torch.where(even, extra + low, span - extra + low)
+    return reflected, torch.where(even, sign, -sign)
+
+
+def _source_set_grad(coordinate: Tensor, size: int, padding_mode: int, align_corners: bool) -> tuple[Tensor, Tensor]:
+    """PyTorch's grid_sampler_compute_source_index_set_grad: (source coordinate, d source / d grid)."""
+    if align_corners:
+        source, multiplier = (coordinate + 1) / 2 * (size - 1), (size - 1) / 2
+    else:
+        source, multiplier = ((coordinate + 1) * size - 1) / 2, size / 2
+    gradient = torch.full_like(coordinate, multiplier)
+    if padding_mode == _BORDER:
+        source, clip = _clip_set_grad(source, size)
+        gradient = gradient * clip
+    elif padding_mode == _REFLECTION:
+        twice = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        source, reflect = _reflect_set_grad(source, *twice)
+        source, clip = _clip_set_grad(source, size)
+        gradient = gradient * reflect * clip
+    return source, gradient
+
+
+def _backward(
+    grad_output: Tensor,
+    input: Tensor,
+    grid: Tensor,
+    interpolation_mode: int,
+    padding_mode: int,
+    align_corners: bool,
+    output_mask: Sequence[bool],
+) -> tuple[Tensor | None, Tensor]:
+    n, c, depth, height, width = input.shape
+    compute = torch.float64 if input.dtype == torch.float64 else torch.float32
+    points = grid.shape[1] * grid.shape[2] * grid.shape[3]
+    coordinates = grid.reshape(n, points, 3).to(compute)  # [N, P, (x, y, z)]
+    sources, multipliers = [], []
+    for axis, size in enumerate((width, height, depth)):
+        source, multiplier = _source_set_grad(coordinates[..., axis], size, padding_mode, align_corners)
+        sources.append(source)
+        multipliers.append(multiplier)
+    low = [torch.floor(source) for source in sources]  # x0, y0, z0: [N, P]
+    fraction = [source - corner for source, corner in zip(sources, low)]
+    gout = grad_output.reshape(n, c, points).to(compute)  # [N, C, P]
+    flat_input = input.reshape(n, c, depth * height * width).to(compute)
+    plane_offsets = (torch.arange(n * c, device=input.device) * (depth * height * width)).view(n, c, 1)
+    want_input = bool(output_mask[0])
+    corner_indices, corner_values = [], []
+    grad_xyz = [torch.zeros(n, points, dtype=compute, device=input.device) for _ in range(3)]
+    for dz in (0, 1):
+        for dy in (0, 1):
+            for dx in (0, 1):
+                offsets = (dx, dy, dz)
+                position = [corner + offset for corner, offset in zip(low, offsets)]
+                inside = torch.ones_like(position[0], dtype=torch.bool)
+                for coordinate, size in zip(position, (width, height, depth)):
+                    inside &= (coordinate >= 0) & (coordinate <= size - 1)
+                # per-axis weights and their derivatives along x, y, z
+                weights = [f if o else 1 - f for f, o in zip(fraction, offsets)]
+                slopes = [1.0 if o else -1.0 for o in offsets]
+                x, y, z = (p.clamp(0, s - 1).long() for p, s in zip(position, (width, height, depth)))
+                index = ((z * height + y) * width + x).masked_fill(~inside, 0)  # [N, P]
+                mask = inside.unsqueeze(1).to(compute)  # [N, 1, P]
+                values = flat_input.gather(2, index.unsqueeze(1).expand(n, c, points)) * mask
+                # sum over channels of grad_output * corner value: [N, P]
+                dot = (gout * values).sum(1)
+                grad_xyz[0] += slopes[0] * weights[1] * weights[2] * dot
+                grad_xyz[1] += slopes[1] * weights[0] * weights[2] * dot
+                grad_xyz[2] += slopes[2] * weights[0] * weights[1] * dot
+                if want_input:
+                    weight = (weights[0] * weights[1] * weights[2]).unsqueeze(1) * mask  # [N, 1, P]
+                    corner_values.append(gout * weight)
+                    corner_indices.append(plane_offsets + index.unsqueeze(1))
+    grad_grid = torch.stack([g * m for g, m in zip(grad_xyz, multipliers)], dim=-1)
+    grad_grid = grad_grid.reshape(grid.shape).to(grid.dtype)
+    if not want_input:
+        return None, grad_grid
+    grad_input = torch.zeros(n * c * depth * height * width, dtype=compute, device=input.device)
+    grad_input.index_put_(
+        (torch.cat(corner_indices, dim=2).reshape(-1),), torch.cat(corner_values, dim=2).reshape(-1), accumulate=True
+    )
+    return grad_input.view(input.shape).to(input.dtype), grad_grid
+
+
+register_route(Route("grid_sampler_3d_backward", _backward, grid_sampler_3d_backward_unsupported_reason))
