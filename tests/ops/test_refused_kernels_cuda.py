@@ -1,6 +1,6 @@
 """GPU tests of the deterministic kernels behind the dispatcher routes: nll_loss2d forward (4-D
 F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d, reflection/replication padding, linear 1-D and
-bicubic interpolate, and trilinear 3-D grid_sample backwards.
+bicubic interpolate, and trilinear 3-D / nearest 2-D and 3-D grid_sample backwards.
 
 Per case: PyTorch refuses it in deterministic mode (negative control), the routed result equals PyTorch's
 float64 CPU result to fp rounding, repeats bitwise x20, does not depend on the batch around a sample, and
@@ -31,7 +31,8 @@ def _segmentation_target(n, h, w, classes, seed=1):
 def _volume_grid(x, spread=1.2, seed=3):
     generator = torch.Generator().manual_seed(seed)
     grid = (torch.rand(x.shape[0], 3, 4, 5, 3, generator=generator, dtype=torch.float64) * 2 - 1) * spread
-    return grid.to("cuda", x.dtype)
+    # multiples of 1/64: exact in every dtype, so nearest picks the same pixels as the float64 oracle
+    return (grid * 64).round().div(64).to("cuda", x.dtype)
 
 
 def _weight(classes):
@@ -92,6 +93,19 @@ CASES = {
     "grid_sample_3d_border": (
         (2, 3, 5, 6, 7),
         lambda x: (F.grid_sample(x, _volume_grid(x), padding_mode="border", align_corners=False) ** 2).sum(),
+        False,
+    ),
+    "grid_sample_3d_nearest": (
+        (2, 3, 5, 6, 7),
+        lambda x: (F.grid_sample(x, _volume_grid(x), mode="nearest", align_corners=False) ** 2).sum(),
+        False,
+    ),
+    "grid_sample_2d_nearest_border": (
+        (2, 3, 9, 11),
+        lambda x: (
+            F.grid_sample(x, _volume_grid(x)[:, 0, :, :, :2], mode="nearest", padding_mode="border", align_corners=True)
+            ** 2
+        ).sum(),
         False,
     ),
     "interpolate_linear_1d": (

@@ -197,19 +197,27 @@ def test_bicubic_interpolate_backward_is_routed_and_equal(spy, kwargs):
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
 @pytest.mark.parametrize("align_corners", [False, True])
-def test_grid_sample_3d_backward_is_routed_and_equal(spy, padding_mode, align_corners):
-    x = torch.randn(2, 3, 4, 5, 6, dtype=torch.float64, requires_grad=True)
-    grid = ((torch.rand(2, 3, 2, 4, 3, dtype=torch.float64) * 2 - 1) * 1.3).requires_grad_()
+@pytest.mark.parametrize(
+    "mode, spatial, aten_op",
+    [
+        ("bilinear", 3, "grid_sampler_3d_backward"),
+        ("nearest", 3, "grid_sampler_3d_backward"),
+        ("nearest", 2, "grid_sampler_2d_backward"),
+    ],
+)
+def test_decomposed_grid_sample_backward_is_routed_and_equal(spy, padding_mode, align_corners, mode, spatial, aten_op):
+    x = torch.randn(2, 3, *(4, 5, 6)[-spatial:], dtype=torch.float64, requires_grad=True)
+    grid = ((torch.rand(2, 3, *(2, 4)[: spatial - 1], spatial, dtype=torch.float64) * 2 - 1) * 1.3).requires_grad_()
 
     def grads():
-        out = F.grid_sample(x, grid, padding_mode=padding_mode, align_corners=align_corners)
+        out = F.grid_sample(x, grid, mode=mode, padding_mode=padding_mode, align_corners=align_corners)
         return torch.autograd.grad(out, (x, grid), torch.ones_like(out))
 
     want = grads()
     _routes.enable_routes("CPU")
     torch.use_deterministic_algorithms(True)
     got = grads()
-    assert spy == ["grid_sampler_3d_backward"]
+    assert spy == [aten_op]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 

@@ -1,18 +1,23 @@
-"""Deterministic backward of trilinear 3-D ``grid_sample`` routed at the dispatcher.
+"""Deterministic ``grid_sample`` backwards composed from PyTorch ops: trilinear 3-D, nearest 2-D and 3-D.
 
-PyTorch's CUDA ``grid_sampler_3d_backward`` scatters every output's 8 corner contributions into the input
-gradient with float ``atomicAdd`` and is refused under ``torch.use_deterministic_algorithms(True)``
-(``grid_sampler_3d_backward_cuda does not have a deterministic implementation``); ``F.grid_sample`` with a
-5-D input reaches it. The route computes the same backward from PyTorch ops:
+PyTorch's CUDA ``grid_sampler_3d_backward`` (``F.grid_sample`` on a 5-D input) and the nearest mode of
+``grid_sampler_2d_backward`` scatter every output's corner contributions into the input gradient with
+float ``atomicAdd`` and are refused under ``torch.use_deterministic_algorithms(True)``
+(``grid_sampler_3d_backward_cuda does not have a deterministic implementation``). The bilinear 2-D case
+has a CUDA kernel of its own (:mod:`deepep_lightning.ops.grid_sample`), whose route hands the nearest
+mode to :func:`nearest_backward` here. The backwards here are computed from PyTorch ops:
 
 * the source coordinates and their derivatives follow PyTorch's ``GridSampler.cuh`` (unnormalize, then
   clip for ``border``, reflect and clip for ``reflection``, each with its gradient multiplier);
-* ``grad_input`` is one ``index_put_(accumulate=True)`` of the 8 weighted corners of every output into
+* ``grad_input`` is one ``index_put_(accumulate=True)`` of the 8 weighted corners (trilinear) or the
+  nearest pixel (nearest: ``round`` half to even, as PyTorch's ``nearbyint``) of every output into
   the flat input gradient: in deterministic mode PyTorch sorts the indices and sums each input's
   contributions in a fixed order, so the result is bitwise reproducible;
-* ``grad_grid`` is a per-point gather (no accumulation across points), reduced over channels.
+* ``grad_grid`` is a per-point gather (no accumulation across points), reduced over channels; zero
+  for nearest, as PyTorch's.
 
-* covered: ``interpolation_mode`` 0 (bilinear), every ``padding_mode``, both ``align_corners``,
+* covered: ``interpolation_mode`` 0 (bilinear, 3-D) and 1 (nearest, 2-D via the 2-D route, and 3-D),
+  every ``padding_mode``, both ``align_corners``,
   float16/bfloat16/float32/float64 (coordinates in float32 or float64), 5-D input and grid of matching
   batch, non-empty spatial sizes. Extra memory: 8 ``[N, C, D_out * H_out * W_out]`` value and index
   tensors.
@@ -26,10 +31,38 @@ from torch import Tensor
 
 from deepep_lightning.ops._routes import Route, register_route
 
-__all__ = ["grid_sampler_3d_backward_unsupported_reason"]
+__all__ = ["grid_sampler_3d_backward_unsupported_reason", "nearest_backward", "decomposed_backward_unsupported_reason"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ZEROS, _BORDER, _REFLECTION = 0, 1, 2
+_BILINEAR, _NEAREST = 0, 1
+
+
+def decomposed_backward_unsupported_reason(
+    grad_output: Tensor,
+    input: Tensor,
+    grid: Tensor,
+    padding_mode: int,
+    spatial: int,
+) -> str | None:
+    """Why the decomposed backward of ``spatial`` (2 or 3) dims would hand these to PyTorch, or ``None``."""
+    if not all(isinstance(t, Tensor) for t in (grad_output, input, grid)):
+        return "grad_output, input and grid must be torch.Tensor"
+    if padding_mode not in (_ZEROS, _BORDER, _REFLECTION):
+        return f"padding_mode={padding_mode!r} is left to PyTorch to validate"
+    rank = spatial + 2
+    if input.dim() != rank or grid.dim() != rank or grid.shape[-1] != spatial or grid.shape[0] != input.shape[0]:
+        return f"input {tuple(input.shape)} / grid {tuple(grid.shape)} are left to PyTorch to validate"
+    if min(input.shape[2:]) <= 0:
+        return "empty spatial sizes are left to PyTorch"
+    expected = (input.shape[0], input.shape[1], *grid.shape[1:-1])
+    if tuple(grad_output.shape) != expected:
+        return f"grad_output {tuple(grad_output.shape)} does not match {expected}"
+    if input.dtype not in _DTYPES or grid.dtype != input.dtype or grad_output.dtype != input.dtype:
+        return f"dtypes {input.dtype} / {grid.dtype} / {grad_output.dtype} are not one of {list(_DTYPES)}"
+    if not (input.device == grid.device == grad_output.device) or input.device.type not in ("cpu", "cuda"):
+        return f"devices {input.device} / {grid.device} / {grad_output.device} are not covered"
+    return None
 
 
 def grid_sampler_3d_backward_unsupported_reason(
@@ -42,24 +75,9 @@ def grid_sampler_3d_backward_unsupported_reason(
     output_mask: Sequence[bool],
 ) -> str | None:
     """Why the deterministic 3-D backward would hand these arguments to PyTorch, or ``None``."""
-    if not all(isinstance(t, Tensor) for t in (grad_output, input, grid)):
-        return "grad_output, input and grid must be torch.Tensor"
-    if interpolation_mode != 0:
-        return f"interpolation_mode={interpolation_mode!r} is not covered, only 0 (bilinear)"
-    if padding_mode not in (_ZEROS, _BORDER, _REFLECTION):
-        return f"padding_mode={padding_mode!r} is left to PyTorch to validate"
-    if input.dim() != 5 or grid.dim() != 5 or grid.shape[-1] != 3 or grid.shape[0] != input.shape[0]:
-        return f"input {tuple(input.shape)} / grid {tuple(grid.shape)} are left to PyTorch to validate"
-    if min(input.shape[2:]) <= 0:
-        return "empty spatial sizes are left to PyTorch"
-    expected = (input.shape[0], input.shape[1], *grid.shape[1:4])
-    if tuple(grad_output.shape) != expected:
-        return f"grad_output {tuple(grad_output.shape)} does not match {expected}"
-    if input.dtype not in _DTYPES or grid.dtype != input.dtype or grad_output.dtype != input.dtype:
-        return f"dtypes {input.dtype} / {grid.dtype} / {grad_output.dtype} are not one of {list(_DTYPES)}"
-    if not (input.device == grid.device == grad_output.device) or input.device.type not in ("cpu", "cuda"):
-        return f"devices {input.device} / {grid.device} / {grad_output.device} are not covered"
-    return None
+    if interpolation_mode not in (_BILINEAR, _NEAREST):
+        return f"interpolation_mode={interpolation_mode!r} is not covered, only 0 (bilinear) and 1 (nearest)"
+    return decomposed_backward_unsupported_reason(grad_output, input, grid, padding_mode, 3)
 
 
 def _clip_set_grad(coordinate: Tensor, size: int) -> tuple[Tensor, Tensor]:
@@ -100,6 +118,34 @@ def _source_set_grad(coordinate: Tensor, size: int, padding_mode: int, align_cor
     return source, gradient
 
 
+def nearest_backward(
+    grad_output: Tensor, input: Tensor, grid: Tensor, padding_mode: int, align_corners: bool, want_input: bool
+) -> tuple[Tensor | None, Tensor]:
+    """Nearest-mode ``grid_sample`` backward (2-D or 3-D): ``(grad_input or None, grad_grid = 0)``."""
+    n, c = input.shape[:2]
+    sizes = list(reversed(input.shape[2:]))  # along x, y[, z]: W, H[, D]
+    compute = torch.float64 if input.dtype == torch.float64 else torch.float32
+    points = grad_output[0, 0].numel()
+    grad_grid = torch.zeros_like(grid)
+    if not want_input:
+        return None, grad_grid
+    coordinates = grid.reshape(n, points, len(sizes)).to(compute)
+    index = torch.zeros(n, points, dtype=torch.long, device=input.device)
+    inside = torch.ones(n, points, dtype=torch.bool, device=input.device)
+    stride = 1
+    for axis, size in enumerate(sizes):
+        source, _ = _source_set_grad(coordinates[..., axis], size, padding_mode, align_corners)
+        nearest = torch.round(source)  # half to even, as nearbyint
+        inside &= (nearest >= 0) & (nearest <= size - 1)
+        index += nearest.clamp(0, size - 1).long() * stride
+        stride *= size
+    plane_offsets = (torch.arange(n * c, device=input.device) * stride).view(n, c, 1)
+    values = grad_output.reshape(n, c, points).to(compute) * inside.unsqueeze(1).to(compute)  # [N, C, P]
+    grad_input = torch.zeros(n * c * stride, dtype=compute, device=input.device)
+    grad_input.index_put_(((plane_offsets + index.unsqueeze(1)).reshape(-1),), values.reshape(-1), accumulate=True)
+    return grad_input.view(input.shape).to(input.dtype), grad_grid
+
+
 def _backward(
     grad_output: Tensor,
     input: Tensor,
@@ -109,6 +155,8 @@ def _backward(
     align_corners: bool,
     output_mask: Sequence[bool],
 ) -> tuple[Tensor | None, Tensor]:
+    if interpolation_mode == _NEAREST:
+        return nearest_backward(grad_output, input, grid, padding_mode, align_corners, bool(output_mask[0]))
     n, c, depth, height, width = input.shape
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
     points = grid.shape[1] * grid.shape[2] * grid.shape[3]
