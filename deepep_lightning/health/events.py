@@ -1,4 +1,12 @@
-"""Health events: one JSON object per line in the run's log directory, mirrored to TensorBoard."""
+"""Health events: one JSON object per line in the run's log directory, a line in the terminal, text in TensorBoard.
+
+Every event is printed on rank 0 through Lightning's ``rank_zero_info`` (the ``lightning.pytorch``
+logger, which Lightning shows by default), as one line: ``deepep_lightning health: step 18: detected
+...``. The plugin's own loggers (``logging.getLogger("deepep_lightning")`` and its children) carry
+debug details only, such as which event file a run writes; they have no handler unless you add one.
+Scalars (event counts, norms) are not written here: the callbacks log them through
+``LightningModule.log`` at their checks.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +20,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from deepep_lightning._enums import StrEnum
 
-__all__ = ["DEFAULT_EVENTS_FILENAME", "EventKind", "HealthEventLog", "run_log_dir"]
+__all__ = ["DEFAULT_EVENTS_FILENAME", "INCIDENT_KINDS", "EventKind", "HealthEventLog", "describe_event", "run_log_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,13 @@ class EventKind(StrEnum):
     REGRESSION = "regression"  # a monitored metric collapsed from its best
 
 
+#: The kinds that count as a failed check (an incident): what ``health/incidents`` counts.
+INCIDENT_KINDS = frozenset({EventKind.DETECTED.value, EventKind.REGRESSION.value, EventKind.LARGE_PARAM.value})
+
+#: The longest terminal line of one event; the JSON-lines file keeps every field.
+_MAX_LINE = 240
+
+
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Enum):
         return _jsonable(value.value)
@@ -65,8 +80,15 @@ def run_log_dir(trainer: pl.Trainer) -> str:
     return trainer.default_root_dir
 
 
+def describe_event(event: dict[str, Any]) -> str:
+    """One terminal line for an event: ``step 18: detected reason=nonfinite_loss details={...}``."""
+    fields = " ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "step", "time") and v is not None)
+    line = f"step {event['step']}: {event['kind']}" + (f" {fields}" if fields else "")
+    return line if len(line) <= _MAX_LINE else line[: _MAX_LINE - 3] + "..."
+
+
 class HealthEventLog:
-    """Collects events; rank 0 appends them to ``<log_dir>/<filename>`` and to TensorBoard.
+    """Collects events; rank 0 appends them to ``<log_dir>/<filename>``, prints them and adds them to TensorBoard.
 
     Args:
         filename: name of the JSON-lines file inside the run's log directory.
@@ -76,7 +98,7 @@ class HealthEventLog:
         self.filename = filename
         self.events: list[dict[str, Any]] = []
         self.path: str | None = None
-        self._counts: dict[str, int] = {}
+        self._counted = 0  # events already counted by the last call of new_since_last_count()
 
     def attach(self, trainer: pl.Trainer) -> None:
         """Pick this run's file: ``<log_dir>/<filename>``, or ``<stem>.<n><suffix>`` when another run wrote that one.
@@ -92,18 +114,33 @@ class HealthEventLog:
             index += 1
             path = os.path.join(directory, f"{stem}.{index}{suffix}")
         if index:
-            log.info("health events of this run go to %s (%s belongs to another run)", path, self.filename)
+            log.debug("health events of this run go to %s (%s belongs to another run)", path, self.filename)
         self.path = path
 
-    def emit(self, trainer: pl.Trainer | None, kind: EventKind, step: int, **fields: Any) -> dict[str, Any]:
-        """Record one event of ``kind`` at ``step``; enum values are written as their strings."""
+    def emit(
+        self, trainer: pl.Trainer | None, kind: EventKind, step: int, announce: bool = True, **fields: Any
+    ) -> dict[str, Any]:
+        """Record one event of ``kind`` at ``step``; enum values are written as their strings.
+
+        Args:
+            announce: print it on rank 0 (``rank_zero_info``); False where the caller warns with its own message.
+        """
         event = _jsonable({"kind": kind, "step": int(step), "time": time.time(), **fields})
         self.events.append(event)
-        self._counts[event["kind"]] = self._counts.get(event["kind"], 0) + 1
-        log.info("health event %s at step %d: %s", kind, step, fields)
+        if announce:
+            rank_zero_info(f"deepep_lightning health: {describe_event(event)}")
         if trainer is not None:
             self._write(trainer, event)
         return event
+
+    def count(self, *kinds: str) -> int:
+        """How many events of these kinds were recorded (every kind when none is given)."""
+        return sum(1 for event in self.events if not kinds or event["kind"] in kinds)
+
+    def new_since_last_count(self) -> int:
+        """Events recorded since the previous call (all of them at the first call)."""
+        new, self._counted = len(self.events) - self._counted, len(self.events)
+        return new
 
     @rank_zero_only
     def _write(self, trainer: pl.Trainer, event: dict[str, Any]) -> None:
@@ -118,9 +155,3 @@ class HealthEventLog:
             if isinstance(logger, TensorBoardLogger):
                 text = "\n".join(f"- **{k}**: `{v}`" for k, v in event.items())
                 logger.experiment.add_text(f"health/{kind}", text, global_step=step)
-            logger.log_metrics({f"health/events/{kind}": float(self._counts[kind])}, step=step)
-
-    def log_scalars(self, trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)

@@ -16,12 +16,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
-from deepep_lightning.health.events import DEFAULT_EVENTS_FILENAME, EventKind, HealthEventLog
+from deepep_lightning.health.events import DEFAULT_EVENTS_FILENAME, INCIDENT_KINDS, EventKind, HealthEventLog
 from deepep_lightning.health.flags import HealthReason, StepFlags, StepRecord
 from deepep_lightning.health.spike import LossSpikeDetector
 from deepep_lightning.protocols import step_grad_norm, step_loss
 
-__all__ = ["Action", "FailureHandler", "HealthVerdict", "NonFiniteError", "NumericalHealthCallback"]
+__all__ = ["Action", "FailureHandler", "HealthVerdict", "NonFiniteError", "NumericalHealthCallback", "log_host_value"]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,19 @@ _ACTIONS: tuple[str, ...] = get_args(Action)
 
 #: The largest ``check_every_n_steps``: the device table holds a row per step between two checks.
 MAX_CHECK_EVERY_N_STEPS = 10_000
+
+
+def log_host_value(
+    pl_module: pl.LightningModule, name: str, value: float, prog_bar: bool = False, on_epoch: bool = False
+) -> None:
+    """``pl_module.log`` of a value already on the host, as a CPU tensor.
+
+    Lightning moves a Python float to the module's device, and converts every progress-bar value back
+    with ``.item()`` at each step's end, a host sync per step on a GPU; a CPU tensor needs neither.
+    """
+    pl_module.log(
+        name, torch.tensor(float(value)), on_step=not on_epoch, on_epoch=on_epoch, prog_bar=prog_bar, batch_size=1
+    )
 
 
 class NonFiniteError(RuntimeError):
@@ -75,9 +88,29 @@ class NumericalHealthCallback(Callback):
     step) and the loss value into a slot; the host reads all slots once every
     ``check_every_n_steps`` steps (and at the end of each epoch and at ``max_steps``), so a
     step costs a few small kernels and **no** host synchronisation. At a check it also tests
-    the parameters, logs ``health/grad_norm`` and ``health/param_norm``, and feeds the loss
-    spike detector. At each epoch end it checks every parameter for NaN/Inf and
-    ``max |w| > param_max_abs``.
+    the parameters and feeds the loss spike detector. At each epoch end it checks every
+    parameter for NaN/Inf and ``max |w| > param_max_abs``.
+
+    Scalars go through ``pl_module.log`` (so ``EarlyStopping``/``ModelCheckpoint`` can monitor
+    them and they share the training step's x-axis), logged at each check only, as host values
+    the check has already read (CPU tensors: neither Lightning nor the progress bar reads the device
+    for them):
+
+    * ``health/events``: health events recorded since the previous check (0 when healthy);
+    * ``health/incidents``: failed checks in the run so far (also in the progress bar);
+    * ``health/param_norm`` and ``health/loss_z`` (spike detector's z-score), with ``log_norms``;
+    * ``health/param_max_abs`` at each epoch end.
+
+    The gradient norm is the training step's to log (DeepEP's ``train/grad_norm``;
+    ``lightning.pytorch.utilities.grad_norm`` for any module): the check reads it for its verdict
+    but does not log it again. Lightning writes logged values every ``log_every_n_steps`` steps and
+    repeats the last value in between, so a ``check_every_n_steps`` that is a multiple of
+    ``log_every_n_steps`` writes every check on its own step.
+
+    Every health event is printed on rank 0 as one line through Lightning's ``rank_zero_info``
+    (shown by default), appended to the JSON-lines event log and added to TensorBoard's text tab;
+    a failure without a rollback also warns (``rank_zero_warn``). The ``deepep_lightning`` logger
+    (``logging.getLogger("deepep_lightning")``) carries debug details only and has no handler by default.
 
     With a :class:`~deepep_lightning.NaNRollbackCallback` in the trainer, failed checks are
     handed to it (roll back and replay); alone, ``on_nonfinite`` / ``on_spike`` decide.
@@ -94,7 +127,7 @@ class NumericalHealthCallback(Callback):
         on_nonfinite: ``"raise"`` (:class:`NonFiniteError`), ``"warn"`` or ``"stop"`` (clean stop).
         param_max_abs: warn/raise when any ``|w|`` exceeds it at an epoch end (None: off).
         on_large_param: ``"warn"``, ``"raise"`` or ``"stop"``.
-        log_norms: log gradient and parameter norms at each check.
+        log_norms: log the parameter norm and the loss z-score at each check.
         spike_detection: run the loss spike detector (see :class:`LossSpikeDetector`).
         spike_window / spike_z_threshold / spike_warmup / spike_persistence: its settings.
         on_spike: action without rollback: ``"warn"``, ``"raise"`` or ``"stop"``.
@@ -256,8 +289,11 @@ class NumericalHealthCallback(Callback):
         if self._handler is not None:
             return  # the rollback callback polls and decides
         verdict = self.poll(trainer, pl_module)
-        if verdict is not None and not verdict.healthy:
+        if verdict is None:
+            return
+        if not verdict.healthy:
             self._act(trainer, verdict)
+        self.log_check(pl_module)
 
     # ---------------------------------------------------------------- checks
     def _check_due(self, trainer: pl.Trainer) -> bool:
@@ -309,13 +345,24 @@ class NumericalHealthCallback(Callback):
         self._next_unchecked = end
         self.last_verdict = verdict
         if self.log_norms and records:
-            metrics = {"health/grad_norm": records[-1].grad_norm}
+            metrics: dict[str, float] = {}
             if extra is not None:
                 metrics["health/param_norm"] = float(extra[0])
             if self.spike_detector is not None and self.spike_detector.last_z is not None:
                 metrics["health/loss_z"] = float(self.spike_detector.last_z)
-            self.events.log_scalars(trainer, {k: v for k, v in metrics.items() if math.isfinite(v)}, end)
+            for name, value in metrics.items():
+                if math.isfinite(value):
+                    log_host_value(pl_module, name, value)
         return verdict
+
+    def log_check(self, pl_module: pl.LightningModule) -> None:
+        """Log ``health/events`` (events since the previous check) and ``health/incidents`` (failed checks so far).
+
+        Called after a check has been acted on (by this callback, or by the attached rollback), in
+        ``on_train_batch_end``, so the events of the check's own handling count at its step.
+        """
+        log_host_value(pl_module, "health/events", float(self.events.new_since_last_count()))
+        log_host_value(pl_module, "health/incidents", float(self.events.count(*INCIDENT_KINDS)), prog_bar=True)
 
     def _agree(self, trainer: pl.Trainer, verdict: HealthVerdict) -> HealthVerdict:
         """Make the verdict rank-consistent: all ranks adopt the earliest bad step seen by any rank."""
@@ -336,7 +383,14 @@ class NumericalHealthCallback(Callback):
 
     def _act(self, trainer: pl.Trainer, verdict: HealthVerdict) -> None:
         action = self.on_spike if verdict.reason == HealthReason.LOSS_SPIKE else self.on_nonfinite
-        self.events.emit(trainer, EventKind.DETECTED, verdict.bad_step, reason=verdict.reason, details=verdict.details)
+        self.events.emit(
+            trainer,
+            EventKind.DETECTED,
+            verdict.bad_step,
+            announce=False,
+            reason=verdict.reason,
+            details=verdict.details,
+        )
         message = f"NumericalHealthCallback: {verdict.describe()}"
         if action == "raise":
             raise NonFiniteError(message + ". HINT: add NaNRollbackCallback to roll back and recover.")
@@ -358,9 +412,8 @@ class NumericalHealthCallback(Callback):
         host = maxes.cpu().tolist()  # once per epoch: a sync is fine here
         bad = [n for n, v in zip(names, host) if not math.isfinite(v)]
         worst = max(range(len(host)), key=lambda i: host[i] if math.isfinite(host[i]) else -1.0)
-        self.events.log_scalars(
-            trainer, {"health/param_max_abs": host[worst]} if math.isfinite(host[worst]) else {}, trainer.global_step
-        )
+        if math.isfinite(host[worst]):
+            log_host_value(pl_module, "health/param_max_abs", host[worst], on_epoch=True)
         if bad:
             verdict = HealthVerdict(
                 trainer.global_step,
@@ -374,7 +427,12 @@ class NumericalHealthCallback(Callback):
                 self._act(trainer, verdict)
         elif self.param_max_abs is not None and host[worst] > self.param_max_abs:
             self.events.emit(
-                trainer, EventKind.LARGE_PARAM, trainer.global_step, parameter=names[worst], max_abs=host[worst]
+                trainer,
+                EventKind.LARGE_PARAM,
+                trainer.global_step,
+                announce=False,
+                parameter=names[worst],
+                max_abs=host[worst],
             )
             message = (
                 f"parameter {names[worst]!r} has max |w| = {host[worst]:.4g} > param_max_abs={self.param_max_abs!r}"

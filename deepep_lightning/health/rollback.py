@@ -99,9 +99,15 @@ class NaNRollbackCallback(Callback):
        naming the stop.
 
     Every event goes to the health event log (JSON lines in the run's log directory, and
-    TensorBoard). Decisions are rank-consistent under DDP: the health verdict is agreed, the
-    snapshot restored is the newest one that every rank can load, a skipped step is skipped on
-    every rank, and a monitored metric is averaged over ranks.
+    TensorBoard) and is printed on rank 0 as one line through Lightning's ``rank_zero_info``
+    (shown by default; a diagnosis and a stop warn with ``rank_zero_warn`` instead). After each
+    check, once it is acted on, ``health/events`` and ``health/incidents`` are logged through
+    ``pl_module.log`` (see :class:`~deepep_lightning.NumericalHealthCallback`). The
+    ``deepep_lightning`` logger carries debug details only.
+
+    Decisions are rank-consistent under DDP: the health verdict is agreed, the snapshot restored
+    is the newest one that every rank can load, a skipped step is skipped on every rank, and a
+    monitored metric is averaged over ranks.
 
     Guarantee scope: bitwise replay needs deterministic kernels (see ``DESIGN.md``) and
     ``accumulate_grad_batches=1``; batches are copied at ``on_train_batch_start`` (host memory
@@ -275,9 +281,11 @@ class NaNRollbackCallback(Callback):
             restore_update_state(pl_module, optimizers, saved)
         return output
 
-    def _emit(self, trainer: pl.Trainer, kind: EventKind, step: int, **fields: Any) -> dict[str, Any]:
+    def _emit(
+        self, trainer: pl.Trainer, kind: EventKind, step: int, announce: bool = True, **fields: Any
+    ) -> dict[str, Any]:
         assert self._health is not None
-        return self._health.events.emit(trainer, kind, step, **fields)
+        return self._health.events.emit(trainer, kind, step, announce=announce, **fields)
 
     # ---------------------------------------------------------------- snapshots
     def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metric: float | None = None) -> None:
@@ -358,6 +366,12 @@ class NaNRollbackCallback(Callback):
         verdict = self._health.poll(trainer, pl_module)
         if verdict is None:
             return
+        self._handle_check(trainer, pl_module, verdict, is_last)
+        self._health.log_check(pl_module)
+
+    def _handle_check(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: HealthVerdict, is_last: bool
+    ) -> None:
         if not verdict.healthy and self._rolls_back(verdict):
             self._handle_failure(trainer, pl_module, verdict)
         elif not verdict.healthy:
@@ -615,6 +629,7 @@ class NaNRollbackCallback(Callback):
             trainer,
             EventKind.DIAGNOSIS,
             replayed.bad_step,
+            announce=False,  # warned below, with the whole report
             report=text,
             op=found and found.op,
             module=found and found.module_path,
@@ -682,7 +697,7 @@ class NaNRollbackCallback(Callback):
             "lr_scale": self._lr_scale,
             **_public(incident),
         }
-        self._emit(trainer, EventKind.STOPPED, incident["step"], **self.stop_report)
+        self._emit(trainer, EventKind.STOPPED, incident["step"], announce=False, **self.stop_report)
         rank_zero_warn(f"NaNRollbackCallback stopped training: {why}. {weights}; see the health event log.")
 
     # ---------------------------------------------------------------- state

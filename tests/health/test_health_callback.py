@@ -64,12 +64,58 @@ def test_no_host_read_between_checks(tmp_path, monkeypatch):
     assert reads == [1, 2, 3, 4, 5, 6]
 
 
-def test_norms_logged_at_checks(tmp_path):
+def test_scalars_logged_through_lightning_at_checks_on_the_training_step(tmp_path):
+    """At each check: param norm, events since the last check (0: healthy), incidents; with train/loss's step."""
     logger = CaptureLogger(str(tmp_path))
-    fit(tmp_path, [NumericalHealthCallback(check_every_n_steps=3)], max_steps=9, logger=logger)
-    health = {step: m for step, m in logger.metrics if "health/grad_norm" in m}
-    assert sorted(health) == [3, 6, 9]
-    assert all(m["health/grad_norm"] > 0 and m["health/param_norm"] > 0 for m in health.values())
+    trainer, _ = fit(
+        tmp_path, [NumericalHealthCallback(check_every_n_steps=3)], max_steps=9, logger=logger, log_every_n_steps=3
+    )
+    written = {step: m for step, m in logger.metrics if "health/param_norm" in m}
+    assert sorted(written) == [2, 5, 8]  # Lightning's step index, the one train/loss is written at
+    assert all("train/loss" in m for m in written.values())
+    assert all(m["health/param_norm"] > 0 and m["health/events"] == 0 for m in written.values())
+    assert all(m["health/incidents"] == 0 for m in written.values())
+    # one gradient norm per run: the training step's to log, not repeated under health/
+    assert not any(key.startswith("health/grad_norm") for _, m in logger.metrics for key in m)
+    # host values: the progress bar reads them without touching a device
+    assert trainer.callback_metrics["health/incidents"].device.type == "cpu"
+    assert trainer.progress_bar_metrics["health/incidents"] == 0
+
+
+def test_event_count_at_the_check_of_an_incident_then_zero(tmp_path):
+    """A NaN rolled back at step 5: health/events counts its events at that check, 0 at the next; incidents stays 1."""
+    from deepep_lightning.health import NaNRollbackCallback
+
+    logger = CaptureLogger(str(tmp_path))
+    health = NumericalHealthCallback(check_every_n_steps=1, spike_detection=False)
+    callbacks = [FaultInjectionCallback("loss", steps=[5]), health, NaNRollbackCallback(snapshot_every_n_steps=2)]
+    fit(tmp_path, callbacks, max_steps=8, logger=logger, log_every_n_steps=1)
+    events = {step: m["health/events"] for step, m in logger.metrics if "health/events" in m}
+    incidents = {step: m["health/incidents"] for step, m in logger.metrics if "health/incidents" in m}
+    assert events[5] == len(health.events.events) >= 3  # detected, rollback, transient
+    assert all(events[step] == 0 for step in events if step != 5)
+    assert [incidents[step] for step in sorted(incidents)] == [0] * 5 + [1] * 3
+
+
+def test_early_stopping_monitors_a_health_scalar(tmp_path):
+    """EarlyStopping(monitor="health/incidents") stops after an incident; a clean run goes on (negative control)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    from deepep_lightning.health import NaNRollbackCallback
+
+    def run(directory, faults):
+        stopper = EarlyStopping(monitor="health/incidents", mode="min", divergence_threshold=0.5, patience=100)
+        callbacks = [
+            FaultInjectionCallback("loss", steps=faults),
+            NumericalHealthCallback(check_every_n_steps=2, spike_detection=False),
+            NaNRollbackCallback(snapshot_every_n_steps=2),
+            stopper,
+        ]
+        trainer, _ = fit(directory, callbacks, max_steps=40)  # 16 batches per epoch
+        return trainer
+
+    assert run(tmp_path / "fault", [5]).global_step == 16  # stopped at the end of the incident's epoch
+    assert run(tmp_path / "clean", []).global_step == 40
 
 
 def test_warn_mode_continues_and_weights_go_nonfinite(tmp_path):

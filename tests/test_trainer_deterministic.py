@@ -1,0 +1,33 @@
+"""Trainer(deterministic=...) next to DeterminismCallback: the callback's settings win, and a conflict says so."""
+
+import pytest
+
+from deepep_lightning.trainer_deterministic import (
+    trainer_deterministic_conflict,
+    warn_if_trainer_deterministic_conflicts,
+)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "algorithms", "warn_only"),
+    [("warn", True, False), (False, True, False), (True, False, False), (True, True, True)],
+)
+def test_disagreement_names_both_settings_and_who_wins(trainer, algorithms, warn_only):
+    message = trainer_deterministic_conflict(trainer, algorithms, warn_only)
+    assert message is not None
+    assert f"Trainer(deterministic={trainer!r})" in message and "the callback" in message and "HINT" in message
+    with pytest.warns(UserWarning, match="disagrees with DeterminismCallback"):
+        assert warn_if_trainer_deterministic_conflicts(trainer, algorithms, warn_only)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "algorithms", "warn_only"),
+    [(None, True, False), (None, False, False), (True, True, False), ("warn", True, True), (False, False, True)],
+)
+def test_agreement_or_an_unset_trainer_flag_is_silent(trainer, algorithms, warn_only):
+    assert trainer_deterministic_conflict(trainer, algorithms, warn_only) is None
+
+
+def test_a_bad_trainer_value_is_named():
+    with pytest.raises(ValueError, match=r"deterministic=.*'always'"):
+        trainer_deterministic_conflict("always", True, False)
