@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import logging
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,18 +16,21 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from deepep_lightning import _checks
+from deepep_lightning import _checks, _lightning_compat
 from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
 from deepep_lightning.deepep.envs import ENVIRONMENTS, make_env
-from deepep_lightning.deepep.episode_return import EpisodeReturnMean
+from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel
 
 __all__ = ["DeepEPModule"]
 
 log = logging.getLogger(__name__)
+
+#: Episodes in the rolling mean return (``train/episode_return_100``), the usual CartPole criterion.
+RETURN_WINDOW = 100
 
 
 class _StepIndices(Dataset):
@@ -122,6 +126,15 @@ class DeepEPModule(pl.LightningModule):
         cuda_graph: capture the whole training step as one CUDA graph (GPU only; manual optimisation).
         compile_step: ``torch.compile`` the per-timestep network call.
         env_kwargs: extra environment arguments, e.g. ``{"horizon": 512}`` for ``"memory"``.
+
+    Logged (``train/``): ``loss``, ``policy_loss``, ``value_loss``, ``entropy``, ``grad_norm`` and
+    ``episode_return_100`` (mean return of the last 100 finished episodes, a device-side rolling
+    window) at every step as device tensors, so a step reads nothing back: Lightning reads them
+    when it writes, every ``log_every_n_steps``. ``episode_return`` (the epoch's mean per finished
+    episode) at each epoch end, ``entropy_coef`` with ``target_entropy``. At the steps Lightning
+    writes, the module also reads ``loss`` and ``return_100`` once to the host for the progress
+    bar and logs ``perf/env_steps_per_s`` (environment steps per second since the previous write;
+    wall-clock, so ``deepep-compare`` and ``deepep-audit l4`` skip ``perf/`` tags by default).
 
     Example::
 
@@ -267,6 +280,8 @@ class DeepEPModule(pl.LightningModule):
         # log α of the adaptive entropy coefficient: a buffer, so checkpoints and rollbacks carry it.
         self.register_buffer("log_entropy_coef", torch.tensor(math.log(entropy_coef) if entropy_coef > 0 else 0.0))
         self.episode_return = EpisodeReturnMean()
+        self.episode_return_100 = RollingEpisodeReturn(RETURN_WINDOW)
+        self._throughput_mark: tuple[float, int] | None = None  # (perf_counter, rollout step) at the last write
         self._agent_step = torch.compile(self.agent.step) if compile_step else self.agent.step
         self._env = None
         self._hidden: torch.Tensor | None = None
@@ -394,6 +409,7 @@ class DeepEPModule(pl.LightningModule):
             agent, self._env, self._hidden.clone(), hp.rollout_length, self._generator, hp.bptt_truncation
         )
         self._hidden.copy_(rollout.final_hidden)
+        self.episode_return_100.update(rollout.episode_returns, rollout.dones)
         target_q, bootstrap = None, rollout.bootstrap_value
         if hp.target_tau is not None:
             all_target_q = self.agent.target_q(rollout.features)  # [T + 1, B, A]
@@ -429,8 +445,38 @@ class DeepEPModule(pl.LightningModule):
             )
         return rollout, terms
 
+    def _lightning_writes_logs_after(self, step: int) -> bool:
+        """Whether Lightning writes the logged values at the end of optimizer step ``step`` (0-based).
+
+        Lightning writes when ``(batches_that_stepped + 1) % log_every_n_steps == 0``; with one optimizer
+        step per batch that count is the ``global_step`` at the start of the step.
+        """
+        trainer = _lightning_compat.attached_trainer(self)
+        every = trainer.log_every_n_steps if trainer is not None else 0
+        return every > 0 and (step + 1) % every == 0
+
+    def _log_progress(self, loss: torch.Tensor) -> None:
+        """At a step Lightning writes: loss and rolling return for the progress bar (host values), throughput."""
+        hp = self.hparams
+        host = torch.stack([loss.detach().float(), self.episode_return_100.compute()]).cpu()  # one read
+        self.log("loss", host[0], on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+        self.log("return_100", host[1], on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+        now = time.perf_counter()
+        if self._throughput_mark is not None and self._rollout_step > self._throughput_mark[1]:
+            start, first_step = self._throughput_mark
+            env_steps = (self._rollout_step - first_step) * hp.num_envs * hp.rollout_length
+            rate = torch.tensor(env_steps / max(now - start, 1e-9))
+            self.log("perf/env_steps_per_s", rate, on_step=True, on_epoch=False, batch_size=1)
+        self._throughput_mark = (now, self._rollout_step)
+
+    @override
+    def on_train_start(self) -> None:
+        self._throughput_mark = (time.perf_counter(), self._rollout_step)
+
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        trainer = _lightning_compat.attached_trainer(self)
+        writes_logs = trainer is not None and self._lightning_writes_logs_after(trainer.global_step)
         self._ensure_rollout_state()
         self._seed_rollout()
         if self.hparams.cuda_graph:
@@ -447,14 +493,16 @@ class DeepEPModule(pl.LightningModule):
             }
             self.last_rollout = rollout
         self._rollout_step += 1
+        # device tensors, no prog_bar: Lightning converts progress-bar values to numbers at every step's end
         for name in ("loss", "policy_loss", "value_loss", "entropy"):
-            self.log(
-                f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False, prog_bar=name == "loss"
-            )
+            self.log(f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False)
         if self.hparams.target_entropy is not None:
             self.log("train/entropy_coef", self.log_entropy_coef.exp(), on_step=True, on_epoch=False)
         self.episode_return.update(outputs["episode_return_sum"], outputs["episodes"])
         self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
+        self.log("train/episode_return_100", self.episode_return_100.compute(), on_step=True, on_epoch=False)
+        if writes_logs:
+            self._log_progress(outputs["loss"])
         if self.hparams.cuda_graph:
             # The graph's outputs are overwritten by the next replay: hand on clones. Manual optimisation
             # passes this dict to the callbacks' on_train_batch_end (NumericalHealthCallback checks

@@ -209,3 +209,61 @@ def test_stabilisers_off_leave_the_run_unchanged():
 def test_bad_stabiliser_arguments_fail_before_training(kwargs, message):
     with pytest.raises(MisconfigurationException, match=message):
         DeepEPModule(**kwargs)
+
+
+class _LoggedEveryStep(pl.Callback):
+    def __init__(self):
+        self.rolling, self.finished = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        rollout = pl_module.last_rollout
+        self.finished += rollout.episode_returns.reshape(-1)[rollout.dones.reshape(-1)].tolist()
+        self.rolling.append((trainer.callback_metrics["train/episode_return_100"].item(), list(self.finished[-100:])))
+
+
+def test_rolling_100_episode_return_logged_every_step_and_progress_values_at_log_steps():
+    recorder = _LoggedEveryStep()
+    model = DeepEPModule(**{**TINY, "num_envs": 32, "rollout_length": 16})  # ~20 steps per early episode
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=12,
+        log_every_n_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(model)
+    for logged, window in recorder.rolling:
+        if window:
+            assert logged == pytest.approx(sum(window) / len(window), rel=1e-6)
+    assert len(recorder.finished) > 100  # the window really rolled
+    # device tensors every step (no host read), host values for the progress bar at the steps Lightning writes
+    assert trainer.callback_metrics["train/episode_return_100"].device == model.device
+    assert trainer.callback_metrics["return_100"].device.type == "cpu"
+    assert trainer.progress_bar_metrics["return_100"] == pytest.approx(recorder.rolling[-1][0], rel=1e-6)
+    assert "train/loss" not in trainer.progress_bar_metrics  # no per-step conversion of a device tensor
+    assert float(trainer.callback_metrics["perf/env_steps_per_s"]) > 0
+
+
+def test_progress_values_are_read_only_at_the_steps_lightning_writes(monkeypatch):
+    reads = []
+    original = DeepEPModule._log_progress
+
+    def counting(self, loss):
+        reads.append(self.trainer.global_step)
+        original(self, loss)
+
+    monkeypatch.setattr(DeepEPModule, "_log_progress", counting)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=9,
+        log_every_n_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(DeepEPModule(**TINY))
+    assert reads == [2, 5, 8]  # the 0-based steps Lightning writes at with log_every_n_steps=3
