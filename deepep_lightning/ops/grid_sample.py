@@ -14,7 +14,8 @@ forward (``torch.grid_sampler``, cuDNN path included, so the output is bit for b
 * at the dispatcher (``deepep_lightning.ops._routes``), the same backward serves
   ``aten::grid_sampler_2d_backward`` on CUDA in deterministic mode, so ``F.grid_sample`` itself,
   ``torch.grid_sampler`` and every other caller are covered once routing is on. The route also
-  serves ``mode="nearest"`` (composed from PyTorch ops, :mod:`deepep_lightning.ops.grid_sample_decomposed`).
+  serves ``mode="nearest"`` and ``"bicubic"`` (composed from PyTorch ops,
+  :mod:`deepep_lightning.ops.grid_sample_decomposed`).
 * everything else (``mode="nearest"``/``"bicubic"``, 5-D input, integer dtypes, no compiled
   extension, a CUDA tensor without the CUDA kernels) is handed to ``F.grid_sample`` unchanged:
   same result, and PyTorch's own error where PyTorch raises (also its deterministic-mode error).
@@ -29,7 +30,11 @@ from torch import Tensor
 
 from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, register_op_python_side
 from deepep_lightning.ops._routes import Route, register_route
-from deepep_lightning.ops.grid_sample_decomposed import decomposed_backward_unsupported_reason, nearest_backward
+from deepep_lightning.ops.grid_sample_decomposed import (
+    bicubic_backward,
+    decomposed_backward_unsupported_reason,
+    nearest_backward,
+)
 
 __all__ = ["grid_sample", "grid_sample_unsupported_reason"]
 
@@ -154,10 +159,10 @@ def _backward_route_covers(
     align_corners: bool,
     output_mask: Sequence[bool],
 ) -> str | None:
-    if interpolation_mode == 1:  # nearest: composed from PyTorch ops (grid_sample_decomposed.py)
+    if interpolation_mode in (1, 2):  # nearest, bicubic: composed from PyTorch ops (grid_sample_decomposed.py)
         return decomposed_backward_unsupported_reason(grad_output, input, grid, padding_mode, 2)
     if interpolation_mode != 0:
-        return f"interpolation_mode={interpolation_mode!r} is not covered, only 0 (bilinear) and 1 (nearest)"
+        return f"interpolation_mode={interpolation_mode!r} is not one of 0, 1, 2 (bilinear, nearest, bicubic)"
     if padding_mode not in _PADDING_NAMES:
         return f"padding_mode={padding_mode!r} is not one of {sorted(_PADDING_NAMES)}"
     reason = grid_sample_unsupported_reason(input, grid, "bilinear", _PADDING_NAMES[padding_mode])
@@ -178,8 +183,9 @@ def _backward_route(
     align_corners: bool,
     output_mask: Sequence[bool],
 ):
-    if interpolation_mode == 1:
-        return nearest_backward(grad_output, input, grid, padding_mode, align_corners, bool(output_mask[0]))
+    if interpolation_mode in (1, 2):
+        decomposed = nearest_backward if interpolation_mode == 1 else bicubic_backward
+        return decomposed(grad_output, input, grid, padding_mode, align_corners, bool(output_mask[0]))
     grad_input, grad_grid = torch.ops.deepep.grid_sample_bilinear2d_backward.default(
         grad_output, input, grid, padding_mode, align_corners, bool(output_mask[0])
     )

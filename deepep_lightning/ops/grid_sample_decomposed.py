@@ -1,27 +1,31 @@
-"""Deterministic ``grid_sample`` backwards composed from PyTorch ops: trilinear 3-D, nearest 2-D and 3-D.
+"""Deterministic ``grid_sample`` backwards composed from PyTorch ops: trilinear 3-D, nearest 2-D and 3-D,
+bicubic 2-D.
 
-PyTorch's CUDA ``grid_sampler_3d_backward`` (``F.grid_sample`` on a 5-D input) and the nearest mode of
-``grid_sampler_2d_backward`` scatter every output's corner contributions into the input gradient with
-float ``atomicAdd`` and are refused under ``torch.use_deterministic_algorithms(True)``
+PyTorch's CUDA ``grid_sampler_3d_backward`` (``F.grid_sample`` on a 5-D input) and the nearest and
+bicubic modes of ``grid_sampler_2d_backward`` scatter every output's corner contributions into the input
+gradient with float ``atomicAdd`` and are refused under ``torch.use_deterministic_algorithms(True)``
 (``grid_sampler_3d_backward_cuda does not have a deterministic implementation``). The bilinear 2-D case
 has a CUDA kernel of its own (:mod:`deepep_lightning.ops.grid_sample`), whose route hands the nearest
-mode to :func:`nearest_backward` here. The backwards here are computed from PyTorch ops:
+and bicubic modes to :func:`nearest_backward` and :func:`bicubic_backward` here. They are computed
+from PyTorch ops:
 
 * the source coordinates and their derivatives follow PyTorch's ``GridSampler.cuh`` (unnormalize, then
   clip for ``border``, reflect and clip for ``reflection``, each with its gradient multiplier);
-* ``grad_input`` is one ``index_put_(accumulate=True)`` of the 8 weighted corners (trilinear) or the
+* ``grad_input`` is one ``index_put_(accumulate=True)`` of the 8 weighted corners (trilinear), the 16
+  weighted taps (bicubic: the padding applied per tap, as PyTorch's ``add_value_bounded``) or the
   nearest pixel (nearest: ``round`` half to even, as PyTorch's ``nearbyint``) of every output into
   the flat input gradient: in deterministic mode PyTorch sorts the indices and sums each input's
   contributions in a fixed order, so the result is bitwise reproducible;
 * ``grad_grid`` is a per-point gather (no accumulation across points), reduced over channels; zero
   for nearest, as PyTorch's.
 
-* covered: ``interpolation_mode`` 0 (bilinear, 3-D) and 1 (nearest, 2-D via the 2-D route, and 3-D),
-  every ``padding_mode``, both ``align_corners``,
-  float16/bfloat16/float32/float64 (coordinates in float32 or float64), 5-D input and grid of matching
-  batch, non-empty spatial sizes. Extra memory: 8 ``[N, C, D_out * H_out * W_out]`` value and index
-  tensors.
-* everything else (nearest/bicubic, shape errors) goes to PyTorch's kernel: its result and its errors.
+* covered: ``interpolation_mode`` 0 (bilinear, 3-D), 1 (nearest, 2-D via the 2-D route, and 3-D) and
+  2 (bicubic, 2-D via the 2-D route), every ``padding_mode``, both ``align_corners``,
+  float16/bfloat16/float32/float64 (coordinates in float32 or float64), input and grid of matching rank
+  and batch, non-empty spatial sizes. Extra memory: one ``[N, C, points]`` value and index tensor per
+  corner or tap (8 trilinear, 16 bicubic, 1 nearest).
+* everything else (bicubic 3-D, which PyTorch refuses to sample, shape errors) goes to PyTorch's kernel:
+  its result and its errors.
 """
 
 from collections.abc import Sequence
@@ -31,7 +35,12 @@ from torch import Tensor
 
 from deepep_lightning.ops._routes import Route, register_route
 
-__all__ = ["grid_sampler_3d_backward_unsupported_reason", "nearest_backward", "decomposed_backward_unsupported_reason"]
+__all__ = [
+    "bicubic_backward",
+    "decomposed_backward_unsupported_reason",
+    "grid_sampler_3d_backward_unsupported_reason",
+    "nearest_backward",
+]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ZEROS, _BORDER, _REFLECTION = 0, 1, 2
@@ -143,6 +152,84 @@ def nearest_backward(
     values = grad_output.reshape(n, c, points).to(compute) * inside.unsqueeze(1).to(compute)  # [N, C, P]
     grad_input = torch.zeros(n * c * stride, dtype=compute, device=input.device)
     grad_input.index_put_(((plane_offsets + index.unsqueeze(1)).reshape(-1),), values.reshape(-1), accumulate=True)
+    return grad_input.view(input.shape).to(input.dtype), grad_grid
+
+
+def _tap_coordinate(tap: Tensor, size: int, padding_mode: int, align_corners: bool) -> Tensor:
+    # PyTorch's compute_coordinates on an integer tap position (bicubic's get/add_value_bounded).
+    if padding_mode == _BORDER:
+        return tap.clamp(0, size - 1)
+    if padding_mode == _REFLECTION:
+        twice = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        return _reflect_set_grad(tap, *twice)[0].clamp(0, size - 1)
+    return tap
+
+
+def _cubic_coefficients(t: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    # PyTorch's get_cubic_upsampling_coefficients and get_cubic_coefficients_grad (A = -0.75).
+    a = -0.75
+    values = [
+        ((a * (t + 1) - 5 * a) * (t + 1) + 8 * a) * (t + 1) - 4 * a,
+        ((a + 2) * t - (a + 3)) * t * t + 1,
+        ((a + 2) * (1 - t) - (a + 3)) * (1 - t) * (1 - t) + 1,
+        ((a * (2 - t) - 5 * a) * (2 - t) + 8 * a) * (2 - t) - 4 * a,
+    ]
+    x0, x1, x2, x3 = -1 - t, -t, 1 - t, 2 - t
+    slopes = [
+        (-3 * a * x0 - 10 * a) * x0 - 8 * a,
+        (-3 * (a + 2) * x1 - 2 * (a + 3)) * x1,
+        (3 * (a + 2) * x2 - 2 * (a + 3)) * x2,
+        (3 * a * x3 - 10 * a) * x3 + 8 * a,
+    ]
+    return values, slopes
+
+
+def bicubic_backward(
+    grad_output: Tensor, input: Tensor, grid: Tensor, padding_mode: int, align_corners: bool, want_input: bool
+) -> tuple[Tensor | None, Tensor]:
+    """Bicubic 2-D ``grid_sample`` backward: ``(grad_input or None, grad_grid)``, 16 taps per point."""
+    n, c, height, width = input.shape
+    compute = torch.float64 if input.dtype == torch.float64 else torch.float32
+    points = grid.shape[1] * grid.shape[2]
+    coordinates = grid.reshape(n, points, 2).to(compute)
+    axes = []  # per axis: (first tap, coefficients, their slopes, d source / d grid)
+    for axis, size in enumerate((width, height)):
+        if align_corners:
+            source, multiplier = (coordinates[..., axis] + 1) / 2 * (size - 1), (size - 1) / 2
+        else:
+            source, multiplier = ((coordinates[..., axis] + 1) * size - 1) / 2, size / 2
+        first = torch.floor(source)
+        values, slopes = _cubic_coefficients(source - first)
+        axes.append((first, values, slopes, multiplier))
+    gout = grad_output.reshape(n, c, points).to(compute)  # [N, C, P]
+    flat_input = input.reshape(n, c, height * width).to(compute)
+    plane_offsets = (torch.arange(n * c, device=input.device) * (height * width)).view(n, c, 1)
+    grad_x = torch.zeros(n, points, dtype=compute, device=input.device)
+    grad_y = torch.zeros_like(grad_x)
+    corner_indices, corner_values = [], []
+    (first_x, cx, sx, multiplier_x), (first_y, cy, sy, multiplier_y) = axes
+    for i in range(4):
+        x = _tap_coordinate(first_x - 1 + i, width, padding_mode, align_corners)
+        for j in range(4):
+            y = _tap_coordinate(first_y - 1 + j, height, padding_mode, align_corners)
+            inside = (x >= 0) & (x <= width - 1) & (y >= 0) & (y <= height - 1)
+            index = (y.clamp(0, height - 1).long() * width + x.clamp(0, width - 1).long()).masked_fill(~inside, 0)
+            mask = inside.unsqueeze(1).to(compute)  # [N, 1, P]
+            values = flat_input.gather(2, index.unsqueeze(1).expand(n, c, points)) * mask
+            dot = (gout * values).sum(1)  # [N, P]
+            grad_x -= sx[i] * cy[j] * dot
+            grad_y -= sy[j] * cx[i] * dot
+            if want_input:
+                corner_values.append(gout * (cx[i] * cy[j]).unsqueeze(1) * mask)
+                corner_indices.append(plane_offsets + index.unsqueeze(1))
+    grad_grid = torch.stack([grad_x * multiplier_x, grad_y * multiplier_y], dim=-1).reshape(grid.shape)
+    grad_grid = grad_grid.to(grid.dtype)
+    if not want_input:
+        return None, grad_grid
+    grad_input = torch.zeros(n * c * height * width, dtype=compute, device=input.device)
+    grad_input.index_put_(
+        (torch.cat(corner_indices, dim=2).reshape(-1),), torch.cat(corner_values, dim=2).reshape(-1), accumulate=True
+    )
     return grad_input.view(input.shape).to(input.dtype), grad_grid
 
 

@@ -1,6 +1,7 @@
 """GPU tests of the deterministic kernels behind the dispatcher routes: nll_loss2d forward (4-D
 F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d, reflection/replication padding, linear 1-D and
-bicubic interpolate, and trilinear 3-D / nearest 2-D and 3-D grid_sample backwards.
+bicubic interpolate, and trilinear 3-D / nearest 2-D and 3-D / bicubic 2-D
+grid_sample backwards.
 
 Per case: PyTorch refuses it in deterministic mode (negative control), the routed result equals PyTorch's
 float64 CPU result to fp rounding, repeats bitwise x20, does not depend on the batch around a sample, and
@@ -104,6 +105,16 @@ CASES = {
         (2, 3, 9, 11),
         lambda x: (
             F.grid_sample(x, _volume_grid(x)[:, 0, :, :, :2], mode="nearest", padding_mode="border", align_corners=True)
+            ** 2
+        ).sum(),
+        False,
+    ),
+    "grid_sample_2d_bicubic_reflection": (
+        (2, 3, 9, 11),
+        lambda x: (
+            F.grid_sample(
+                x, _volume_grid(x)[:, 0, :, :, :2], mode="bicubic", padding_mode="reflection", align_corners=False
+            )
             ** 2
         ).sum(),
         False,
@@ -227,13 +238,15 @@ def test_uncovered_case_keeps_pytorchs_error(deterministic_routing):
 
 
 @pytest.mark.parametrize("padding_mode", ["zeros", "border", "reflection"])
-def test_grid_sample_3d_grid_gradient_matches_pytorch(deterministic_routing, padding_mode):
-    x = _inputs((2, 3, 5, 6, 7), torch.float32)
-    grid = _volume_grid(x).requires_grad_()
-    grad_output = torch.randn(2, 3, 3, 4, 5, device="cuda")
+@pytest.mark.parametrize("mode, spatial", [("bilinear", 3), ("bicubic", 2)])
+def test_decomposed_grid_sample_grid_gradient_matches_pytorch(deterministic_routing, padding_mode, mode, spatial):
+    x = _inputs((2, 3, 5, 6, 7)[: spatial + 2], torch.float32)
+    grid = _volume_grid(x) if spatial == 3 else _volume_grid(x)[:, 0, :, :, :2].contiguous()
+    grid = grid.requires_grad_()
+    grad_output = torch.randn(2, 3, *grid.shape[1:-1], device="cuda")
 
     def grads():
-        out = F.grid_sample(x, grid, padding_mode=padding_mode, align_corners=False)
+        out = F.grid_sample(x, grid, mode=mode, padding_mode=padding_mode, align_corners=False)
         return torch.autograd.grad(out, (x, grid), grad_output)
 
     first = grads()

@@ -99,9 +99,10 @@ def test_deterministic_mode_routing_and_negative_controls():
         # The aten op itself (F.interpolate takes PyTorch's decomposition in deterministic mode on CUDA).
         torch._C._nn.upsample_bilinear2d(x, None, False, [2.0, 2.0]).sum().backward()
         F.interpolate(x, scale_factor=2.0, mode="bilinear").sum().backward()
-        # Uncovered case: still PyTorch's kernel and PyTorch's error.
+        F.grid_sample(x, grid, mode="bicubic", align_corners=False).sum().backward()  # routed (decomposed)
+        # Uncovered case (antialiased bilinear backward): still PyTorch's kernel and PyTorch's error.
         with pytest.raises(RuntimeError, match="deterministic"):
-            F.grid_sample(x, grid, mode="bicubic", align_corners=False).sum().backward()
+            F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True).sum().backward()
 
 
 _TRAIN_SCRIPT = textwrap.dedent(

@@ -203,6 +203,7 @@ def test_bicubic_interpolate_backward_is_routed_and_equal(spy, kwargs):
         ("bilinear", 3, "grid_sampler_3d_backward"),
         ("nearest", 3, "grid_sampler_3d_backward"),
         ("nearest", 2, "grid_sampler_2d_backward"),
+        ("bicubic", 2, "grid_sampler_2d_backward"),
     ],
 )
 def test_decomposed_grid_sample_backward_is_routed_and_equal(spy, padding_mode, align_corners, mode, spatial, aten_op):
@@ -228,8 +229,8 @@ def test_uncovered_case_keeps_pytorchs_kernel_and_errors(spy):
     logp = torch.randn(2, 3, 4, 4).log_softmax(1)
     target = torch.randint(0, 3, (2, 4, 4))
     F.nll_loss(logp, target, reduction="none")  # not refused by PyTorch: not routed
-    x = torch.randn(1, 2, 6, 6, requires_grad=True)
-    F.grid_sample(x, torch.rand(1, 4, 4, 2) * 2 - 1, mode="bicubic", align_corners=False).sum().backward()
+    x = torch.randn(1, 2, 6, 6, 6, requires_grad=True)
+    torch._C._nn.reflection_pad3d(x, (-1, 2, 1, 1, 1, 1)).sum().backward()  # cropping: left to PyTorch
     assert spy == []
     with pytest.raises(RuntimeError, match="[Tt]arget"):
         F.nll_loss(logp, target[:, :3])  # PyTorch's own error, before any compiled op
