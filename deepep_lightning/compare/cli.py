@@ -13,7 +13,7 @@ from enum import IntEnum
 
 from deepep_lightning.compare.plot import plot_comparison, write_tensorboard_layout
 from deepep_lightning.compare.reader import EventFileError
-from deepep_lightning.compare.verdict import DEFAULT_RTOL, compare_runs
+from deepep_lightning.compare.verdict import DEFAULT_EXCLUDE, DEFAULT_RTOL, compare_runs
 
 __all__ = ["ExitCode", "main"]
 
@@ -43,7 +43,12 @@ version_N). Tags of files in sub-directories of the run get the sub-directory as
 Several files in one directory are merged in file-name order; a step written twice keeps the later value.
 
 Verdict: identical = same tags, same steps, same float32 bit patterns (+0 != -0; NaN == NaN only with
-the same bits). --rtol only reports where the relative difference first exceeds it.
+the same bits). --rtol only reports where the relative difference first exceeds it. Not compared unless
+named with --tag (or --all-tags): hp_metric, epoch and perf/* (wall-clock figures such as DeepEP's
+perf/env_steps_per_s, which differ between identical runs).
+
+--json PATH writes the result as JSON to PATH and prints the table; --json - prints the JSON on stdout
+instead of the table (the same convention as deepep-audit).
 Exit codes: 0 identical, 1 diverged, 2 error (missing run, no/empty/corrupt event file, no common tag).
 """
 
@@ -71,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TAG",
         help="compare only this tag; repeat for several (default: every scalar tag)",
     )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        metavar="PATTERN",
+        help="also leave out tags matching this fnmatch pattern; repeat for several"
+        f" (always left out: {', '.join(DEFAULT_EXCLUDE)})",
+    )
+    parser.add_argument("--all-tags", action="store_true", help="compare every tag, hp_metric, epoch and perf/* too")
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON to PATH ('-': stdout, no table)")
     parser.add_argument("--plot", metavar="PNG", help="save the curves and their log-scale difference to PNG")
     parser.add_argument("--tb-layout", metavar="DIR", help="write a TensorBoard custom-scalars layout into DIR")
@@ -85,7 +98,8 @@ def main(argv: Sequence[str] | None = None) -> ExitCode:
     """
     args = _parser().parse_args(argv)
     try:
-        result = compare_runs(args.runs, rtol=args.rtol, tags=args.tags)
+        exclude = () if args.all_tags else (*DEFAULT_EXCLUDE, *(args.exclude or ()))
+        result = compare_runs(args.runs, rtol=args.rtol, tags=args.tags, exclude=exclude)
         if args.json == "-":
             print(json.dumps(result.to_dict(), indent=2))
         else:

@@ -11,7 +11,7 @@ from deepep_lightning.compare.reader import write_custom_scalars_layout
 if TYPE_CHECKING:
     from deepep_lightning.compare.verdict import CompareResult
 
-__all__ = ["plot_comparison", "write_tensorboard_layout"]
+__all__ = ["plot_comparison", "verdict_title", "write_tensorboard_layout"]
 
 
 def plot_comparison(result: "CompareResult", path: str, max_tags: int = 16) -> list[str]:
@@ -23,7 +23,9 @@ def plot_comparison(result: "CompareResult", path: str, max_tags: int = 16) -> l
         max_tags: draw at most this many tags, the differing ones first.
 
     Returns:
-        The tags drawn. A dotted line marks each run's first divergent step.
+        The tags drawn. A dotted line marks each run's first divergent step; the figure's title is the
+        verdict (``IDENTICAL`` or ``DIVERGED``: how many tags differ, the earliest divergent step).
+        Tags the comparison left out (``hp_metric``, ``epoch``, ``perf/*`` by default) get no row.
     """
     from matplotlib.figure import Figure  # no pyplot: leaves the caller's backend and figures alone
 
@@ -60,9 +62,27 @@ def plot_comparison(result: "CompareResult", path: str, max_tags: int = 16) -> l
         curves.legend(fontsize=7)
     for axis in axes[-1]:
         axis.set_xlabel("step")
+    figure.suptitle(verdict_title(result), fontsize=11, color="C2" if result.identical else "C3")
     figure.tight_layout()
     figure.savefig(path, dpi=80)  # Agg canvas
     return tags
+
+
+def verdict_title(result: "CompareResult") -> str:
+    """The PNG's title: ``IDENTICAL: 5 tags bitwise equal in 2 runs`` or ``DIVERGED: 2 of 5 tags, first at step 37``."""
+    runs, compared, differing = len(result.runs), len(result.compared_tags), result.differing_tags
+    if result.identical:
+        return f"IDENTICAL: {compared} tags bitwise equal in {runs} runs"
+    steps = [
+        verdict.first_divergent_step
+        for pair in result.comparisons
+        for verdict in pair.tags.values()
+        if verdict.first_divergent_step is not None
+    ]
+    where = f", first at step {min(steps)}" if steps else ""
+    only = sorted({tag for pair in result.comparisons for tag in pair.only_in_reference + pair.only_in_other})
+    missing = f"; logged by one run only: {', '.join(only[:3])}" if only else ""
+    return f"DIVERGED: {len(differing)} of {compared} tags differ{where}{missing}"
 
 
 def write_tensorboard_layout(result: "CompareResult", logdir: str) -> str:

@@ -7,12 +7,16 @@ same steps and the same bit pattern of every stored value (float32 for TensorBoa
 ``rtol`` never changes the verdict; it only reports the first step where ``|a - b| / max(|a|, |b|)``
 exceeds it. A tag logged by only one run also makes the runs differ.
 
+Tags that say nothing about the training are left out unless named with ``tags``
+(:data:`DEFAULT_EXCLUDE`: Lightning's ``hp_metric`` placeholder and ``epoch`` counter, and ``perf/*``,
+wall-clock figures such as DeepEP's ``perf/env_steps_per_s``, which differ between identical runs).
+
 Exit codes of the CLI: 0 identical, 1 diverged, 2 error (missing run, no event file, empty or corrupt
 event file, no scalar data, no tag in common).
 
 JSON schema (``--json``; non-finite floats are written as the strings ``"nan"``, ``"inf"``, ``"-inf"``)::
 
-    {"identical": bool, "rtol": float,
+    {"identical": bool, "rtol": float, "excluded": [str],
      "runs": [{"path": str, "root": str, "event_files": [str], "tags": int, "overwritten_points": int}],
      "comparisons": [{"reference": str, "other": str, "identical": bool,
                       "only_in_reference": [str], "only_in_other": [str],
@@ -32,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 from collections.abc import Sequence
@@ -47,9 +52,12 @@ from deepep_lightning.compare.reader import (
     read_run,
 )
 
-__all__ = ["CompareResult", "EventFileError", "PairComparison", "TagComparison", "compare_runs"]
+__all__ = ["DEFAULT_EXCLUDE", "CompareResult", "EventFileError", "PairComparison", "TagComparison", "compare_runs"]
 
 DEFAULT_RTOL = 1e-6
+
+#: Tag patterns (``fnmatch``) left out of a comparison unless named in ``tags``.
+DEFAULT_EXCLUDE: tuple[str, ...] = ("hp_metric", "epoch", "perf/*")
 
 
 @dataclass
@@ -94,6 +102,7 @@ class CompareResult:
     rtol: float
     runs: list[RunScalars] = field(repr=False)
     comparisons: list[PairComparison]
+    excluded: list[str] = field(default_factory=list)  # tags logged but left out (``exclude``)
 
     @property
     def identical(self) -> bool:
@@ -131,7 +140,13 @@ class CompareResult:
             }
             for p in self.comparisons
         ]
-        result = {"identical": self.identical, "rtol": self.rtol, "runs": runs, "comparisons": comparisons}
+        result = {
+            "identical": self.identical,
+            "rtol": self.rtol,
+            "excluded": self.excluded,
+            "runs": runs,
+            "comparisons": comparisons,
+        }
         return _json_safe(result)
 
     def format_table(self) -> str:
@@ -139,6 +154,8 @@ class CompareResult:
         reference = self.runs[0]
         files, tags = len(reference.event_files), len(reference.series)
         lines = [f"reference: {reference.path}  ({files} event file(s), {tags} tags)"]
+        if self.excluded:
+            lines.append(f"not compared (see --all-tags): {', '.join(self.excluded)}")
         header = ("tag", "verdict", "first diff step", "reference", "other") + (
             "max abs diff",
             "max rel diff",
@@ -177,6 +194,7 @@ def compare_runs(
     runs: Sequence[str | os.PathLike[str]],
     rtol: float = DEFAULT_RTOL,
     tags: Sequence[str] | None = None,
+    exclude: Sequence[str] = DEFAULT_EXCLUDE,
 ) -> CompareResult:
     """Compare every run with the first, tag by tag, bitwise.
 
@@ -184,12 +202,14 @@ def compare_runs(
         runs: two or more run directories, Lightning ``version_N`` directories or event files;
             how a directory is resolved is described in ``deepep_lightning.compare.reader``.
         rtol: report the first step whose relative difference exceeds this; does not affect the verdict.
-        tags: compare only these tags (exact names; default: every scalar tag).
+        tags: compare only these tags (exact names; default: every scalar tag not excluded).
+        exclude: ``fnmatch`` patterns of tags left out when ``tags`` is None (default
+            :data:`DEFAULT_EXCLUDE`; ``()`` compares every tag).
 
     Raises:
         ValueError: fewer than two runs, a bad ``rtol``, a tag no run logged, an ambiguous run directory,
             or no tag in common.
-        TypeError: ``tags`` is a single string.
+        TypeError: ``tags`` or ``exclude`` is a single string.
         FileNotFoundError: a run does not exist or holds no event file.
         EventFileError: an event file is empty or corrupt, or a run holds no scalar data.
     """
@@ -199,7 +219,14 @@ def compare_runs(
     _checks.number(None, "rtol", rtol, minimum=0, finite=True, error=ValueError)
     if isinstance(tags, str):
         raise TypeError(f"`tags` must be a list of tag names, got the string {tags!r}. HINT: [{tags!r}].")
+    exclude = _checks.str_sequence(None, "exclude", exclude, error=TypeError)
     data = [read_run(path) for path in paths]
+    excluded: set[str] = set()
+    if tags is None:
+        for run in data:
+            left_out = {tag for tag in run.series if any(fnmatch.fnmatchcase(tag, p) for p in exclude)}
+            excluded |= left_out
+            run.series = {tag: series for tag, series in run.series.items() if tag not in left_out}
     if tags is not None:
         logged = set().union(*(run.series for run in data))
         unknown = sorted(set(tags) - logged)
@@ -224,7 +251,7 @@ def compare_runs(
                 only_in_other=sorted(set(other.series) - set(data[0].series)),
             )
         )
-    return CompareResult(rtol=float(rtol), runs=data, comparisons=comparisons)
+    return CompareResult(rtol=float(rtol), runs=data, comparisons=comparisons, excluded=sorted(excluded))
 
 
 def _compare_series(reference: ScalarSeries, other: ScalarSeries, rtol: float) -> TagComparison:

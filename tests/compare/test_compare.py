@@ -343,3 +343,51 @@ def test_the_tools_own_output_errors_exit_2_not_diverged(reference, tmp_path, ca
     assert main([str(reference), str(reference), "--plot", str(tmp_path / "p.png")]) == 2
     assert "ImportError" in capsys.readouterr().err
     assert main([str(reference), str(reference)]) == 0  # negative control: the same runs, no output, exit 0
+
+
+def _bookkeeping_run(directory, step_rate):
+    """'loss' equal in every run; Lightning's hp_metric and epoch; a wall-clock perf/ figure that differs."""
+    tags = {
+        "loss": {s: _curve(s) for s in STEPS},
+        "hp_metric": {0: -1.0},
+        "epoch": {s: float(s // 10) for s in STEPS},
+        "perf/env_steps_per_s": {s: step_rate + s for s in STEPS},
+    }
+    return write_run(directory, tags)
+
+
+def test_hp_metric_epoch_and_perf_tags_are_left_out_unless_asked_for(tmp_path, capsys):
+    a, b = _bookkeeping_run(tmp_path / "a", 1000.0), _bookkeeping_run(tmp_path / "b", 1234.5)
+    result = compare_runs([a, b])
+    assert result.identical and result.compared_tags == {"loss"}
+    assert result.excluded == ["epoch", "hp_metric", "perf/env_steps_per_s"]
+    assert main([str(a), str(b)]) == 0
+    assert "not compared (see --all-tags): epoch, hp_metric, perf/env_steps_per_s" in capsys.readouterr().out
+    # negative controls: every tag compared, or the perf tag named, and the wall-clock figure differs
+    assert main([str(a), str(b), "--all-tags"]) == 1
+    assert not compare_runs([a, b], tags=["perf/env_steps_per_s"]).identical
+    assert compare_runs([a, b], exclude=["loss"]).compared_tags == {"hp_metric", "epoch", "perf/env_steps_per_s"}
+    assert main([str(a), str(b), "--exclude", "loss", "--json", "-"]) == 2  # nothing left in common: an error
+    with pytest.raises(TypeError, match="exclude"):
+        compare_runs([a, b], exclude="perf/*")
+
+
+def test_png_title_is_the_verdict_and_bookkeeping_tags_get_no_row(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    from deepep_lightning.compare.plot import plot_comparison, verdict_title
+
+    drawn = {}
+
+    def record(figure, path, **kwargs):
+        drawn["title"] = figure._suptitle.get_text()
+        drawn["rows"] = [axis.get_title() for axis in figure.axes[::2]]
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    a, b = _bookkeeping_run(tmp_path / "a", 1000.0), _bookkeeping_run(tmp_path / "b", 1.0)
+    plot_comparison(compare_runs([a, b]), str(tmp_path / "same.png"))
+    assert drawn == {"title": "IDENTICAL: 1 tags bitwise equal in 2 runs", "rows": ["loss"]}
+    other = write_run(tmp_path / "c", {"loss": {s: _curve(s) + (1.0 if s >= 37 else 0.0) for s in STEPS}})
+    diverged = compare_runs([a, other])
+    plot_comparison(diverged, str(tmp_path / "diverged.png"))
+    assert drawn["title"] == verdict_title(diverged) == "DIVERGED: 1 of 1 tags differ, first at step 37"
