@@ -134,7 +134,7 @@ def nearest_backward(
     n, c = input.shape[:2]
     sizes = list(reversed(input.shape[2:]))  # along x, y[, z]: W, H[, D]
     compute = torch.float64 if input.dtype == torch.float64 else torch.float32
-    points = grad_output[0, 0].numel()
+    points = grid[..., 0].numel() // max(n, 1)
     grad_grid = torch.zeros_like(grid)
     if not want_input:
         return None, grad_grid

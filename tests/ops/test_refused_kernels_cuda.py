@@ -222,7 +222,17 @@ def test_nll_loss2d_all_ignored_and_empty_batch_match_pytorch(deterministic_rout
 
 
 def test_empty_batch_backwards(deterministic_routing):
-    for name in ("adaptive_avg_pool3d", "avg_pool3d", "reflection_pad3d", "replication_pad3d_aten"):
+    for name in (
+        "adaptive_avg_pool3d",
+        "avg_pool3d",
+        "reflection_pad3d",
+        "replication_pad3d_aten",
+        "interpolate_bicubic",
+        "interpolate_linear_1d",
+        "grid_sample_3d_zeros",
+        "grid_sample_2d_nearest_border",
+        "grid_sample_2d_bicubic_reflection",
+    ):
         shape, loss_fn, _ = CASES[name]
         x = _inputs((0, *shape[1:]), torch.float32)
         _, grad = _grad(loss_fn, x)
