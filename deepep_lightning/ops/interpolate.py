@@ -25,7 +25,9 @@ eager ``F.interpolate`` does reach in deterministic mode, is routed to the same 
 ``[N, C, 1, W]`` view: with one input and one output row the row map is the identity (weight 1, and the
 second tap is the same row with weight 0, as in PyTorch's own linear kernel), so the result is the
 linear backward. ``aten::upsample_bicubic2d_backward`` (``mode="bicubic"``) is routed to a gather of its
-own (``extensions/csrc/cuda/upsample_bicubic_backward.cu``).
+own (``extensions/csrc/cuda/upsample_bicubic_backward.cu``), and the antialiased backwards
+``aten::_upsample_bilinear2d_aa_backward`` / ``_upsample_bicubic2d_aa_backward`` (``antialias=True``) to
+``extensions/csrc/cuda/upsample_aa_backward.cu``.
 
 The output equals ``F.interpolate``'s native-kernel output bit for bit (outside deterministic
 mode; inside it, on CUDA, PyTorch itself uses the decomposition, equal up to fp rounding).
@@ -283,6 +285,34 @@ def _bicubic_route(
     )
 
 
+def _antialias_route(bicubic: bool):
+    def route(
+        grad_output: Tensor,
+        output_size: Sequence[int],
+        input_size: Sequence[int],
+        align_corners: bool,
+        scales_h: float | None = None,
+        scales_w: float | None = None,
+    ) -> Tensor:
+        return torch.ops.deepep.upsample_aa2d_backward.default(
+            grad_output, list(input_size), align_corners, scales_h, scales_w, bicubic
+        )
+
+    return route
+
+
+def _fake_antialias_backward(
+    grad_output: Tensor,
+    input_size: Sequence[int],
+    align_corners: bool,
+    scale_h: float | None,
+    scale_w: float | None,
+    bicubic: bool,
+) -> Tensor:
+    torch._check(len(input_size) == 4, lambda: "upsample_aa2d_backward: input_size must have 4 entries")
+    return grad_output.new_empty(tuple(input_size))
+
+
 def _fake_bicubic_backward(
     grad_output: Tensor, input_size: Sequence[int], align_corners: bool, scale_h: float | None, scale_w: float | None
 ) -> Tensor:
@@ -292,9 +322,12 @@ def _fake_bicubic_backward(
 
 def _register_bicubic_fake() -> None:
     torch.library.register_fake("deepep::upsample_bicubic2d_backward")(_fake_bicubic_backward)
+    torch.library.register_fake("deepep::upsample_aa2d_backward")(_fake_antialias_backward)
 
 
 on_extension_loaded(_register_bicubic_fake)
 register_route(Route("upsample_bilinear2d_backward", _backward_route, _backward_route_covers))
 register_route(Route("upsample_bicubic2d_backward", _bicubic_route, _backward_route_covers))
+register_route(Route("_upsample_bilinear2d_aa_backward", _antialias_route(bicubic=False), _backward_route_covers))
+register_route(Route("_upsample_bicubic2d_aa_backward", _antialias_route(bicubic=True), _backward_route_covers))
 register_route(Route("upsample_linear1d_backward", _linear1d_route, _linear1d_route_covers))

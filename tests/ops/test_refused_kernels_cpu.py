@@ -69,6 +69,20 @@ CASES = {
             grad, grad.shape[2:], size, align, sh, sw
         ),
     ),
+    "upsample_aa2d_bilinear": (
+        "upsample_aa2d_backward",
+        lambda: (_randn(2, 3, 4, 3), [2, 3, 9, 7], False, None, None, False),
+        lambda grad, size, align, sh, sw, bicubic: torch.ops.aten._upsample_bilinear2d_aa_backward(
+            grad, grad.shape[2:], size, align, sh, sw
+        ),
+    ),
+    "upsample_aa2d_bicubic_align": (
+        "upsample_aa2d_backward",
+        lambda: (_randn(1, 2, 5, 4), [1, 2, 11, 12], True, None, None, True),
+        lambda grad, size, align, sh, sw, bicubic: torch.ops.aten._upsample_bicubic2d_aa_backward(
+            grad, grad.shape[2:], size, align, sh, sw
+        ),
+    ),
     "replication_pad1d": (
         "replication_pad_backward",
         lambda: (_randn(3, 12), _randn(3, 7), [2, 3]),

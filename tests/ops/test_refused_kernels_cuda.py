@@ -1,6 +1,6 @@
 """GPU tests of the deterministic kernels behind the dispatcher routes: nll_loss2d forward (4-D
-F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d, reflection/replication padding, linear 1-D and
-bicubic interpolate, and trilinear 3-D / nearest 2-D and 3-D / bicubic 2-D
+F.cross_entropy), adaptive avg pool 2-D/3-D, avg_pool3d, reflection/replication padding, linear 1-D,
+bicubic and antialiased bilinear/bicubic interpolate, and trilinear 3-D / nearest 2-D and 3-D / bicubic 2-D
 grid_sample backwards.
 
 Per case: PyTorch refuses it in deterministic mode (negative control), the routed result equals PyTorch's
@@ -118,6 +118,16 @@ CASES = {
             ** 2
         ).sum(),
         False,
+    ),
+    "interpolate_bilinear_antialias_down": (
+        (2, 4, 23, 17),
+        lambda x: (F.interpolate(x, scale_factor=0.3, mode="bilinear", antialias=True) ** 2).sum(),
+        True,
+    ),
+    "interpolate_bicubic_antialias_align_corners": (
+        (2, 4, 23, 17),
+        lambda x: (F.interpolate(x, size=(9, 20), mode="bicubic", antialias=True, align_corners=True) ** 2).sum(),
+        True,
     ),
     "interpolate_linear_1d": (
         (2, 4, 9),

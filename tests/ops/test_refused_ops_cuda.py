@@ -100,9 +100,14 @@ def test_deterministic_mode_routing_and_negative_controls():
         torch._C._nn.upsample_bilinear2d(x, None, False, [2.0, 2.0]).sum().backward()
         F.interpolate(x, scale_factor=2.0, mode="bilinear").sum().backward()
         F.grid_sample(x, grid, mode="bicubic", align_corners=False).sum().backward()  # routed (decomposed)
-        # Uncovered case (antialiased bilinear backward): still PyTorch's kernel and PyTorch's error.
+        F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True).sum().backward()  # routed
+        # Uncovered cases keep PyTorch's kernel and errors: cropping reflection_pad3d (its refusal), and a
+        # bicubic 5-D grid_sample (its argument error).
+        volume = x.detach()[:, :, :4, :4].unsqueeze(2).expand(-1, -1, 3, -1, -1).contiguous().requires_grad_()
         with pytest.raises(RuntimeError, match="deterministic"):
-            F.interpolate(x, scale_factor=0.5, mode="bilinear", antialias=True).sum().backward()
+            torch._C._nn.reflection_pad3d(volume, (-1, 2, 1, 1, 1, 1)).sum().backward()
+        with pytest.raises(RuntimeError, match="bicubic"):
+            F.grid_sample(volume, torch.zeros(x.shape[0], 1, 1, 1, 3, device="cuda"), mode="bicubic")
 
 
 _TRAIN_SCRIPT = textwrap.dedent(

@@ -28,6 +28,8 @@ ROUTED_HERE = {
     "upsample_bilinear2d_backward",
     "upsample_linear1d_backward",
     "upsample_bicubic2d_backward",
+    "_upsample_bilinear2d_aa_backward",
+    "_upsample_bicubic2d_aa_backward",
     "grid_sampler_3d_backward",
     "reflection_pad1d_backward",
     "reflection_pad3d_backward",  # not 2-D: PyTorch's CUDA kernel has a deterministic gather of its own
@@ -183,15 +185,24 @@ def test_linear_1d_interpolate_backward_is_routed_and_equal(spy, kwargs):
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kwargs", [dict(scale_factor=1.7), dict(size=(4, 11), align_corners=True)])
-def test_bicubic_interpolate_backward_is_routed_and_equal(spy, kwargs):
+@pytest.mark.parametrize(
+    "kwargs, aten_op",
+    [
+        (dict(mode="bicubic", scale_factor=1.7), "upsample_bicubic2d_backward"),
+        (dict(mode="bicubic", size=(4, 11), align_corners=True), "upsample_bicubic2d_backward"),
+        (dict(mode="bilinear", scale_factor=0.4, antialias=True), "_upsample_bilinear2d_aa_backward"),
+        (dict(mode="bilinear", size=(3, 9), antialias=True, align_corners=True), "_upsample_bilinear2d_aa_backward"),
+        (dict(mode="bicubic", scale_factor=0.5, antialias=True), "_upsample_bicubic2d_aa_backward"),
+    ],
+)
+def test_bicubic_and_antialias_interpolate_backward_is_routed_and_equal(spy, kwargs, aten_op):
     x = torch.randn(2, 3, 6, 7, dtype=torch.float64, requires_grad=True)
-    grad_output = torch.randn_like(F.interpolate(x, mode="bicubic", **kwargs))
-    (want,) = torch.autograd.grad(F.interpolate(x, mode="bicubic", **kwargs), x, grad_output)
+    grad_output = torch.randn_like(F.interpolate(x, **kwargs))
+    (want,) = torch.autograd.grad(F.interpolate(x, **kwargs), x, grad_output)
     _routes.enable_routes("CPU")
     torch.use_deterministic_algorithms(True)
-    (got,) = torch.autograd.grad(F.interpolate(x, mode="bicubic", **kwargs), x, grad_output)
-    assert spy == ["upsample_bicubic2d_backward"]
+    (got,) = torch.autograd.grad(F.interpolate(x, **kwargs), x, grad_output)
+    assert spy == [aten_op]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 

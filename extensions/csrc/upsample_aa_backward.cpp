@@ -1,0 +1,52 @@
+// deepep::upsample_aa2d_backward: the backward of aten::_upsample_bilinear2d_aa / _upsample_bicubic2d_aa
+// (F.interpolate(mode="bilinear"/"bicubic", antialias=True), 4-D input), whose CUDA kernels are refused
+// under torch.use_deterministic_algorithms(True) (they scatter each output's window with atomicAdd).
+//
+//   deepep::upsample_aa2d_backward(grad_output [N, C, OH, OW], int[4] input_size, bool align_corners,
+//                                  float? scale_h, float? scale_w, bool bicubic) -> grad_input [N, C, H, W]
+//
+// The CPU kernels are PyTorch's (already deterministic); the CUDA kernel (cuda/upsample_aa_backward.cu)
+// gathers. Arguments are validated in Python (deepep_lightning/ops/interpolate.py) before this op runs; the
+// checks guard direct callers.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace deepep {
+
+void check_upsample_aa_args(const at::Tensor& grad_output, at::IntArrayRef input_size) {
+  TORCH_CHECK(input_size.size() == 4, "upsample_aa2d_backward: input_size must have 4 entries [N, C, H_in, W_in], got ",
+              input_size);
+  TORCH_CHECK(grad_output.dim() == 4 && grad_output.size(0) == input_size[0] && grad_output.size(1) == input_size[1],
+              "upsample_aa2d_backward: grad_output must be [", input_size[0], ", ", input_size[1],
+              ", H_out, W_out], got shape ", grad_output.sizes());
+  TORCH_CHECK(input_size[2] > 0 && input_size[3] > 0 && grad_output.size(2) > 0 && grad_output.size(3) > 0,
+              "upsample_aa2d_backward: spatial sizes must be non-empty, got input_size ", input_size,
+              " and grad_output ", grad_output.sizes());
+  TORCH_CHECK(at::isFloatingType(grad_output.scalar_type()),
+              "upsample_aa2d_backward: grad_output must be floating point, got ", grad_output.scalar_type());
+}
+
+namespace {
+
+at::Tensor upsample_aa2d_backward_cpu(const at::Tensor& grad_output, at::IntArrayRef input_size, bool align_corners,
+                                      std::optional<double> scale_h, std::optional<double> scale_w, bool bicubic) {
+  check_upsample_aa_args(grad_output, input_size);
+  const auto output_size = grad_output.sizes().slice(2);
+  if (bicubic) {
+    return at::_upsample_bicubic2d_aa_backward(grad_output, output_size, input_size, align_corners, scale_h, scale_w);
+  }
+  return at::_upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_corners, scale_h, scale_w);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepep, m) {
+  m.def("upsample_aa2d_backward(Tensor grad_output, int[4] input_size, bool align_corners, float? scale_h, "
+        "float? scale_w, bool bicubic) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("upsample_aa2d_backward", &upsample_aa2d_backward_cpu); }
+
+}  // namespace deepep
