@@ -1,7 +1,10 @@
 """L4 worker: one ``fit`` of a LightningModule in this (fresh) process, via LightningCLI.
 
 ``python -m deepep_lightning.audit._l4_runner --out DIR --steps K [--target pkg.mod:Class]
-[--config FILE] [--kill-at S] [--resume] [--determinism] [-- extra LightningCLI args]``
+[--config FILE] [--data pkg.mod:DataModule] [--kill-at S] [--resume] [--determinism] [-- extra LightningCLI args]``
+
+A DataModule (``--data``, or the config's ``data:`` section with a ``class_path``) is built by
+LightningCLI from the config's ``data:`` init args and passed to ``fit`` as ``datamodule``.
 
 Writes TensorBoard scalars to ``DIR/tb`` (every step), ``DIR/ckpt/last.ckpt`` after every step,
 and ``DIR/final.pt`` (model state_dict, optimizer states, global step) when ``fit`` returns.
@@ -27,7 +30,7 @@ import yaml  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
-from deepep_lightning.audit.targets import DEEPEP_TARGET, load_class  # noqa: E402
+from deepep_lightning.audit.targets import DEEPEP_TARGET, load_class, load_data  # noqa: E402
 from deepep_lightning.protocols import SequenceAuditable  # noqa: E402
 
 __all__: list[str] = []
@@ -77,6 +80,22 @@ def _cli_config(config: str | None, tmp: str) -> str | None:
     return wrapped
 
 
+def _with_data_section(config: str | None, data: str | None, tmp: str) -> tuple[str | None, bool]:
+    """The config with its ``data:`` section in LightningCLI's subclass form; whether there is a DataModule."""
+    spec = load_data(data, config)
+    if spec is None:
+        return config, False
+    loaded: dict[str, Any] = {}
+    if config is not None:
+        with open(config, encoding="utf-8") as handle:
+            loaded = yaml.safe_load(handle) or {}
+    loaded["data"] = {"class_path": spec.class_path, "init_args": spec.init_args}
+    written = os.path.join(tmp, "data_config.yaml")
+    with open(written, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(loaded, handle)
+    return written, True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -84,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=DEEPEP_TARGET)
     parser.add_argument("--config")
+    parser.add_argument("--data")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
@@ -118,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 parser.link_arguments("seed_everything", f"model.{seed_argument}")
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = _cli_config(args.config, tmp)
+        config, has_data = _with_data_section(_cli_config(args.config, tmp), args.data, tmp)
         cli_args = (
             (["--config", config] if config else [])
             + list(extra)
@@ -140,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         cli = _CLI(
             model_class,
+            pl.LightningDataModule if has_data else None,
+            subclass_mode_data=has_data,
             run=False,
             args=cli_args,
             trainer_defaults={"callbacks": callbacks},
@@ -147,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed_everything_default=args.seed,
         )
     last = os.path.join(args.out, "ckpt", "last.ckpt")
-    cli.trainer.fit(cli.model, ckpt_path=last if args.resume else None)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule if has_data else None, ckpt_path=last if args.resume else None)
     torch.save(
         {
             "state_dict": {k: v.detach().cpu() for k, v in cli.model.state_dict().items()},

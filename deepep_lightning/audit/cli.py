@@ -38,6 +38,12 @@ _DESCRIPTION = textwrap.dedent("""\
     Targets: DeepEP by default; any LightningModule with --target package.module:Class and an
     optional --config (a LightningCLI YAML such as configs/default.yaml, or a YAML of constructor
     kwargs). For l4, extra LightningCLI arguments (--model.x=..., --trainer.x=...) are passed on.
+    Data: as Trainer.fit(model, datamodule=...) does, a LightningDataModule gives the batches when
+    one is named: --data package.module:DataModule (init args from the config's data: section), or
+    the data: section's class_path; otherwise the module's own train_dataloader().
+
+    JSON: --json PATH writes the report as JSON to PATH and prints the text report; --json - prints
+    the JSON on stdout instead (the same convention as deepep-compare).
 
     Exit code: 0 reproducible, 1 divergence found, 2 could not run.
     """)
@@ -48,9 +54,16 @@ _EPILOG = textwrap.dedent("""\
       deepep-audit l1 --ops index_add_,cumsum --columns default,deterministic
       deepep-audit l3 --config configs/default.yaml --repeats 10
       deepep-audit l3 --variant fused_atomic --device cuda        # DeepEP's atomic value head
-      deepep-audit l2 --target mypkg.models:Net --config net.yaml --json
+      deepep-audit l2 --target mypkg.models:Net --config net.yaml --json -
+      deepep-audit l3 --target mypkg.models:Net --data mypkg.data:ImageData --config cli.yaml --json report.json
       deepep-audit l4 --config configs/default.yaml --steps 6 --resume-at 3 --model.fused_value_head=false
     """)
+
+
+_DATA_HELP = (
+    "package.module:DataModule whose train_dataloader() gives the batches (init args: the config's data:"
+    " section; default: the data: section's class_path, else the module's loader)"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,8 +74,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="print the report as JSON instead of text")
-    common.add_argument("--json-out", metavar="FILE", help="also write the JSON report to FILE")
+    common.add_argument("--json", metavar="PATH", help="write the report as JSON to PATH ('-': stdout, no text)")
     common.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     sub = parser.add_subparsers(dest="level", required=True, metavar="{l1,l2,l3,l4}")
 
@@ -83,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, parents=[common], help=text)
         p.add_argument("--target", help="package.module:Class (default: DeepEP)")
         p.add_argument("--config", help="LightningCLI YAML or YAML of constructor kwargs")
+        p.add_argument("--data", metavar="PKG.MOD:CLASS", help=_DATA_HELP)
         p.add_argument("--repeats", type=int, default=10, help="in-process repeats (default 10)")
         p.add_argument("--steps", type=int, default=3, help="L3 of a generic module: optimizer steps (default 3)")
         p.add_argument(
@@ -108,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     l4.add_argument("--target", help="package.module:Class (default: DeepEP)")
     l4.add_argument("--config", help="LightningCLI YAML (e.g. configs/default.yaml) or constructor kwargs YAML")
+    l4.add_argument("--data", metavar="PKG.MOD:CLASS", help=_DATA_HELP)
     l4.add_argument("--steps", type=int, default=6, help="training steps per run (default 6)")
     l4.add_argument("--resume-at", type=int, help="SIGKILL run b after this step and resume it from last.ckpt")
     l4.add_argument(
@@ -179,7 +193,9 @@ def _in_process(args: argparse.Namespace) -> list[LevelResult]:
             torch.use_deterministic_algorithms(True)  # too late for the cuBLAS setting; configure() would say so
         else:
             configure(0)
-    target = ModuleTarget(args.target, args.config, device=args.device, steps=args.steps, variant=args.variant)
+    target = ModuleTarget(
+        args.target, args.config, device=args.device, steps=args.steps, variant=args.variant, data=args.data
+    )
     return [
         audit_module(
             args.level.upper(),
@@ -206,12 +222,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     markdown = None
     try:
-        from deepep_lightning.audit.targets import DEEPEP_TARGET, audit_device, load_lightning_module_class
+        from deepep_lightning.audit.targets import DEEPEP_TARGET, audit_device, load_data, load_lightning_module_class
 
         if args.device is not None:
             audit_device(args.device)
         if args.level == "l4":
             load_lightning_module_class(args.target or DEEPEP_TARGET)
+            load_data(args.data, args.config)  # a bad --data or data: section is refused before any process starts
         if args.level == "l1":
             results, markdown = _l1(args)
         elif args.level in ("l2", "l3"):
@@ -230,6 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     extra_args=extra,
                     workdir=args.workdir,
                     timeout=args.timeout,
+                    data=args.data,
                 )
             ]
     except (ValueError, TypeError, OSError) as error:
@@ -239,10 +257,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"deepep-audit: error: {type(error).__name__}: {error}", file=sys.stderr)
         return EXIT_COULD_NOT_RUN
     report = AuditReport(results)
-    if args.json_out:
-        with open(args.json_out, "w", encoding="utf-8") as handle:
-            handle.write(report.to_json())
-    if args.json:
+    if args.json and args.json != "-":
+        try:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                handle.write(report.to_json())
+        except OSError as error:
+            print(f"deepep-audit: error: --json {args.json!r}: {error}", file=sys.stderr)
+            return EXIT_COULD_NOT_RUN
+    if args.json == "-":
         print(report.to_json())
     elif markdown:  # the table already says it per op
         print(markdown)

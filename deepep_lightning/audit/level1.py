@@ -231,7 +231,25 @@ def format_catalogue_table(table: dict[str, Any]) -> str:
             + " | ".join(_cell_text(cells.get(c, {})) for c in columns)
             + f" | {table['notes'].get(name, '')} |"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + ["", *catalogue_legend(columns, table["repeats"])])
+
+
+#: What each column of the L1 table runs.
+_COLUMN_MEANING = {
+    "default": "PyTorch's defaults",
+    "deterministic": "torch.use_deterministic_algorithms(True)",
+    "launch_blocking": "CUDA_LAUNCH_BLOCKING=1, in a subprocess (serialises launches; does not fix atomics)",
+}
+
+
+def catalogue_legend(columns: Sequence[str], repeats: int) -> list[str]:
+    """The lines under the L1 table: what its cells and its columns mean."""
+    return [
+        f"Legend: yes = {repeats} calls gave bitwise identical outputs; NO (k distinct, max d) = k different"
+        " outputs, d the largest |difference| from the first; raises = PyTorch refuses the op in that mode"
+        " (no deterministic kernel); n/a = not run here (e.g. a CUDA-only op on CPU); error: = it failed otherwise.",
+        "Columns: " + "; ".join(f"{c} = {_COLUMN_MEANING.get(c, c)}" for c in columns) + ".",
+    ]
 
 
 def _worker(argv: Sequence[str] | None = None) -> int:

@@ -78,6 +78,7 @@ def audit_training(
     workdir: str | None = None,
     timeout: float = 600.0,
     parallel: bool = True,
+    data: str | None = None,
 ) -> LevelResult:
     """Train twice in fresh subprocesses and compare (L4).
 
@@ -93,6 +94,8 @@ def audit_training(
         workdir: where runs ``a`` and ``b`` are written (default: a temporary directory, removed).
         timeout: seconds per subprocess.
         parallel: start run a and run b together (they are independent; results do not depend on it).
+        data: ``"package.module:DataModule"`` to fit with (init args from the config's ``data:`` section);
+            None: the config's ``data:`` class when it names one, else the module's own loaders.
 
     Returns:
         A :class:`LevelResult` with ``details["scalars"]`` (the compare table) and
@@ -119,6 +122,7 @@ def audit_training(
             config = snapshot
         base = [sys.executable, "-m", _RUNNER, "--target", spec, "--steps", str(steps), "--seed", str(seed)]
         base += ["--config", config] if config else []
+        base += ["--data", data] if data else []
         base += ["--determinism"] if determinism else []
         tail = ["--", *extra_args] if extra_args else []
         plans = {"a": [base + ["--out", os.path.join(root, "a")] + tail]}

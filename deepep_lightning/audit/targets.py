@@ -18,6 +18,11 @@ Protocol (the same for every module; L4 covers Trainer, data loading and checkpo
   optimizer of ``configure_optimizers()``; compared: every step's loss, the last gradients and the
   final parameters.
 
+Batches come from the module's ``train_dataloader()``, or, as ``Trainer.fit(model, datamodule=...)``
+does, from a LightningDataModule's when one is given (``data="pkg.mod:DataModule"`` with init args,
+or the ``data:`` section of a LightningCLI YAML): ``prepare_data()``, ``setup("fit")``, then its
+``train_dataloader()``.
+
 A ``SequenceAuditable`` class may also name *variants* (``audit_variants()``: constructor-kwarg
 overrides such as DeepEP's value heads ``"reference"``, ``"fused"``, ``"fused_atomic"``).
 """
@@ -36,7 +41,16 @@ from lightning.pytorch.utilities import move_data_to_device
 from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state
 from deepep_lightning.protocols import AuditLevel, SequenceAuditable, step_loss
 
-__all__ = ["DEEPEP_TARGET", "ModuleTarget", "audit_device", "load_class", "load_config", "load_lightning_module_class"]
+__all__ = [
+    "DEEPEP_TARGET",
+    "DataSpec",
+    "ModuleTarget",
+    "audit_device",
+    "load_class",
+    "load_config",
+    "load_data",
+    "load_lightning_module_class",
+]
 
 #: The default target: the reference workload, by import string (the audit never imports it otherwise).
 DEEPEP_TARGET = "deepep_lightning.deepep.module:DeepEPModule"
@@ -98,11 +112,82 @@ def load_config(config: Any) -> dict[str, Any]:
             config = yaml.safe_load(handle) or {}
     if not isinstance(config, dict):
         raise ValueError(f"`config` must be a mapping or a YAML file of one, got {type(config).__name__}")
-    if "model" in config and isinstance(config["model"], dict):  # a LightningCLI file
-        model = config["model"]
+    if _is_cli_config(config):
+        model = config.get("model") or {}
+        if not isinstance(model, dict):
+            raise ValueError(f"the config's `model:` section must be a mapping, got {model!r}")
         config = dict(model.get("init_args", model)) if "class_path" in model else dict(model)
         config.pop("class_path", None)
     return dict(config)
+
+
+def _is_cli_config(config: Any) -> bool:
+    """A LightningCLI file (its top-level keys are LightningCLI's), not a YAML of constructor kwargs."""
+    return isinstance(config, dict) and bool(_CLI_KEYS & set(config))
+
+
+#: Top-level keys of a LightningCLI config (the same test as the L4 runner's).
+_CLI_KEYS = frozenset({"model", "trainer", "data", "seed_everything"})
+
+
+class DataSpec:
+    """A LightningDataModule class and its init args: what ``--data`` and a config's ``data:`` section name."""
+
+    def __init__(self, cls: type, init_args: dict[str, Any]) -> None:
+        self.cls, self.init_args = cls, dict(init_args)
+
+    @property
+    def class_path(self) -> str:
+        return f"{self.cls.__module__}.{self.cls.__qualname__}"
+
+    def train_dataloader(self) -> Any:
+        """Build the DataModule as ``Trainer.fit`` would (``prepare_data``, ``setup("fit")``) and return its loader."""
+        datamodule = self.cls(**self.init_args)
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        return datamodule.train_dataloader()
+
+
+def _read_yaml(config: Any) -> Any:
+    if isinstance(config, (str, os.PathLike)):
+        with open(config, encoding="utf-8") as handle:
+            return yaml.safe_load(handle) or {}
+    return config
+
+
+def load_data(data: str | None, config: Any = None) -> DataSpec | None:
+    """The DataModule to draw batches from: ``data`` (``"pkg.mod:DataModule"``) and/or the config's ``data:``.
+
+    ``data`` names the class; its init args are the config's ``data:`` section (its ``init_args`` when it
+    has a ``class_path``, else the section itself). Without ``data``, the section's ``class_path`` names
+    the class. None when neither names a DataModule.
+
+    Raises:
+        ValueError: the class cannot be imported or is not a LightningDataModule, or the ``data:`` section
+            has init args but no ``class_path`` and no ``data`` names the class.
+    """
+    import lightning.pytorch as pl
+
+    loaded = _read_yaml(config)
+    section = loaded.get("data") if _is_cli_config(loaded) else None
+    if section is not None and not isinstance(section, dict):
+        raise ValueError(f"the config's `data:` section must be a mapping, got {section!r}")
+    init_args: dict[str, Any] = {}
+    spec = data
+    if section:
+        init_args = dict(section.get("init_args") or {}) if "class_path" in section else dict(section)
+        spec = spec or section.get("class_path")
+    if spec is None:
+        if init_args:
+            raise ValueError(
+                f"the config's `data:` section has init args {sorted(init_args)!r} but no class_path. "
+                "HINT: --data package.module:DataModule"
+            )
+        return None
+    cls = load_class(spec)
+    if not (isinstance(cls, type) and issubclass(cls, pl.LightningDataModule)):
+        raise ValueError(f"`data` {spec!r} is not a LightningDataModule (it is {cls!r})")
+    return DataSpec(cls, init_args)
 
 
 def _loss_of(output: Any) -> torch.Tensor:
@@ -136,6 +221,8 @@ class ModuleTarget:
         variant: one of the target's ``audit_variants()`` (DeepEP: ``"reference"``, the PyTorch value
             head; ``"fused"``, the extension's op; ``"fused_atomic"``, its atomic backward), applied
             over ``config``; None keeps the config.
+        data: ``"package.module:DataModule"`` whose ``train_dataloader()`` gives the batches (init args
+            from the config's ``data:`` section); None: the config's ``data:`` class, else the module's loader.
 
     Raises:
         ValueError: bad target/config/steps/variant.
@@ -152,9 +239,11 @@ class ModuleTarget:
         device: str | None = None,
         steps: int = 3,
         variant: str | None = None,
+        data: str | None = None,
     ) -> None:
         self.spec = target or DEEPEP_TARGET
         self.cls = load_lightning_module_class(self.spec)
+        self.data = load_data(data, config)
         self.config = load_config(config)
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"`steps` must be an int >= 1, got {steps!r}")
@@ -196,14 +285,26 @@ class ModuleTarget:
         multi_step = level == "L3" and self.sequence is None
         count = self.steps if multi_step else 1
         batches = []
-        loader = template.train_dataloader()
+        if self.data is None and _lacks_own_loader(self.cls):
+            raise ValueError(
+                f"{self.spec} has no train_dataloader() of its own and no DataModule is named. HINT: --data "
+                "package.module:DataModule, or a data: section with a class_path in the LightningCLI --config"
+            )
+        loader = self.data.train_dataloader() if self.data is not None else template.train_dataloader()
         for index, batch in enumerate(loader):
             if index >= count:
                 break
             batches.append(move_data_to_device(batch, self.device))
         if len(batches) < count:
-            raise ValueError(f"{self.spec}.train_dataloader() gave {len(batches)} batches, L3 needs {count}")
+            source = self.data.class_path if self.data is not None else self.spec
+            raise ValueError(f"{source}.train_dataloader() gave {len(batches)} batches, L3 needs {count}")
         return PreparedRun(template, batches, capture_rng_state(), multi_step)
+
+
+def _lacks_own_loader(cls: type) -> bool:
+    import lightning.pytorch as pl
+
+    return getattr(cls, "train_dataloader", None) is pl.LightningModule.train_dataloader
 
 
 class PreparedRun:

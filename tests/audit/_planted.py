@@ -183,3 +183,25 @@ class IdenticalBlocks(pl.LightningModule):
         for block in self.blocks:
             x = block(x)
         return self.head(x).pow(2).mean()
+
+
+class PlantedData(pl.LightningDataModule):
+    """The audit's regression data from a DataModule (``batch_size`` shows whose init args were used)."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.dataset: _Data | None = None
+
+    def setup(self, stage: str) -> None:
+        self.dataset = _Data()
+
+    def train_dataloader(self):
+        assert self.dataset is not None, "setup('fit') runs first, as in Trainer.fit"
+        return torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True)
+
+
+class ModuleWithoutData(CleanModule):
+    """CleanModule without a ``train_dataloader`` of its own: its data comes from a DataModule."""
+
+    train_dataloader = pl.LightningModule.train_dataloader

@@ -1,6 +1,7 @@
 """L4: two fresh training processes, optionally killed and resumed (deepep_lightning/audit/level4.py)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +78,20 @@ def test_deepep_kill_and_resume_from_the_cli(tmp_path, capsys):
     assert code == 0, out
     assert "train/loss" in out and "DIFFERS" not in out
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "b" / "ckpt" / "last.ckpt").exists()
+
+
+def test_l4_fits_with_a_data_module_from_the_flag_or_the_config(tmp_path, monkeypatch):
+    """A module without loaders trains in both fresh processes on the DataModule's batches."""
+    import yaml
+
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the subprocesses import _planted
+    result = audit_training(
+        "_planted:ModuleWithoutData", steps=2, data="_planted:PlantedData", workdir=str(tmp_path / "f")
+    )
+    assert result.status == "reproducible", result.error
+    config = tmp_path / "cli.yaml"
+    config.write_text(yaml.safe_dump({"data": {"class_path": "_planted.PlantedData", "init_args": {"batch_size": 4}}}))
+    result = audit_training("_planted:ModuleWithoutData", str(config), steps=2, workdir=str(tmp_path / "c"))
+    assert result.status == "reproducible", result.error
+    # negative control: without a DataModule the runs cannot start
+    assert audit_training("_planted:ModuleWithoutData", steps=2, workdir=str(tmp_path / "n")).status == "error"
