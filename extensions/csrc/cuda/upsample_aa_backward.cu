@@ -73,7 +73,7 @@ struct AntialiasAxis {
 
   // A(o, i) for i in o's window: the filter weight of i, normalised by the window's total (as _compute_weights).
   __device__ __forceinline__ accscalar_t weight(int o, int i) const {
-    const filter_t filter;
+    const filter_t filter{};
     int xmin, xend;
     accscalar_t center;
     span(o, xmin, xend, center);
