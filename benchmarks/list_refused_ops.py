@@ -8,7 +8,7 @@ it still raises once the plugin's dispatcher routing is on (``raises_with_deepep
 
     PYTHONPATH=$PWD python benchmarks/list_refused_ops.py --out benchmarks/results/refused_ops
 
-``--device cpu`` is a smoke run of the script itself (nothing raises on CPU).
+``--device cpu`` is a smoke run of the script itself (on CPU only ``max_unpool2d``'s forward raises).
 """
 
 import argparse
@@ -108,6 +108,13 @@ def candidates(device):
         "replication_pad2d_aten": lambda: torch._C._nn.replication_pad2d(image(), (2, 2, 1, 3)).sum(),
         "replication_pad3d_aten": lambda: torch._C._nn.replication_pad3d(volume(), (1,) * 6).sum(),
         "upsample_bilinear2d_aten": lambda: torch._C._nn.upsample_bilinear2d(image(), (13, 11), False).sum(),
+        "interpolate_bicubic_antialias": resize(image, scale_factor=0.5, mode="bicubic", antialias=True),
+        "grid_sample_3d_nearest": lambda: F.grid_sample(
+            volume(), _grid(1, 3, 3, 3, 3, **d), mode="nearest", align_corners=False
+        ).sum(),
+        "grid_sample_2d_bicubic_reflection_grid_grad": lambda: F.grid_sample(
+            image(), grid(), mode="bicubic", padding_mode="reflection", align_corners=True
+        ).sum(),
         "ctc_loss": lambda: F.ctc_loss(
             F.log_softmax(_leaf(12, 2, 5, **d), 2),
             _index(4, 2, 4, **d) + 1,
