@@ -23,6 +23,7 @@ _EXPORTS = {
     "LossSpikeDetector": "deepep_lightning.health",
     "NonFiniteError": "deepep_lightning.health",
     "CorruptSnapshotError": "deepep_lightning.health",
+    "RunSummaryCallback": "deepep_lightning.summary",
     "configure": "deepep_lightning.determinism",
     "ConfigureRecord": "deepep_lightning.determinism",
     "DeterminismCallback": "deepep_lightning.determinism",

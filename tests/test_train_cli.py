@@ -38,3 +38,33 @@ def test_every_config_parses(name, capsys):
         _main(["fit", "--config", str(ROOT / "configs" / f"{name}.yaml"), "--print_config"])
     assert exit_info.value.code == 0
     assert "model:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--optimizer=AdamW", "--optimizer", "--optimizer.lr=0.1", "--lr_scheduler=StepLR"])
+def test_lightning_cli_optimizer_flags_are_refused_with_the_reason(flag, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _main(["fit", "--config", DEFAULT, flag])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert repr(flag) in err and "two learning rates" in err and "HINT: --model.learning_rate" in err
+
+
+def test_no_optimizer_option_in_the_parser(capsys):
+    """auto_configure_optimizers=False: LightningCLI offers no --optimizer (negative control: --model.* is there)."""
+    with pytest.raises(SystemExit):
+        _main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert "--model.learning_rate" in out and "--optimizer " not in out and "--lr_scheduler " not in out
+
+
+def test_configs_show_progress_summary_lr_and_no_hp_metric():
+    import yaml
+
+    for path in sorted((ROOT / "configs").glob("*.yaml")):
+        trainer = yaml.safe_load(path.read_text())["trainer"]
+        assert trainer["enable_progress_bar"] is True, path.name
+        callbacks = [entry["class_path"] for entry in trainer["callbacks"]]
+        assert "deepep_lightning.RunSummaryCallback" in callbacks, path.name
+        if "logger" in trainer:
+            assert trainer["logger"]["init_args"]["default_hp_metric"] is False, path.name
+            assert "lightning.pytorch.callbacks.LearningRateMonitor" in callbacks, path.name

@@ -124,3 +124,9 @@ def test_nan_demo_comment_names_the_op_its_diagnosis_reports(tmp_path):
     diagnosis = next(e for e in events if e["kind"] == "diagnosis")
     assert diagnosis["op"] in config.read_text() and f"at step {diagnosis['step']}" in config.read_text()
     assert events[-1]["kind"] == "recovered"
+    # the terminal says it: each event as it happens, then the one-line summary of the run
+    terminal = result.stdout + result.stderr
+    assert f"deepep_lightning health: step {diagnosis['step']}: recovered" in terminal
+    assert "health: 1 detected, 2 rolled back, 0 transient, 1 recovered, 0 stopped" in terminal
+    assert f"tensorboard --logdir {events_file.parent}" in terminal and "train/episode_return_100=" in terminal
+    assert "return_100=" in result.stderr  # the progress bar (tqdm writes to stderr)
