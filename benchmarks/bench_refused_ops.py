@@ -90,7 +90,6 @@ ROUTED_SHAPES = {
         ((8, 64, 16, 28, 28), 2),
     ],
     "replication_pad3d_backward": [((2, 32, 32, 64, 64), 1), ((8, 64, 16, 28, 28), 2), ((2, 16, 64, 64, 64), 4)],
-    "reflection_pad2d_backward": [((8, 64, 256, 256), 3), ((32, 256, 64, 64), 1), ((8, 3, 512, 512), 16)],
     "adaptive_max_pool2d_backward": [
         ((32, 512, 7, 7), (1, 1)),
         ((32, 256, 14, 14), (7, 7)),
@@ -121,7 +120,6 @@ QUICK_ROUTED = {
     "avg_pool3d_backward": [((2, 3, 4, 8, 8), (3, 2, 1))],
     "reflection_pad3d_backward": [((2, 3, 4, 8, 8), 1)],
     "replication_pad3d_backward": [((2, 3, 4, 8, 8), 1)],
-    "reflection_pad2d_backward": [((2, 3, 8, 8), 2)],
     "adaptive_max_pool2d_backward": [((2, 3, 8, 8), (3, 3))],
     "max_pool3d_with_indices_backward": [((2, 3, 4, 8, 8), (3, 2, 1))],
     "_ctc_loss_backward": [((12, 2, 5), 3)],
@@ -268,7 +266,7 @@ def _routed_args(op, shape, arguments, device):
         if op == "scatter_add":
             if len(shape) == 1:
                 return torch.zeros(shape, device=device), 0, index, values
-            columns = torch.randint(0, shape[1], (entries // shape[1] or 1, shape[1]), generator=generator)
+            columns = torch.randint(0, shape[1], (shape[0], entries // shape[0]), generator=generator)
             return torch.zeros(shape, device=device), 1, columns.to(device), randn(*columns.shape)
         return torch.zeros(shape, device=device), [index], values, True, False
     pad = arguments
