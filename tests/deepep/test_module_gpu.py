@@ -1,5 +1,6 @@
 """GPU: the CUDA-graph training step equals eager execution and is bitwise reproducible."""
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -114,3 +115,50 @@ def test_graph_step_with_the_stabilisers_does_not_sync_the_host():
             graphed()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+class _SyncFreeWindow(pl.Callback):
+    """Sync debug mode ``"error"`` from step ``first``'s start to step ``last``'s: each loop iteration in between
+    (training step, every callback, Lightning's logging bookkeeping, the progress bar) runs inside it."""
+
+    def __init__(self, first, last):
+        self.first, self.last = first, last
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        torch.cuda.set_sync_debug_mode("error" if self.first <= trainer.global_step < self.last else 0)
+
+    def on_train_end(self, trainer, pl_module):
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_graph_fit_with_progress_bar_health_and_lr_monitor_syncs_no_host_between_writes(tmp_path):
+    """Steps 4..10 of a graphed fit: no host sync while Lightning neither writes logs nor a check is due."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from deepep_lightning import NaNRollbackCallback, NumericalHealthCallback
+
+    model = DeepEPModule(**SIZES, cuda_graph=True, steps_per_epoch=100)
+    callbacks = [
+        _SyncFreeWindow(4, 11),  # first: its on_train_batch_start runs before the others
+        NumericalHealthCallback(check_every_n_steps=1000, spike_detection=False),
+        NaNRollbackCallback(snapshot_every_n_steps=1000),
+        LearningRateMonitor(logging_interval="step"),
+    ]
+    trainer = pl.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=12,  # the last step is outside the window: reaching max_steps forces a check and a write
+        log_every_n_steps=1000,
+        logger=TensorBoardLogger(str(tmp_path)),
+        callbacks=callbacks,
+        enable_progress_bar=True,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+    )
+    try:
+        trainer.fit(model)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert trainer.global_step == 12 and model._graphed is not None
+    assert trainer.callback_metrics["train/episode_return_100"].device.type == "cuda"
