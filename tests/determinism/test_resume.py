@@ -33,6 +33,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 _SCRIPT = Path(__file__).with_name("_run_fit.py")
+WALL_CLOCK_PREFIX = "perf/"  # throughput scalars measure wall-clock time: never reproducible, by design
 _TIMEOUT_S = 600
 _KILL_AT = 11  # checkpoints every 3 steps: last one at step 9, killed at the start of step 12
 _ONECYCLE = ["--scheduler", "onecycle", "--max-steps", "-1", "--max-epochs", "3"]
@@ -99,7 +100,7 @@ def _final_state(out: Path) -> dict[str, torch.Tensor]:
 
 
 def _scalars(out: Path) -> dict[str, dict[int, float]]:
-    """Every scalar of every event file in the run's TB dir.
+    """Every scalar of every event file in the run's TB dir, except wall-clock ``perf/`` tags.
 
     A step written twice (the killed run logged it, the resumed run replayed it) keeps its first
     value and, when the replay logged another value, is recorded under ``"<tag> (replayed)"`` so
@@ -112,7 +113,10 @@ def _scalars(out: Path) -> dict[str, dict[int, float]]:
         accumulator = EventAccumulator(path, size_guidance={"scalars": 0})
         accumulator.Reload()
         for tag in accumulator.Tags()["scalars"]:
+            if tag.startswith(WALL_CLOCK_PREFIX):
+                continue
             for event in accumulator.Scalars(tag):
+                event = event._replace(value="nan") if event.value != event.value else event  # NaN == NaN here
                 seen = series.setdefault(tag, {})
                 if event.step in seen and seen[event.step] != event.value:
                     series.setdefault(f"{tag} (replayed)", {})[event.step] = event.value
