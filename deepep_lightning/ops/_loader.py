@@ -60,7 +60,7 @@ def _cuda_buildable() -> bool:
     if torch.version.cuda is None or not torch.cuda.is_available():
         return False
     nvcc = shutil.which("nvcc") or (CUDA_HOME and os.path.join(CUDA_HOME, "bin", "nvcc"))
-    return bool(nvcc) and os.path.exists(nvcc)
+    return bool(nvcc and os.path.exists(nvcc))
 
 
 def _sources(with_cuda: bool) -> list[str]:

@@ -34,6 +34,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -102,7 +103,7 @@ _installed: dict[str, str] = {}  # aten_op -> dispatch key it is installed at
 _inside = threading.local()
 
 
-def route_kernel(route: Route, original: Callable) -> Callable:
+def route_kernel(route: Route, original: Any) -> Callable:
     """The kernel installed for ``route``: ``fn(keyset, *args, **kwargs)``.
 
     Inside ``route.deterministic`` (same thread) every routed op runs its original kernel.
@@ -184,6 +185,7 @@ def routes_enabled() -> bool:
 
 def _reinstall() -> None:
     key = _dispatch_key
+    assert key is not None  # set with _library, and callers hold routing on
     _destroy()
     _create(key)
 

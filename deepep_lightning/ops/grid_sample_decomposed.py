@@ -199,8 +199,8 @@ def bicubic_backward(
         else:
             source, multiplier = ((coordinates[..., axis] + 1) * size - 1) / 2, size / 2
         first = torch.floor(source)
-        values, slopes = _cubic_coefficients(source - first)
-        axes.append((first, values, slopes, multiplier))
+        coefficients, slopes = _cubic_coefficients(source - first)
+        axes.append((first, coefficients, slopes, multiplier))
     gout = grad_output.reshape(n, c, points).to(compute)  # [N, C, P]
     flat_input = input.reshape(n, c, height * width).to(compute)
     plane_offsets = (torch.arange(n * c, device=input.device) * (height * width)).view(n, c, 1)

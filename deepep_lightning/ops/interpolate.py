@@ -173,7 +173,9 @@ def interpolate(
             recompute_scale_factor=recompute_scale_factor,
             antialias=antialias,
         )
-    output_size, scale_h, scale_w = _resolve_size(input, size, scale_factor, recompute_scale_factor)
+    resolved = _resolve_size(input, size, scale_factor, recompute_scale_factor)
+    assert resolved is not None  # interpolate_unsupported_reason returns a reason when it is None
+    output_size, scale_h, scale_w = resolved
     return torch.ops.deepep.upsample_bilinear2d.default(
         input, output_size, bool(align_corners) if align_corners is not None else False, scale_h, scale_w
     )
