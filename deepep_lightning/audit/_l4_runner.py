@@ -48,7 +48,7 @@ class _KillAt(Callback):
         if trainer.global_step >= self.step:
             for logger in trainer.loggers:
                 logger.save()
-                experiment = getattr(logger, "experiment", None)
+                experiment: Any = getattr(logger, "experiment", None)
                 if hasattr(experiment, "flush"):
                     experiment.flush()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -21,7 +21,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -51,7 +51,7 @@ def audit_callable(
         x, idx = torch.randn(10**6, device="cuda"), torch.randint(0, 100, (10**6,), device="cuda")
         audit_callable(lambda: torch.zeros(100, device="cuda").index_add_(0, idx, x)).status  # 'divergent'
     """
-    label = name or getattr(fn, "__name__", repr(fn))
+    label = cast(str, name or getattr(fn, "__name__", repr(fn)))
     start = time.perf_counter()
     try:
         stats = run_repeats(fn, repeats=repeats)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import time
 import traceback
 import warnings
-from typing import Any
+from typing import Any, cast
 
 from deepep_lightning.audit.op_hashes import Divergence, locate
 from deepep_lightning.audit.repeat import run_repeats
 from deepep_lightning.audit.report import LevelResult, Status
 from deepep_lightning.audit.targets import ModuleTarget, PreparedRun
+from deepep_lightning.protocols import AuditLevel
 
 __all__ = ["audit_module", "locate_divergence"]
 
@@ -67,15 +68,16 @@ def audit_module(
         raise ValueError(f"`level` must be one of {_LEVELS}, got {level!r}")
     if isinstance(locate_attempts, bool) or not isinstance(locate_attempts, int) or locate_attempts < 1:
         raise ValueError(f"`locate_attempts` must be an int >= 1, got {locate_attempts!r}")
+    checked_level = cast(AuditLevel, level)  # one of _LEVELS, checked above
     target = target or ModuleTarget()
-    name = target.name(level)
+    name = target.name(checked_level)
     start = time.perf_counter()
     with warnings.catch_warnings():
         # training_step outside a Trainer: self.log() warns that there is no trainer, harmlessly
         warnings.filterwarnings("ignore", message=".*self.log.*")
         warnings.filterwarnings("ignore", message=".*trainer.*reference.*")
         try:
-            prepared = target.prepare(level)
+            prepared = target.prepare(checked_level)
             module_holder: dict[str, Any] = {}
 
             def reset() -> None:

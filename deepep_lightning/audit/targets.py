@@ -250,7 +250,7 @@ class ModuleTarget:
         self.steps = steps
         self.device = audit_device(device)
         # asked of the class, before any instance exists: a classmethod protocol
-        self.sequence: type[SequenceAuditable] | None = self.cls if isinstance(self.cls, SequenceAuditable) else None
+        self.sequence: SequenceAuditable | None = self.cls if isinstance(self.cls, SequenceAuditable) else None
         variants = self.sequence.audit_variants() if self.sequence is not None else {}
         if variant is not None and not variants:
             raise ValueError(
