@@ -7,8 +7,9 @@ import os
 import sys
 import textwrap
 from collections.abc import Sequence
+from typing import Any
 
-from deepep_lightning.audit.report import EXIT_COULD_NOT_RUN, AuditReport, LevelResult
+from deepep_lightning.audit.report import EXIT_COULD_NOT_RUN, AuditReport, LevelResult, Status
 
 __all__ = ["main"]
 
@@ -160,11 +161,11 @@ def _l1(args: argparse.Namespace) -> tuple[list[LevelResult], str | None]:
         if all(c.get("status") == "n/a" for c in cells.values()):
             continue  # e.g. a CUDA-only op on CPU: in the table, not a verdict
         status = (
-            "divergent"
+            Status.DIVERGENT
             if any(c["status"] == "divergent" for c in decided)
-            else ("reproducible" if decided else "error")
+            else (Status.REPRODUCIBLE if decided else Status.ERROR)
         )
-        worst = max(decided, key=lambda c: c.get("distinct_results") or 0, default={})
+        worst: dict[str, Any] = max(decided, key=lambda c: c.get("distinct_results") or 0, default={})
         results.append(
             LevelResult(
                 "L1",
