@@ -126,6 +126,9 @@ class DeepEPModule(pl.LightningModule):
         cuda_graph: capture the whole training step as one CUDA graph (GPU only; manual optimisation).
         compile_step: ``torch.compile`` the per-timestep network call.
         env_kwargs: extra environment arguments, e.g. ``{"horizon": 512}`` for ``"memory"``.
+        log_throughput: log ``perf/env_steps_per_s`` at the steps Lightning writes. Off by default: a
+            wall-clock figure differs between two bitwise-identical runs (the configs turn it on;
+            ``deepep-compare`` and ``deepep-audit l4`` leave ``perf/`` tags out).
 
     Logged (``train/``): ``loss``, ``policy_loss``, ``value_loss``, ``entropy``, ``grad_norm`` and
     ``episode_return_100`` (mean return of the last 100 finished episodes, a device-side rolling
@@ -133,8 +136,8 @@ class DeepEPModule(pl.LightningModule):
     when it writes, every ``log_every_n_steps``. ``episode_return`` (the epoch's mean per finished
     episode) at each epoch end, ``entropy_coef`` with ``target_entropy``. At the steps Lightning
     writes, the module also reads ``loss`` and ``return_100`` once to the host for the progress
-    bar and logs ``perf/env_steps_per_s`` (environment steps per second since the previous write;
-    wall-clock, so ``deepep-compare`` and ``deepep-audit l4`` skip ``perf/`` tags by default).
+    bar and, with ``log_throughput``, logs ``perf/env_steps_per_s`` (environment steps per second
+    since the previous write).
 
     Example::
 
@@ -174,6 +177,7 @@ class DeepEPModule(pl.LightningModule):
         cuda_graph: bool = False,
         compile_step: bool = False,
         env_kwargs: dict[str, Any] | None = None,
+        log_throughput: bool = False,
     ) -> None:
         super().__init__()
         if env not in ENVIRONMENTS:
@@ -233,6 +237,7 @@ class DeepEPModule(pl.LightningModule):
             _checks.int_at_least("DeepEPModule", "chrono_horizon", chrono_horizon, 2)
         if max_grad_norm is not None:
             _require_in_range("max_grad_norm", max_grad_norm, 1e-12, float("inf"))
+        _checks.strict_bool("DeepEPModule", "log_throughput", log_throughput)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {seed!r}")
         if not isinstance(atomic_value_head, bool) or (atomic_value_head and fused_value_head is False):
@@ -461,6 +466,8 @@ class DeepEPModule(pl.LightningModule):
         host = torch.stack([loss.detach().float(), self.episode_return_100.compute()]).cpu()  # one read
         self.log("loss", host[0], on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
         self.log("return_100", host[1], on_step=True, on_epoch=False, prog_bar=True, logger=False, batch_size=1)
+        if not hp.log_throughput:
+            return
         now = time.perf_counter()
         if self._throughput_mark is not None and self._rollout_step > self._throughput_mark[1]:
             start, first_step = self._throughput_mark

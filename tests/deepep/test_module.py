@@ -223,7 +223,7 @@ class _LoggedEveryStep(pl.Callback):
 
 def test_rolling_100_episode_return_logged_every_step_and_progress_values_at_log_steps():
     recorder = _LoggedEveryStep()
-    model = DeepEPModule(**{**TINY, "num_envs": 32, "rollout_length": 16})  # ~20 steps per early episode
+    model = DeepEPModule(**{**TINY, "num_envs": 32, "rollout_length": 16}, log_throughput=True)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=12,
@@ -267,3 +267,20 @@ def test_progress_values_are_read_only_at_the_steps_lightning_writes(monkeypatch
     )
     trainer.fit(DeepEPModule(**TINY))
     assert reads == [2, 5, 8]  # the 0-based steps Lightning writes at with log_every_n_steps=3
+
+
+def test_throughput_is_logged_only_when_asked_for():
+    """A wall-clock figure differs between identical runs: off by default (configs turn it on)."""
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=4,
+        log_every_n_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(DeepEPModule(**TINY))
+    assert "perf/env_steps_per_s" not in trainer.callback_metrics and "return_100" in trainer.callback_metrics
+    with pytest.raises(MisconfigurationException, match="log_throughput.*'yes'"):
+        DeepEPModule(**TINY, log_throughput="yes")

@@ -116,11 +116,11 @@ def _scalars(out: Path) -> dict[str, dict[int, float]]:
             if tag.startswith(WALL_CLOCK_PREFIX):
                 continue
             for event in accumulator.Scalars(tag):
-                event = event._replace(value="nan") if event.value != event.value else event  # NaN == NaN here
+                value = "nan" if event.value != event.value else event.value  # NaN (no episode yet) == NaN here
                 seen = series.setdefault(tag, {})
-                if event.step in seen and seen[event.step] != event.value:
-                    series.setdefault(f"{tag} (replayed)", {})[event.step] = event.value
-                seen.setdefault(event.step, event.value)
+                if event.step in seen and seen[event.step] != value:
+                    series.setdefault(f"{tag} (replayed)", {})[event.step] = value
+                seen.setdefault(event.step, value)
     return series
 
 
