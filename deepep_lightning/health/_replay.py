@@ -69,7 +69,7 @@ def call_replay_hooks(trainer: pl.Trainer, pl_module: pl.LightningModule, entry:
     on_train_batch_start work (batch copies, fault injection) must not run twice, so this is an
     opt-in hook, not that one.
     """
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector
         if isinstance(callback, ReplayAware):
             callback.on_replay_batch_start(trainer, pl_module, entry.batch, entry.batch_idx, entry.epoch)
 

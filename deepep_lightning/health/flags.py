@@ -74,7 +74,7 @@ class StepRecord:
         return None
 
 
-def _max_abs_and_norm(tensors: Sequence[Tensor]) -> Tensor:
+def _max_abs_and_norm(tensors: list[Tensor]) -> Tensor:
     """[largest absolute element, total L2 norm] of ``tensors`` as one float32 device tensor, no host read."""
     max_abs = torch.stack([n.float() for n in torch._foreach_norm(tensors, ord=float("inf"))]).max()
     l2 = torch.stack([n.float() for n in torch._foreach_norm(tensors)]).norm()

@@ -383,6 +383,7 @@ class NumericalHealthCallback(Callback):
 
     def _act(self, trainer: pl.Trainer, verdict: HealthVerdict) -> None:
         action = self.on_spike if verdict.reason == HealthReason.LOSS_SPIKE else self.on_nonfinite
+        assert verdict.bad_step is not None  # every unhealthy verdict names its step
         self.events.emit(
             trainer,
             EventKind.DETECTED,

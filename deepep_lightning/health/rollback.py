@@ -213,7 +213,8 @@ class NaNRollbackCallback(Callback):
     # ---------------------------------------------------------------- wiring
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        health = [cb for cb in trainer.callbacks if isinstance(cb, NumericalHealthCallback)]
+        # trainer.callbacks is set by Lightning's callback connector, outside Trainer.__init__ (mypy misses it)
+        health = [cb for cb in trainer.callbacks if isinstance(cb, NumericalHealthCallback)]  # type: ignore[attr-defined]
         if not health:
             raise MisconfigurationException(
                 "NaNRollbackCallback needs a NumericalHealthCallback in `Trainer(callbacks=...)`, found none. "
@@ -375,6 +376,7 @@ class NaNRollbackCallback(Callback):
         if not verdict.healthy and self._rolls_back(verdict):
             self._handle_failure(trainer, pl_module, verdict)
         elif not verdict.healthy:
+            assert verdict.bad_step is not None  # every unhealthy verdict names its step
             self._emit(trainer, EventKind.SPIKE_IGNORED, verdict.bad_step, details=verdict.details)
         else:
             metric = self._monitored(trainer) if self.regression is not None else None
@@ -529,6 +531,7 @@ class NaNRollbackCallback(Callback):
     def _handle_failure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: HealthVerdict) -> None:
         """Roll back and replay until a replay is clean or the policy gives up (see the class docstring)."""
         assert self._health is not None
+        assert verdict.bad_step is not None  # every unhealthy verdict names its step
         end = trainer.global_step
         counters = optimizer_step_progress(trainer)
         saved_counters = [copy.deepcopy(counter.state_dict()) for counter in counters]
@@ -611,6 +614,7 @@ class NaNRollbackCallback(Callback):
             same = same or failing.first_step <= replayed.bad_step <= reported
         same = bool(trainer.strategy.reduce_boolean_decision(same, all=True))
         label = Classification.REPRODUCIBLE if same else Classification.NONDETERMINISTIC
+        assert replayed.bad_step is not None  # an unhealthy replay names its step
         self._emit(trainer, EventKind(label.value), replayed.bad_step, reason=replayed.reason)
         return label
 

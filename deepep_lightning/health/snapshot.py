@@ -359,7 +359,7 @@ def _process_alive(pid: int) -> bool:
 
 def remove_dead_temporary_files(directory: str) -> list[str]:
     """Delete ``*.tmp.<pid>`` files of snapshot writes whose process is gone; returns their paths."""
-    removed = []
+    removed: list[str] = []
     if not os.path.isdir(directory):
         return removed
     for name in sorted(os.listdir(directory)):
