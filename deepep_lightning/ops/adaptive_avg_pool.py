@@ -15,34 +15,24 @@ deterministic implementation``): they scatter with float ``atomicAdd``. They are
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._guards import grad_and_self_device_reason, grad_and_self_reason
+from deepep_lightning.ops._loader import on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["adaptive_avg_pool_backward_unsupported_reason"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
 
 def adaptive_avg_pool_backward_unsupported_reason(grad_output: Tensor, self: Tensor, spatial: int) -> str | None:
     """Why the deterministic backward (``spatial`` = 2 or 3 dims) would hand these to PyTorch, or ``None``."""
-    if not isinstance(grad_output, Tensor) or not isinstance(self, Tensor):
-        return "grad_output and self must be torch.Tensor"
-    if self.dim() not in (spatial + 1, spatial + 2) or grad_output.dim() != self.dim():
-        return f"self must be {spatial + 1}-D or {spatial + 2}-D with grad_output of the same rank"
-    if self.dtype not in _DTYPES or grad_output.dtype != self.dtype:
-        return f"dtype {self.dtype} (grad_output {grad_output.dtype}) is not one of {list(_DTYPES)}"
+    reason = grad_and_self_reason(grad_output, self, spatial)
+    if reason is not None:
+        return reason
     lead = self.dim() - spatial
     if grad_output.shape[:lead] != self.shape[:lead]:
         return f"grad_output {tuple(grad_output.shape)} does not match self {tuple(self.shape)}"
     if min(self.shape[lead:]) <= 0 or min(grad_output.shape[lead:]) <= 0:
         return "empty spatial sizes are left to PyTorch"
-    if grad_output.device != self.device or self.device.type not in ("cpu", "cuda"):
-        return f"devices {grad_output.device} / {self.device} are not covered"
-    if not extension_available():
-        return "the deepep C++ extension is not available"
-    if self.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
-    return None
+    return grad_and_self_device_reason(grad_output, self)
 
 
 def _covers_2d(grad_output: Tensor, self: Tensor) -> str | None:

@@ -17,12 +17,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._guards import grad_and_self_device_reason, grad_and_self_reason
+from deepep_lightning.ops._loader import on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["avg_pool3d_backward_unsupported_reason"]
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _triple(values: Sequence[int], default: Sequence[int] | None = None) -> list[int] | None:
@@ -55,12 +54,9 @@ def avg_pool3d_backward_unsupported_reason(
     divisor_override: int | None,
 ) -> str | None:
     """Why the deterministic ``avg_pool3d_backward`` would hand these arguments to PyTorch, or ``None``."""
-    if not isinstance(grad_output, Tensor) or not isinstance(self, Tensor):
-        return "grad_output and self must be torch.Tensor"
-    if self.dim() not in (4, 5) or grad_output.dim() != self.dim():
-        return "self must be 4-D or 5-D with grad_output of the same rank"
-    if self.dtype not in _DTYPES or grad_output.dtype != self.dtype:
-        return f"dtype {self.dtype} (grad_output {grad_output.dtype}) is not one of {list(_DTYPES)}"
+    reason = grad_and_self_reason(grad_output, self, 3)
+    if reason is not None:
+        return reason
     if grad_output.shape[:-3] != self.shape[:-3] or min(self.shape[-3:]) <= 0:
         return f"grad_output {tuple(grad_output.shape)} / self {tuple(self.shape)}: left to PyTorch to validate"
     expanded = _expanded(kernel_size, stride, padding)
@@ -71,13 +67,7 @@ def avg_pool3d_backward_unsupported_reason(
             return "kernel_size/stride/padding are left to PyTorch to validate"
     if divisor_override is not None and divisor_override == 0:
         return "divisor_override=0 is left to PyTorch to validate"
-    if grad_output.device != self.device or self.device.type not in ("cpu", "cuda"):
-        return f"devices {grad_output.device} / {self.device} are not covered"
-    if not extension_available():
-        return "the deepep C++ extension is not available"
-    if self.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
-    return None
+    return grad_and_self_device_reason(grad_output, self)
 
 
 def _route(

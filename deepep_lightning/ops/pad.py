@@ -21,27 +21,23 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._guards import grad_and_self_device_reason, grad_and_self_reason
+from deepep_lightning.ops._loader import on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["pad_backward_unsupported_reason"]
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def pad_backward_unsupported_reason(
     grad_output: Tensor, self: Tensor, padding: Sequence[int], *, reflect: bool, spatial: int
 ) -> str | None:
     """Why the deterministic pad backward would hand these arguments to PyTorch, or ``None``."""
-    if not isinstance(grad_output, Tensor) or not isinstance(self, Tensor):
-        return "grad_output and self must be torch.Tensor"
+    reason = grad_and_self_reason(grad_output, self, spatial)
+    if reason is not None:
+        return reason
     padding = list(padding)
     if len(padding) != 2 * spatial or not all(isinstance(p, int) for p in padding):
         return f"padding {padding!r} does not have {2 * spatial} ints"
-    if self.dim() not in (spatial + 1, spatial + 2) or grad_output.dim() != self.dim():
-        return f"self must be {spatial + 1}-D or {spatial + 2}-D with grad_output of the same rank"
-    if self.dtype not in _DTYPES or grad_output.dtype != self.dtype:
-        return f"dtype {self.dtype} (grad_output {grad_output.dtype}) is not one of {list(_DTYPES)}"
     if grad_output.shape[:-spatial] != self.shape[:-spatial]:
         return f"grad_output {tuple(grad_output.shape)} does not match self {tuple(self.shape)}"
     for axis in range(spatial):
@@ -52,13 +48,7 @@ def pad_backward_unsupported_reason(
             return "sizes are left to PyTorch to validate"
         if reflect and (left >= size or right >= size):
             return "reflection padding not below the input size is left to PyTorch to validate"
-    if grad_output.device != self.device or self.device.type not in ("cpu", "cuda"):
-        return f"devices {grad_output.device} / {self.device} are not covered"
-    if not extension_available():
-        return "the deepep C++ extension is not available"
-    if self.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
-    return None
+    return grad_and_self_device_reason(grad_output, self)
 
 
 def _reflection(grad_output: Tensor, self: Tensor, padding: Sequence[int]) -> Tensor:
