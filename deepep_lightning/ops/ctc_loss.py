@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._guards import kernels_reason
+from deepep_lightning.ops._loader import on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["ctc_loss_backward", "ctc_loss_backward_reference"]
@@ -93,13 +94,7 @@ def unsupported_reason(
             return f"{name} must have N = {batch} entries"
     if isinstance(blank, bool) or not isinstance(blank, int) or not 0 <= blank < classes:
         return f"blank {blank!r} is not a class in [0, {classes})"
-    if log_probs.device.type not in ("cpu", "cuda"):
-        return f"device type {log_probs.device.type!r} is not covered"
-    if not extension_available():
-        return "the deepep C++ extension is not available"
-    if log_probs.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
-    return None
+    return kernels_reason(log_probs)
 
 
 def _lengths_tensor(lengths, device: torch.device) -> Tensor:

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, register_op_python_side
+from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
+from deepep_lightning.ops._loader import register_op_python_side
 from deepep_lightning.ops._routes import Route, register_route
 from deepep_lightning.ops.grid_sample_decomposed import (
     bicubic_backward,
@@ -40,7 +41,7 @@ __all__ = ["grid_sample", "grid_sample_unsupported_reason"]
 
 _OP = "grid_sample"
 _PADDING_MODES = {"zeros": 0, "border": 1, "reflection": 2}
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = FLOAT_DTYPES
 _PADDING_NAMES = {code: name for name, code in _PADDING_MODES.items()}
 _torch_grid_sample = F.grid_sample
 
@@ -70,13 +71,7 @@ def grid_sample_unsupported_reason(
         )
     if input.device != grid.device:
         return "input and grid are on different devices"
-    if input.device.type not in ("cpu", "cuda"):
-        return f"device type {input.device.type!r} is not covered"
-    if not extension_available():
-        return "the deepep C++ extension is not available"
-    if input.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
-    return None
+    return kernels_reason(input)
 
 
 def grid_sample(

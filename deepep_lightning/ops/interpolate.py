@@ -40,18 +40,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deepep_lightning.ops._loader import (
-    cuda_kernels_available,
-    extension_available,
-    on_extension_loaded,
-    register_op_python_side,
-)
+from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
+from deepep_lightning.ops._loader import on_extension_loaded, register_op_python_side
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["interpolate", "interpolate_unsupported_reason"]
 
 _OP = "interpolate"
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = FLOAT_DTYPES
 _torch_interpolate = F.interpolate
 
 _Resolved = tuple[list[int], float | None, float | None]
@@ -116,13 +112,7 @@ def interpolate_unsupported_reason(
         # PyTorch raises its own error; an exception from inside the compiled op crashed torch 2.11
         # on the GPU machine (BENCHMARKS.md, "Known problem"), so this never reaches it.
         return f"empty input {tuple(input.shape)} or output size {resolved[0]}: left to PyTorch to validate"
-    if input.device.type not in ("cpu", "cuda"):
-        return f"device type {input.device.type!r} is not covered"
-    if not extension_available():
-        return "the deepep C++ extension is not available"
-    if input.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
-    return None
+    return kernels_reason(input)
 
 
 def interpolate(
@@ -217,13 +207,7 @@ def _upsample_backward_reason(
         return f"grad_output {tuple(grad_output.shape)} does not match input_size {list(input_size)}"
     if min(input_size[2:]) <= 0 or min(output_size) <= 0:
         return "empty spatial sizes are left to PyTorch"
-    if grad_output.device.type not in ("cpu", "cuda"):
-        return f"device type {grad_output.device.type!r} is not covered"
-    if not extension_available():
-        return "the deepep C++ extension is not available"
-    if grad_output.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
-    return None
+    return kernels_reason(grad_output)
 
 
 def _backward_route_covers(

@@ -19,13 +19,14 @@ reshapes 3-D and 5-D+ inputs to 4-D), so the route sits on ``aten::nll_loss2d_fo
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
+from deepep_lightning.ops._loader import on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["nll_loss2d_forward", "nll_loss2d_unsupported_reason"]
 
 _OP = "nll_loss2d_forward"
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = FLOAT_DTYPES
 _REDUCTIONS = {1: "mean", 2: "sum"}
 
 
@@ -57,13 +58,7 @@ def nll_loss2d_unsupported_reason(
         return "weight must be [C] of self's dtype and device"
     if not isinstance(ignore_index, int):
         return f"ignore_index={ignore_index!r} is not an int"
-    if self.device.type not in ("cpu", "cuda"):
-        return f"device type {self.device.type!r} is not covered"
-    if not extension_available():
-        return "the deepep C++ extension is not available"
-    if self.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
-    return None
+    return kernels_reason(self)
 
 
 def nll_loss2d_forward(
