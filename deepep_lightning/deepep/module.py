@@ -8,10 +8,12 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
@@ -20,7 +22,7 @@ from deepep_lightning import _checks, _lightning_compat
 from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
-from deepep_lightning.deepep.envs import ENVIRONMENTS, make_env
+from deepep_lightning.deepep.envs import ENVIRONMENTS, BatchedEnv, make_env
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel
@@ -144,6 +146,10 @@ class DeepEPModule(pl.LightningModule):
         model = DeepEPModule(env="cartpole", num_envs=32, rollout_length=32)
         pl.Trainer(max_steps=200).fit(model)
     """
+
+    # What save_hyperparameters() and register_buffer() set, typed for attribute access.
+    hparams: AttributeDict
+    log_entropy_coef: torch.Tensor
 
     def __init__(
         self,
@@ -288,7 +294,7 @@ class DeepEPModule(pl.LightningModule):
         self.episode_return_100 = RollingEpisodeReturn(RETURN_WINDOW)
         self._throughput_mark: tuple[float, int] | None = None  # (perf_counter, rollout step) at the last write
         self._agent_step = torch.compile(self.agent.step) if compile_step else self.agent.step
-        self._env = None
+        self._env: BatchedEnv | None = None
         self._hidden: torch.Tensor | None = None
         self._generator: torch.Generator | None = None
         self._rollout_step = 0
@@ -403,7 +409,8 @@ class DeepEPModule(pl.LightningModule):
         hp = self.hparams
         assert self._env is not None and self._hidden is not None and self._generator is not None
         step_fn = self._agent_step
-        agent = self.agent if step_fn is self.agent.step else _CompiledStepAgent(self.agent, step_fn)
+        # _CompiledStepAgent forwards every attribute but step to the agent: it stands in for one
+        agent = self.agent if step_fn is self.agent.step else cast(DeepEPAgent, _CompiledStepAgent(self.agent, step_fn))
         if hp.target_tau is not None:
             # Before the rollout, so the target follows the weights of the previous optimizer step on both paths.
             assert self.agent.target_value_head is not None
@@ -457,7 +464,8 @@ class DeepEPModule(pl.LightningModule):
         step per batch that count is the ``global_step`` at the start of the step.
         """
         trainer = _lightning_compat.attached_trainer(self)
-        every = trainer.log_every_n_steps if trainer is not None else 0
+        # log_every_n_steps is set by Lightning's logger connector, outside Trainer.__init__ (mypy misses it)
+        every = trainer.log_every_n_steps if trainer is not None else 0  # type: ignore[attr-defined]
         return every > 0 and (step + 1) % every == 0
 
     def _log_progress(self, loss: torch.Tensor) -> None:
@@ -567,7 +575,7 @@ class DeepEPModule(pl.LightningModule):
         return params + state + ([self._hidden] if self._hidden is not None else [])
 
     def _graphed_training_step(self) -> dict[str, torch.Tensor]:
-        lightning_optimizer = self.optimizers()
+        lightning_optimizer = cast(LightningOptimizer, self.optimizers())  # one optimizer
         optimizer = lightning_optimizer.optimizer
         if not self._uncaptured and self.device.type != "cuda":
             raise MisconfigurationException(
@@ -585,7 +593,7 @@ class DeepEPModule(pl.LightningModule):
             )
         # Lightning counts optimizer steps through these hooks; the step itself runs inside the graph.
         lightning_optimizer._on_before_step()
-        outputs = self._whole_step(optimizer) if self._uncaptured else self._graphed()
+        outputs = self._whole_step(optimizer) if self._uncaptured else cast(GraphedTrainStep, self._graphed)()
         lightning_optimizer._on_after_step()
         return outputs
 
