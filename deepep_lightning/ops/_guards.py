@@ -1,17 +1,29 @@
-"""The checks that the refused-op routes' ``covers`` functions share: dtypes, devices, the compiled kernels.
+"""The checks that the refused-op modules share: ``covers`` reasons (dtypes, devices, the compiled kernels)
+and fake kernels.
 
 A ``covers`` function (:class:`~deepep_lightning.ops._routes.Route`) returns why a case is left to
 PyTorch, or ``None``; the op-specific checks (shapes, modes, windows) stay in each op module, and the
 checks every route makes in the same words live here, so that one reason reads the same everywhere.
-Metadata only: nothing here reads tensor values or syncs the host.
+Metadata only: nothing here reads tensor values or syncs the host. The fake kernels
+(``torch.library.register_fake``) need the C++ schema, so :func:`register_fakes` registers them once
+the library is loaded.
 """
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available
+from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
 
-__all__ = ["FLOAT_DTYPES", "grad_and_self_reason", "grad_and_self_device_reason", "kernels_reason"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "fake_like_self",
+    "grad_and_self_reason",
+    "grad_and_self_device_reason",
+    "kernels_reason",
+    "register_fakes",
+]
 
 #: The floating dtypes the deterministic kernels take.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -54,3 +66,26 @@ def grad_and_self_device_reason(grad_output: Tensor, self: Tensor) -> str | None
     if grad_output.device != self.device or self.device.type not in _KERNEL_DEVICE_TYPES:
         return f"devices {grad_output.device} / {self.device} are not covered"
     return _compiled_reason(self)
+
+
+def fake_like_self(message: str) -> Callable[..., Tensor]:
+    """The fake kernel of a backward ``(grad_output, self, *options) -> grad_input`` shaped like ``self``.
+
+    ``torch._check`` raises ``message`` when ``grad_output``'s rank is not ``self``'s.
+    """
+
+    def fake(grad_output: Tensor, self: Tensor, *options: object) -> Tensor:
+        torch._check(grad_output.dim() == self.dim(), lambda: message)
+        return torch.empty_like(self)
+
+    return fake
+
+
+def register_fakes(fakes: dict[str, Callable[..., object]]) -> None:
+    """Once the library is loaded: ``torch.library.register_fake(name)(fake)`` for each ``"deepep::<op>"``."""
+
+    def register() -> None:
+        for name, fake in fakes.items():
+            torch.library.register_fake(name)(fake)
+
+    on_extension_loaded(register)

@@ -15,8 +15,12 @@ deterministic implementation``): they scatter with float ``atomicAdd``. They are
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import grad_and_self_device_reason, grad_and_self_reason
-from deepep_lightning.ops._loader import on_extension_loaded
+from deepep_lightning.ops._guards import (
+    fake_like_self,
+    grad_and_self_device_reason,
+    grad_and_self_reason,
+    register_fakes,
+)
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["adaptive_avg_pool_backward_unsupported_reason"]
@@ -51,16 +55,7 @@ def _route_3d(grad_output: Tensor, self: Tensor) -> Tensor:
     return torch.ops.deepep.adaptive_avg_pool3d_backward.default(grad_output, self)
 
 
-def _fake(grad_output: Tensor, self: Tensor) -> Tensor:
-    torch._check(grad_output.dim() == self.dim(), lambda: "adaptive_avg_pool_backward: grad_output/self ranks differ")
-    return torch.empty_like(self)
-
-
-def _register_fake() -> None:
-    torch.library.register_fake("deepep::adaptive_avg_pool2d_backward")(_fake)
-    torch.library.register_fake("deepep::adaptive_avg_pool3d_backward")(_fake)
-
-
-on_extension_loaded(_register_fake)
+_fake = fake_like_self("adaptive_avg_pool_backward: grad_output/self ranks differ")
+register_fakes({"deepep::adaptive_avg_pool2d_backward": _fake, "deepep::adaptive_avg_pool3d_backward": _fake})
 register_route(Route("_adaptive_avg_pool2d_backward", _route_2d, _covers_2d))
 register_route(Route("_adaptive_avg_pool3d_backward", _route_3d, _covers_3d))

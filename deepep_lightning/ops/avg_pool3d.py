@@ -17,8 +17,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import grad_and_self_device_reason, grad_and_self_reason
-from deepep_lightning.ops._loader import on_extension_loaded
+from deepep_lightning.ops._guards import (
+    fake_like_self,
+    grad_and_self_device_reason,
+    grad_and_self_reason,
+    register_fakes,
+)
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["avg_pool3d_backward_unsupported_reason"]
@@ -88,14 +92,5 @@ def _route(
     )
 
 
-def _fake(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    torch._check(grad_output.dim() == self.dim(), lambda: "avg_pool3d_backward: ranks of grad_output/self differ")
-    return torch.empty_like(self)
-
-
-def _register_fake() -> None:
-    torch.library.register_fake("deepep::avg_pool3d_backward")(_fake)
-
-
-on_extension_loaded(_register_fake)
+register_fakes({"deepep::avg_pool3d_backward": fake_like_self("avg_pool3d_backward: ranks of grad_output/self differ")})
 register_route(Route("avg_pool3d_backward", _route, avg_pool3d_backward_unsupported_reason))

@@ -21,8 +21,12 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import grad_and_self_device_reason, grad_and_self_reason
-from deepep_lightning.ops._loader import on_extension_loaded
+from deepep_lightning.ops._guards import (
+    fake_like_self,
+    grad_and_self_device_reason,
+    grad_and_self_reason,
+    register_fakes,
+)
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["pad_backward_unsupported_reason"]
@@ -59,17 +63,8 @@ def _replication(grad_output: Tensor, self: Tensor, padding: Sequence[int]) -> T
     return torch.ops.deepep.replication_pad_backward.default(grad_output, self, list(padding))
 
 
-def _fake(grad_output: Tensor, self: Tensor, padding: Sequence[int]) -> Tensor:
-    torch._check(grad_output.dim() == self.dim(), lambda: "pad_backward: ranks of grad_output/self differ")
-    return torch.empty_like(self)
-
-
-def _register_fake() -> None:
-    torch.library.register_fake("deepep::reflection_pad_backward")(_fake)
-    torch.library.register_fake("deepep::replication_pad_backward")(_fake)
-
-
-on_extension_loaded(_register_fake)
+_fake = fake_like_self("pad_backward: ranks of grad_output/self differ")
+register_fakes({"deepep::reflection_pad_backward": _fake, "deepep::replication_pad_backward": _fake})
 #: Spatial ranks whose reflection backward PyTorch refuses in deterministic mode (2-D has its own gather).
 _ROUTED_REFLECTION_RANKS = (1, 3)
 for _spatial in (1, 2, 3):
