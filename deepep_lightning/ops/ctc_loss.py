@@ -20,8 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import kernels_reason
-from deepep_lightning.ops._loader import on_extension_loaded
+from deepep_lightning.ops._guards import kernels_reason, register_fakes
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["ctc_loss_backward", "ctc_loss_backward_reference"]
@@ -170,7 +169,7 @@ def _fake(
     return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
 
 
-on_extension_loaded(lambda: torch.library.register_fake("deepep::ctc_loss_backward")(_fake))
+register_fakes({"deepep::ctc_loss_backward": _fake})
 
 
 def _route_covers(

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from deepep_lightning.ops._guards import FLOAT_DTYPES
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = [
@@ -42,7 +43,7 @@ __all__ = [
     "nearest_backward",
 ]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = FLOAT_DTYPES
 _ZEROS, _BORDER, _REFLECTION = 0, 1, 2
 _BILINEAR, _NEAREST = 0, 1
 

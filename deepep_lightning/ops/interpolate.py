@@ -34,14 +34,14 @@ mode; inside it, on CUDA, PyTorch itself uses the decomposition, equal up to fp 
 """
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
-from deepep_lightning.ops._loader import on_extension_loaded, register_op_python_side
+from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason, register_fakes
+from deepep_lightning.ops._loader import register_op_python_side
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["interpolate", "interpolate_unsupported_reason"]
@@ -182,15 +182,18 @@ def _fake_forward(
     return input.new_empty((input.shape[0], input.shape[1], output_size[0], output_size[1]))
 
 
-def _fake_backward(
-    grad_output: Tensor, input_size: Sequence[int], align_corners: bool, scale_h: float | None, scale_w: float | None
-) -> Tensor:
-    torch._check(len(input_size) == 4, lambda: f"{_OP}_backward: input_size must have 4 entries")
-    return grad_output.new_empty(tuple(input_size))
+def _fake_2d_backward(op: str) -> Callable[..., Tensor]:
+    """The fake kernel of a 2-D upsample backward ``(grad_output, input_size, *options) -> grad_input``."""
+
+    def fake(grad_output: Tensor, input_size: Sequence[int], *options: object) -> Tensor:
+        torch._check(len(input_size) == 4, lambda: f"{op}: input_size must have 4 entries")
+        return grad_output.new_empty(tuple(input_size))
+
+    return fake
 
 
 # autograd is registered in C++ (extensions/csrc/refused_ops.cpp): no Python runs per backward
-register_op_python_side("upsample_bilinear2d", _fake_forward, _fake_backward)
+register_op_python_side("upsample_bilinear2d", _fake_forward, _fake_2d_backward(f"{_OP}_backward"))
 
 
 def _upsample_backward_reason(
@@ -287,31 +290,9 @@ def _antialias_route(bicubic: bool):
     return route
 
 
-def _fake_antialias_backward(
-    grad_output: Tensor,
-    input_size: Sequence[int],
-    align_corners: bool,
-    scale_h: float | None,
-    scale_w: float | None,
-    bicubic: bool,
-) -> Tensor:
-    torch._check(len(input_size) == 4, lambda: "upsample_aa2d_backward: input_size must have 4 entries")
-    return grad_output.new_empty(tuple(input_size))
-
-
-def _fake_bicubic_backward(
-    grad_output: Tensor, input_size: Sequence[int], align_corners: bool, scale_h: float | None, scale_w: float | None
-) -> Tensor:
-    torch._check(len(input_size) == 4, lambda: "upsample_bicubic2d_backward: input_size must have 4 entries")
-    return grad_output.new_empty(tuple(input_size))
-
-
-def _register_bicubic_fake() -> None:
-    torch.library.register_fake("deepep::upsample_bicubic2d_backward")(_fake_bicubic_backward)
-    torch.library.register_fake("deepep::upsample_aa2d_backward")(_fake_antialias_backward)
-
-
-on_extension_loaded(_register_bicubic_fake)
+register_fakes(
+    {f"deepep::{op}": _fake_2d_backward(op) for op in ("upsample_bicubic2d_backward", "upsample_aa2d_backward")}
+)
 register_route(Route("upsample_bilinear2d_backward", _backward_route, _backward_route_covers))
 register_route(Route("upsample_bicubic2d_backward", _bicubic_route, _backward_route_covers))
 register_route(Route("_upsample_bilinear2d_aa_backward", _antialias_route(bicubic=False), _backward_route_covers))

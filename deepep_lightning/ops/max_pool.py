@@ -35,12 +35,13 @@ import math
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, on_extension_loaded
+from deepep_lightning.ops._guards import FLOAT_DTYPES, register_fakes
+from deepep_lightning.ops._loader import cuda_kernels_available
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["argmax_scatter_backward", "argmax_window_backward", "max_unpool"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = FLOAT_DTYPES
 _MAX_ENTRIES = 2**31 - 2
 _MAX_ROWS = 2**32 - 2
 _EMBEDDING_BAG_MAX = 2
@@ -155,12 +156,7 @@ def _max_unpool_fake(self, indices, output_size):
     return self.new_empty(tuple(self.shape[: -len(output_size)]) + tuple(output_size))
 
 
-def _register() -> None:
-    torch.library.register_fake("deepep::argmax_window_backward")(_argmax_window_fake)
-    torch.library.register_fake("deepep::max_unpool_forward")(_max_unpool_fake)
-
-
-on_extension_loaded(_register)
+register_fakes({"deepep::argmax_window_backward": _argmax_window_fake, "deepep::max_unpool_forward": _max_unpool_fake})
 
 
 def _suggested_memory_format(tensor: Tensor) -> torch.memory_format:

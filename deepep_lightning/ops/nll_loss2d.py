@@ -19,8 +19,7 @@ reshapes 3-D and 5-D+ inputs to 4-D), so the route sits on ``aten::nll_loss2d_fo
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
-from deepep_lightning.ops._loader import on_extension_loaded
+from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason, register_fakes
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["nll_loss2d_forward", "nll_loss2d_unsupported_reason"]
@@ -102,11 +101,7 @@ def _fake(self: Tensor, target: Tensor, weight: Tensor | None, reduction: int, i
     return output, self.new_empty(())
 
 
-def _register_fake() -> None:
-    torch.library.register_fake(f"deepep::{_OP}")(_fake)
-
-
-on_extension_loaded(_register_fake)
+register_fakes({f"deepep::{_OP}": _fake})
 
 
 def _route(self: Tensor, target: Tensor, weight: Tensor | None, reduction: int, ignore_index: int):

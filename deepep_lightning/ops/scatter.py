@@ -32,12 +32,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from deepep_lightning.ops._guards import FLOAT_DTYPES
 from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
 
 __all__ = ["segment_scatter_add", "segment_scatter_add_reference"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_DTYPES = FLOAT_DTYPES
 _INDEX_DTYPES = (torch.int64, torch.int32)
 _MAX_ENTRIES = 2**31 - 2  # entry ids are int32 in the kernel
 _MAX_ROWS = 2**32 - 2  # sort keys are uint32
