@@ -224,17 +224,24 @@ def _backward_route_covers(
     return _upsample_backward_reason(grad_output, output_size, input_size, 2)
 
 
-def _backward_route(
-    grad_output: Tensor,
-    output_size: Sequence[int],
-    input_size: Sequence[int],
-    align_corners: bool,
-    scales_h: float | None = None,
-    scales_w: float | None = None,
-) -> Tensor:
-    return torch.ops.deepep.upsample_bilinear2d_backward.default(
-        grad_output, list(input_size), align_corners, scales_h, scales_w
-    )
+def _gather_route(op: str, *extra: bool) -> Callable[..., Tensor]:
+    """The route of a 2-D upsample backward to ``torch.ops.deepep.<op>(..., scales_h, scales_w, *extra)``.
+
+    The op is looked up per call: it exists only once the library is loaded.
+    """
+
+    def route(
+        grad_output: Tensor,
+        output_size: Sequence[int],
+        input_size: Sequence[int],
+        align_corners: bool,
+        scales_h: float | None = None,
+        scales_w: float | None = None,
+    ) -> Tensor:
+        kernel = getattr(torch.ops.deepep, op).default
+        return kernel(grad_output, list(input_size), align_corners, scales_h, scales_w, *extra)
+
+    return route
 
 
 def _linear1d_route_covers(
@@ -261,40 +268,15 @@ def _linear1d_route(
     return grad_input.view(batch, channels, width)
 
 
-def _bicubic_route(
-    grad_output: Tensor,
-    output_size: Sequence[int],
-    input_size: Sequence[int],
-    align_corners: bool,
-    scales_h: float | None = None,
-    scales_w: float | None = None,
-) -> Tensor:
-    return torch.ops.deepep.upsample_bicubic2d_backward.default(
-        grad_output, list(input_size), align_corners, scales_h, scales_w
-    )
-
-
-def _antialias_route(bicubic: bool):
-    def route(
-        grad_output: Tensor,
-        output_size: Sequence[int],
-        input_size: Sequence[int],
-        align_corners: bool,
-        scales_h: float | None = None,
-        scales_w: float | None = None,
-    ) -> Tensor:
-        return torch.ops.deepep.upsample_aa2d_backward.default(
-            grad_output, list(input_size), align_corners, scales_h, scales_w, bicubic
-        )
-
-    return route
-
-
 register_fakes(
     {f"deepep::{op}": _fake_2d_backward(op) for op in ("upsample_bicubic2d_backward", "upsample_aa2d_backward")}
 )
-register_route(Route("upsample_bilinear2d_backward", _backward_route, _backward_route_covers))
-register_route(Route("upsample_bicubic2d_backward", _bicubic_route, _backward_route_covers))
-register_route(Route("_upsample_bilinear2d_aa_backward", _antialias_route(bicubic=False), _backward_route_covers))
-register_route(Route("_upsample_bicubic2d_aa_backward", _antialias_route(bicubic=True), _backward_route_covers))
-register_route(Route("upsample_linear1d_backward", _linear1d_route, _linear1d_route_covers))
+for _route in (
+    Route("upsample_bilinear2d_backward", _gather_route("upsample_bilinear2d_backward"), _backward_route_covers),
+    Route("upsample_bicubic2d_backward", _gather_route("upsample_bicubic2d_backward"), _backward_route_covers),
+    # upsample_aa2d_backward's trailing bool: the bicubic (True) or the bilinear (False) filter
+    Route("_upsample_bilinear2d_aa_backward", _gather_route("upsample_aa2d_backward", False), _backward_route_covers),
+    Route("_upsample_bicubic2d_aa_backward", _gather_route("upsample_aa2d_backward", True), _backward_route_covers),
+    Route("upsample_linear1d_backward", _linear1d_route, _linear1d_route_covers),
+):
+    register_route(_route)
