@@ -1,7 +1,8 @@
 """JIT build and load of the ``deepep`` C++/CUDA extension, once per process.
 
 Every ``extensions/csrc/*.cpp`` and, when CUDA is usable (a CUDA build of torch, a GPU and
-``nvcc``), every ``extensions/csrc/cuda/*.cu`` is compiled into one library with
+``nvcc``), every ``extensions/csrc/cuda/*.cu`` (in a built package: ``deepep_lightning/_csrc``, see
+:func:`csrc_dir`) is compiled into one library with
 :func:`torch.utils.cpp_extension.load` and loaded with ``torch.ops.load_library`` semantics, so
 adding an op is adding files: its C++ sources here, a Python module that calls
 :func:`register_op_python_side` (built on :func:`on_extension_loaded`) for its ``register_fake`` /
@@ -50,8 +51,19 @@ _hooks: list[Callable[[], None]] = []
 
 
 def csrc_dir() -> Path:
-    """The extension sources of this checkout: ``<repo>/extensions/csrc``."""
-    return Path(__file__).resolve().parents[2] / "extensions" / "csrc"
+    """The extension sources: the checkout's ``extensions/csrc``, else the installed package's ``_csrc``.
+
+    A source checkout (editable install, ``PYTHONPATH``) builds from ``<repo>/extensions/csrc``, so edits
+    there take effect; a built package (``pip install .``, a wheel) carries a copy as
+    ``deepep_lightning/_csrc`` (setup.py's ``build_py``). When neither exists the checkout path is
+    returned, and :func:`_sources` names both in its error.
+    """
+    package = Path(__file__).resolve().parents[1]
+    checkout = package.parent / "extensions" / "csrc"
+    if checkout.is_dir() and (package.parent / "pyproject.toml").is_file():
+        return checkout
+    installed = package / "_csrc"
+    return installed if installed.is_dir() else checkout
 
 
 def _cuda_buildable() -> bool:
@@ -63,15 +75,38 @@ def _cuda_buildable() -> bool:
     return bool(nvcc and os.path.exists(nvcc))
 
 
+class _MissingSourcesError(FileNotFoundError):
+    """The installed package has no extension sources to build (not a compiler problem)."""
+
+
+def _build_hint(err: Exception) -> str:
+    """What to do about a failed build, from what is missing on this machine."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    if isinstance(err, _MissingSourcesError):
+        return (
+            "reinstall deepep_lightning from a source checkout (pip install . or pip install -e .) or from a "
+            "wheel built by its setup.py, which ships extensions/csrc as deepep_lightning/_csrc"
+        )
+    compiler = os.environ.get("CXX", "c++")
+    missing = [] if shutil.which(compiler) else [f"a C++ compiler ({compiler!r} is not on PATH; or set CXX)"]
+    if not is_ninja_available():
+        missing.append("ninja (pip install ninja)")
+    if missing:
+        return "install " + " and ".join(missing)
+    return "the compiler and ninja are present, so the build log says what failed"
+
+
 def _sources(with_cuda: bool) -> list[str]:
     root = csrc_dir()
     sources = sorted(root.glob("*.cpp"))
     if with_cuda:
         sources += sorted((root / "cuda").glob("*.cu"))
     if not sources:
-        raise FileNotFoundError(
-            f"no C++ sources under {str(root)!r}. HINT: run from a source checkout "
-            "(editable install or PYTHONPATH), the extension is not shipped as a wheel."
+        package = Path(__file__).resolve().parents[1]
+        raise _MissingSourcesError(
+            f"no C++ sources under {str(root)!r} nor {str(package / '_csrc')!r}: this install of "
+            "deepep_lightning lacks its package data"
         )
     return [str(path) for path in sources]
 
@@ -128,8 +163,8 @@ def _load_once() -> bool:
                 warnings.warn(
                     "deepep_lightning.ops: could not build/load the C++ extension "
                     f"({first_line}); falling back to the pure-PyTorch reference ops (same "
-                    "results up to fp32 rounding, slower, more memory). HINT: install a C++ "
-                    "compiler and ninja; deepep_lightning.ops.extension_error() holds the whole "
+                    f"results up to fp32 rounding, slower, more memory). HINT: {_build_hint(err)}; "
+                    "deepep_lightning.ops.extension_error() holds the whole "
                     f"build log ({VERBOSE_ENV}=1 prints it live); {DISABLE_ENV}=1 uses the "
                     "references without this warning.",
                     RuntimeWarning,
