@@ -110,12 +110,16 @@ def _reflect_set_grad(coordinate: Tensor, twice_low: int, twice_high: int) -> tu
     return reflected, torch.where(even, sign, -sign)
 
 
+def _unnormalize_set_grad(coordinate: Tensor, size: int, align_corners: bool) -> tuple[Tensor, float]:
+    # PyTorch's grid_sampler_unnormalize_set_grad: [-1, 1] to pixel coordinates, and d source / d grid.
+    if align_corners:
+        return (coordinate + 1) / 2 * (size - 1), (size - 1) / 2
+    return ((coordinate + 1) * size - 1) / 2, size / 2
+
+
 def _source_set_grad(coordinate: Tensor, size: int, padding_mode: int, align_corners: bool) -> tuple[Tensor, Tensor]:
     """PyTorch's grid_sampler_compute_source_index_set_grad: (source coordinate, d source / d grid)."""
-    if align_corners:
-        source, multiplier = (coordinate + 1) / 2 * (size - 1), (size - 1) / 2
-    else:
-        source, multiplier = ((coordinate + 1) * size - 1) / 2, size / 2
+    source, multiplier = _unnormalize_set_grad(coordinate, size, align_corners)
     gradient = torch.full_like(coordinate, multiplier)
     if padding_mode == _BORDER:
         source, clip = _clip_set_grad(source, size)
@@ -126,6 +130,18 @@ def _source_set_grad(coordinate: Tensor, size: int, padding_mode: int, align_cor
         source, clip = _clip_set_grad(source, size)
         gradient = gradient * reflect * clip
     return source, gradient
+
+
+def _accumulate(input: Tensor, indices: list[Tensor], values: list[Tensor], compute: torch.dtype) -> Tensor:
+    """``grad_input`` of ``input``'s shape and dtype: every ``[N, C, P]`` value added at its flat index.
+
+    One ``index_put_(accumulate=True)``, in deterministic mode sorted and summed in a fixed order.
+    """
+    grad_input = torch.zeros(input.numel(), dtype=compute, device=input.device)
+    grad_input.index_put_(
+        (torch.cat(indices, dim=2).reshape(-1),), torch.cat(values, dim=2).reshape(-1), accumulate=True
+    )
+    return grad_input.view(input.shape).to(input.dtype)
 
 
 def nearest_backward(
@@ -195,10 +211,7 @@ def bicubic_backward(
     coordinates = grid.reshape(n, points, 2).to(compute)
     axes = []  # per axis: (first tap, coefficients, their slopes, d source / d grid)
     for axis, size in enumerate((width, height)):
-        if align_corners:
-            source, multiplier = (coordinates[..., axis] + 1) / 2 * (size - 1), (size - 1) / 2
-        else:
-            source, multiplier = ((coordinates[..., axis] + 1) * size - 1) / 2, size / 2
+        source, multiplier = _unnormalize_set_grad(coordinates[..., axis], size, align_corners)
         first = torch.floor(source)
         coefficients, slopes = _cubic_coefficients(source - first)
         axes.append((first, coefficients, slopes, multiplier))
@@ -227,11 +240,7 @@ def bicubic_backward(
     grad_grid = grad_grid.to(grid.dtype)
     if not want_input:
         return None, grad_grid
-    grad_input = torch.zeros(n * c * height * width, dtype=compute, device=input.device)
-    grad_input.index_put_(
-        (torch.cat(corner_indices, dim=2).reshape(-1),), torch.cat(corner_values, dim=2).reshape(-1), accumulate=True
-    )
-    return grad_input.view(input.shape).to(input.dtype), grad_grid
+    return _accumulate(input, corner_indices, corner_values, compute), grad_grid
 
 
 def _backward(
@@ -290,11 +299,7 @@ def _backward(
     grad_grid = grad_grid.reshape(grid.shape).to(grid.dtype)
     if not want_input:
         return None, grad_grid
-    grad_input = torch.zeros(n * c * depth * height * width, dtype=compute, device=input.device)
-    grad_input.index_put_(
-        (torch.cat(corner_indices, dim=2).reshape(-1),), torch.cat(corner_values, dim=2).reshape(-1), accumulate=True
-    )
-    return grad_input.view(input.shape).to(input.dtype), grad_grid
+    return _accumulate(input, corner_indices, corner_values, compute), grad_grid
 
 
 register_route(Route("grid_sampler_3d_backward", _backward, grid_sampler_3d_backward_unsupported_reason))
