@@ -226,11 +226,15 @@ def _index_add_inplace(self, dim, index, source, *, alpha=1):
     return self.copy_(_index_add(self, dim, index, source, alpha=alpha))
 
 
-def _index_add_out(self, dim, index, source, *, alpha=1, out):
-    result = _index_add(self, dim, index, source, alpha=alpha)
+def _write_out(out: Tensor, result: Tensor) -> Tensor:
+    """``result`` written into ``out`` (resized first when the shapes differ), as an ``.out`` overload does."""
     if tuple(out.shape) != tuple(result.shape):
         out.resize_(result.shape)
     return out.copy_(result)
+
+
+def _index_add_out(self, dim, index, source, *, alpha=1, out):
+    return _write_out(out, _index_add(self, dim, index, source, alpha=alpha))
 
 
 def _scatter_add_covers(self, dim, index, src, *, out=None) -> str | None:
@@ -283,10 +287,7 @@ def _scatter_add_inplace(self, dim, index, src):
 
 
 def _scatter_add_out(self, dim, index, src, *, out):
-    result = _scatter_add(self, dim, index, src)
-    if tuple(out.shape) != tuple(result.shape):
-        out.resize_(result.shape)
-    return out.copy_(result)
+    return _write_out(out, _scatter_add(self, dim, index, src))
 
 
 def _index_put_covers(self, indices, values, accumulate=False, unsafe=False) -> str | None:
