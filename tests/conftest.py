@@ -33,6 +33,9 @@ import torch
 import deepep_lightning.determinism.configuration as configure_module
 
 torch.set_num_threads(1)
+# A seeded default generator, as in a reproducible script: DeterminismCallback refuses a model whose
+# weights come from torch's unseeded start-up generator (tests of that run in fresh processes).
+torch.manual_seed(0)
 
 REPO = Path(__file__).resolve().parents[1]
 

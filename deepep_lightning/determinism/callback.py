@@ -2,12 +2,15 @@
 
 What it does, in hook order:
 
-* ``__init__``: validates its arguments and, when CUDA has not started yet, calls
-  :func:`~deepep_lightning.determinism.configuration.configure` right away (constructing the callback is
-  usually the last thing before ``Trainer(...)`` starts CUDA).
-* ``setup``: checks that ``configure`` ran before CUDA started (``strict``: raise, naming what to
-  move; otherwise warn), re-applies the flags, and wraps the train DataLoader source so plain
-  map-style loaders become :class:`~deepep_lightning.determinism.data.SeekableDataLoader`.
+* ``__init__``: validates its arguments; nothing global changes (no seeding, no flags, no
+  environment variables), so constructing the callback is free of side effects.
+* ``setup``: settles the seed (the ``seed`` argument, else Lightning's global seed ``PL_GLOBAL_SEED``
+  from ``seed_everything``, else an earlier :func:`~deepep_lightning.determinism.configuration.configure`
+  call, else 0) and says which; checks that the model was not initialised from an unseeded generator;
+  calls ``configure`` unless the user already did with the same settings (then it only reseeds
+  torch/numpy/random from the seed, as ``configure`` does), and checks that it was in
+  time for CUDA (``strict``: raise, naming what to move; otherwise warn); wraps the train DataLoader
+  source so plain map-style loaders become :class:`~deepep_lightning.determinism.data.SeekableDataLoader`.
 * ``on_train_batch_start``: reseeds torch/numpy/random from ``(seed, "train", rank, epoch,
   batch_idx)``, so the training stream at any batch is a pure function of its position: nothing
   that runs between two batches (validation, sanity check, logging, a loader's ``base_seed``) can
@@ -15,12 +18,18 @@ What it does, in hook order:
   checkpointed RNG states (the only mechanism when ``reseed_every_step=False``).
 * ``state_dict``: every RNG state (torch CPU, each CUDA device, numpy, python) as
   ``weights_only``-loadable values, plus the stack fingerprint.
+* ``on_save_checkpoint``: SHA-256 digests of its own state and of the model's ``state_dict``.
+* ``on_load_checkpoint``: verifies those digests (a mismatch raises
+  :class:`~deepep_lightning.determinism.checkpoint_integrity.CheckpointIntegrityError` naming the file)
+  and warns when the checkpoint holds no state of this callback (written without it: the resume is
+  not guaranteed exact). A file that cannot be read at all raises the same error, naming it.
 * ``load_state_dict``: compares the saved fingerprint with the current one.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,6 +42,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks, _lightning_compat
+from deepep_lightning.determinism.checkpoint_integrity import (
+    CheckpointIntegrityError,
+    digest,
+    model_digest,
+    readable_checkpoint_loader,
+)
 from deepep_lightning.determinism.configuration import (
     ConfigureRecord,
     CublasWorkspaceConfig,
@@ -44,10 +59,15 @@ from deepep_lightning.determinism.configuration import (
 from deepep_lightning.determinism.data import make_seekable
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints, format_fingerprint
 from deepep_lightning.determinism.results import capture_logged_state, merge_epoch_results, restore_metric_modules
-from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state, seed_everything_from
+from deepep_lightning.determinism.rng import (
+    capture_rng_state,
+    default_generator_is_unseeded,
+    restore_rng_state,
+    seed_everything_from,
+)
 from deepep_lightning.ops.routing import patch_refused_ops
 
-__all__ = ["DeterminismCallback", "FingerprintMismatchError"]
+__all__ = ["CheckpointIntegrityError", "DeterminismCallback", "FingerprintMismatchError"]
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +82,13 @@ class DeterminismCallback(Callback):
     """Reproducible runs and exact resume for any LightningModule.
 
     Args:
-        seed: run seed; ``None`` takes the seed of an earlier :func:`configure` call, else 0.
+        seed: run seed; ``None`` takes Lightning's global seed (``PL_GLOBAL_SEED``, set by
+            ``seed_everything`` and LightningCLI's ``seed_everything:``), else the seed of an earlier
+            :func:`configure` call, else 0. Settled at ``setup``; a seed that disagrees with
+            ``PL_GLOBAL_SEED`` warns. The checkpoint records the seed used.
         strict: raise (instead of warning) when CUDA started before :func:`configure`, when the
-            checkpoint's fingerprint differs, or when a train loader cannot be made seekable.
+            model was initialised from an unseeded generator, when the checkpoint's fingerprint
+            differs, or when a train loader cannot be made seekable.
         deterministic_algorithms, warn_only, fill_uninitialized_memory, cublas_workspace_config:
             passed to :func:`configure` (see there for the defaults and their cost).
         release_cublas_env: at train start on CUDA, let PyTorch check ``CUBLAS_WORKSPACE_CONFIG``
@@ -129,8 +153,9 @@ class DeterminismCallback(Callback):
                 "fill_uninitialized_memory": fill_uninitialized_memory,
             },
         )
-        record = last_configure_record()
-        self.seed = seed if seed is not None else (record.seed if record is not None else 0)
+        self._seed_argument = seed
+        self.seed, self._seed_source = self._resolve_seed()  # settled again at setup
+        self._seed_announced = False
         self.strict = strict
         self.release_cublas_env = release_cublas_env
         self.seekable_data = seekable_data
@@ -145,15 +170,53 @@ class DeterminismCallback(Callback):
             "fill_uninitialized_memory": fill_uninitialized_memory,
             "cublas_workspace_config": cublas_workspace_config,
         }
-        if not (torch.cuda.is_available() and torch.cuda.is_initialized()) and not self._record_matches(record):
-            configure(self.seed, **self._configure_kwargs)  # validates the forwarded arguments too
         self._pending_rng: dict[str, Any] | None = None
         self._pending_logged: dict[str, Any] | None = None
         self._pending_results: dict[str, Any] = {}
         self._saved_train_rng: dict[str, Any] | None = None
         self._original_source: Any = None
+        self._wrapped_loader_of: Any = None
         self._rank = 0
         self._world_size = 1
+
+    def _resolve_seed(self) -> tuple[int, str]:
+        """The seed to use and where it comes from (the ``seed`` argument, Lightning, ``configure``, default)."""
+        if self._seed_argument is not None:
+            return self._seed_argument, "the `seed` argument"
+        global_seed = _lightning_global_seed()
+        if global_seed is not None:
+            return global_seed, "Lightning's global seed (PL_GLOBAL_SEED, set by `seed_everything`)"
+        record = last_configure_record()
+        if record is not None:
+            return record.seed, "the last `configure(seed)` call"
+        return 0, "the default: no `seed` argument, no `seed_everything`, no `configure`"
+
+    def _settle_seed(self) -> None:
+        self.seed, self._seed_source = self._resolve_seed()
+        global_seed = _lightning_global_seed()
+        if self._seed_argument is not None and global_seed is not None and global_seed != self.seed:
+            rank_zero_warn(
+                f"DeterminismCallback: seed={self.seed!r} disagrees with Lightning's global seed"
+                f" PL_GLOBAL_SEED={global_seed!r} (set by `seed_everything` or an earlier `configure`); the"
+                f" callback uses seed={self.seed!r}. HINT: pass the same value to both, or leave `seed` unset"
+                " to follow `seed_everything`."
+            )
+        if not self._seed_announced:
+            rank_zero_info(f"DeterminismCallback: seed {self.seed} (from {self._seed_source})")
+            self._seed_announced = True
+
+    def _check_seeded_before_model(self) -> None:
+        if last_configure_record() is not None or not default_generator_is_unseeded():
+            return
+        message = (
+            "DeterminismCallback: torch's default generator drew numbers (the model's initial weights,"
+            " most likely) before any seed was set, so they differ in every fresh process and two runs"
+            " cannot be equal. HINT: call `lightning.pytorch.seed_everything(seed)` or"
+            " `deepep_lightning.configure(seed)` before building the model."
+        )
+        if self.strict:
+            raise MisconfigurationException(message + " (strict=True refuses; strict=False only warns)")
+        rank_zero_warn(message)
 
     def _record_matches(self, record: ConfigureRecord | None) -> bool:
         if record is None or record.seed != self.seed:
@@ -169,16 +232,21 @@ class DeterminismCallback(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        self._settle_seed()
+        self._check_seeded_before_model()
         record = last_configure_record()
         if record is None or not self._record_matches(record):
             record = configure(self.seed, **self._configure_kwargs)
+        else:  # what configure() seeds: the stream at fit start is a function of the seed, not of the process
+            seed_everything_from(self.seed, "global")
         if record.too_late:
             message = (
-                f"DeterminismCallback: CUDA started before configure() set {', '.join(record.too_late)}:"
-                " settings read when CUDA/cuBLAS start may not take effect. HINT: call"
-                " `deepep_lightning.configure(seed)` (or construct `DeterminismCallback`) before anything"
-                " touches CUDA: before `model.cuda()`, `torch.randn(...,"
-                " device='cuda')`, `torch.cuda.*` queries and `Trainer(...)`; or export CUBLAS_WORKSPACE_CONFIG"
+                f"DeterminismCallback: CUDA was in use (device memory allocated, so cuBLAS may have started)"
+                f" before configure() set {', '.join(record.too_late)}: settings read when CUDA/cuBLAS start"
+                " may not take effect. HINT: call"
+                " `deepep_lightning.configure(seed)` before anything touches CUDA: before `model.cuda()`,"
+                " `torch.randn(..., device='cuda')`, `torch.cuda.*` queries and `trainer.fit(...)` (the"
+                " Trainer starts CUDA before this callback's `setup`); or export CUBLAS_WORKSPACE_CONFIG"
                 " in the shell."
             )
             if self.strict:
@@ -189,6 +257,10 @@ class DeterminismCallback(Callback):
             torch.use_deterministic_algorithms(record.deterministic_algorithms, warn_only=record.warn_only)
         if self.patch_refused_ops and self._routing_was_on is None:
             self._routing_was_on = patch_refused_ops(True)
+        if stage == "fit" and not getattr(trainer.strategy.load_checkpoint, "__deepep_readable__", False):
+            # instance attribute over the class method; teardown deletes it
+            trainer.strategy.load_checkpoint = readable_checkpoint_loader(trainer.strategy.load_checkpoint)  # type: ignore[method-assign]
+            self._wrapped_loader_of = trainer.strategy
         if stage == "fit" and self.seekable_data:
             original = _lightning_compat.wrap_train_dataloader_source(trainer, self._make_seekable)
             if original is not None:
@@ -202,6 +274,9 @@ class DeterminismCallback(Callback):
         if self._original_source is not None:
             _lightning_compat.unwrap_train_dataloader_source(trainer, self._original_source)
             self._original_source = None
+        if self._wrapped_loader_of is not None:
+            vars(self._wrapped_loader_of).pop("load_checkpoint", None)
+            self._wrapped_loader_of = None
 
     def _make_seekable(self, loaders: Any) -> Any:
         def convert(loader: Any) -> Any:
@@ -323,6 +398,39 @@ class DeterminismCallback(Callback):
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is not None:
             state["logged"] = logged
+            state["digest"] = {
+                "state": digest({k: v for k, v in state.items() if k != "digest"}),
+                "model": model_digest(checkpoint.get("state_dict")),
+            }
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", checkpoint: dict[str, Any]
+    ) -> None:
+        path = trainer.ckpt_path
+        state = checkpoint.get("callbacks", {}).get(self.state_key)
+        if state is None:
+            rank_zero_warn(
+                f"DeterminismCallback: the checkpoint {str(path)!r} holds no DeterminismCallback state (it was"
+                " written without the plugin, or with save_weights_only): training resumes, but not bitwise"
+                " equal to an uninterrupted run (no RNG states, no mid-epoch loader position, no seed check)."
+            )
+            return
+        saved = state.get("digest")
+        if not isinstance(saved, dict):
+            return  # written before digests existed
+        problems = []
+        if saved.get("state") != digest({k: v for k, v in state.items() if k != "digest"}):
+            problems.append("the DeterminismCallback state (RNG states, logged values)")
+        current_model = model_digest(checkpoint.get("state_dict"))
+        if saved.get("model") is not None and current_model is not None and saved["model"] != current_model:
+            problems.append("the model's state_dict (weights)")
+        if problems:
+            raise CheckpointIntegrityError(
+                f"DeterminismCallback: the checkpoint {str(path)!r} is corrupt: {' and '.join(problems)} no longer"
+                " match the digest written with it. HINT: resume from an earlier checkpoint; for a checkpoint"
+                " edited on purpose, delete checkpoint['callbacks']['DeterminismCallback']['digest']."
+            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -352,6 +460,19 @@ class DeterminismCallback(Callback):
             self._pending_rng = state_dict["rng"]
         else:
             rank_zero_info("DeterminismCallback: the checkpoint holds no RNG state; the RNGs are not restored")
+
+
+def _lightning_global_seed() -> int | None:
+    """``PL_GLOBAL_SEED`` as an int, or ``None`` when unset or not a non-negative integer."""
+    value = os.environ.get("PL_GLOBAL_SEED")
+    if value is None:
+        return None
+    try:
+        seed = int(value)
+    except ValueError:
+        rank_zero_warn(f"DeterminismCallback: ignoring PL_GLOBAL_SEED={value!r}, which is not an integer")
+        return None
+    return seed if seed >= 0 else None
 
 
 def _rows(differences: dict[str, tuple[str, str]]) -> list[tuple[str, str, str]]:

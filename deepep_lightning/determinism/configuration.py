@@ -147,6 +147,7 @@ def configure(
         },
     )
     cuda_started = torch.cuda.is_available() and torch.cuda.is_initialized()
+    cublas_may_have_started = cuda_started and _cuda_memory_in_use()
     wanted = {
         "PYTHONHASHSEED": str(seed),  # for child processes; this one hashed already
         # Lightning's own worker seeding (pl_worker_init_function) for loaders the callback does not
@@ -168,13 +169,13 @@ def configure(
             os.environ[name] = value
             env[name] = value
             set_here.append(name)
-            if cuda_started and name.startswith(("CUBLAS", "NCCL")):
+            if (cuda_started and name.startswith("NCCL")) or (cublas_may_have_started and name.startswith("CUBLAS")):
                 too_late.append(name)
         else:
             env[name] = current
             if name in ours:  # set by an earlier configure() call: still ours to change or release
                 set_here.append(name)
-    if cuda_started and cublas_workspace_config is not None:
+    if cublas_may_have_started and cublas_workspace_config is not None:
         if os.environ.get("CUBLAS_WORKSPACE_CONFIG") not in _CUBLAS_DETERMINISTIC_CONFIGS:
             too_late.append("CUBLAS_WORKSPACE_CONFIG")
     seed_everything_from(seed, "global")
@@ -203,6 +204,17 @@ def configure(
         set_by_configure=tuple(set_here),
     )
     return _last_record
+
+
+def _cuda_memory_in_use() -> bool:
+    """True when the caching allocator holds memory on a device, i.e. a cuBLAS workspace may exist.
+
+    ``CUBLAS_WORKSPACE_CONFIG`` is read when a workspace is sized, at the first cuBLAS call on a
+    (handle, stream); PyTorch takes those workspaces from the caching allocator. A started CUDA
+    context that holds no memory (what ``Trainer`` leaves after ``torch.cuda.set_device``, before the
+    model moves) has run no cuBLAS call, so the variable still takes effect.
+    """
+    return any(torch.cuda.memory_reserved(index) > 0 for index in range(torch.cuda.device_count()))
 
 
 def last_configure_record() -> ConfigureRecord | None:

@@ -21,9 +21,21 @@ import torch
 from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.streams import derive_seed
 
-__all__ = ["capture_rng_state", "restore_rng_state", "seed_everything_from", "fork_global_rng"]
+__all__ = [
+    "capture_rng_state",
+    "default_generator_is_unseeded",
+    "restore_rng_state",
+    "seed_everything_from",
+    "fork_global_rng",
+]
 
 _NUMPY_SEED_MASK = 2**32 - 1
+
+# torch seeds its default CPU generator from the OS at startup with a 53-bit random value; a seed a
+# person or a library sets (``seed_everything``: 32 bits; ``configure``: a different derived value) replaces it.
+_SEED_AT_IMPORT = torch.initial_seed()
+_STATE_AT_IMPORT = torch.get_rng_state()
+_LARGEST_USER_SEED = 2**32 - 1
 
 
 def _numpy_state() -> dict[str, Any]:
@@ -111,6 +123,26 @@ def restore_rng_state(state: Mapping[str, Any], generators: Mapping[str, torch.G
             skipped.append(f"generator {name!r} (not in the snapshot)")
     skipped.extend(f"generator {name!r} (not registered now)" for name in saved)
     return skipped
+
+
+def default_generator_is_unseeded() -> bool:
+    """True when torch's default CPU generator has drawn numbers but nobody has seeded it in this process.
+
+    Weights a model initialised from such a generator differ in every fresh process. The test: the
+    generator's ``initial_seed()`` is still the one torch chose from the OS at startup (seen when this
+    module was imported; a value above 32 bits, which ``seed_everything`` never sets), and its state
+    has moved since. A generator seeded before ``deepep_lightning`` was imported, or one that drew
+    nothing, counts as seeded.
+
+    Example::
+
+        import deepep_lightning
+        torch.nn.Linear(4, 4)          # drawn from the unseeded generator
+        default_generator_is_unseeded()  # True; after torch.manual_seed(0): False
+    """
+    if _SEED_AT_IMPORT <= _LARGEST_USER_SEED or torch.initial_seed() != _SEED_AT_IMPORT:
+        return False
+    return not torch.equal(torch.get_rng_state(), _STATE_AT_IMPORT)
 
 
 @functools.cache

@@ -116,6 +116,7 @@ def _stripped_copy(path: str, state_key: str, what: str) -> str:
     checkpoint = torch.load(path, weights_only=False)
     state = checkpoint["callbacks"][state_key]
     state.pop("rng")
+    state.pop("digest")  # an edit on purpose: without the digest the state is taken as it is
     if what == "all":
         state.pop("logged")
         checkpoint["loops"]["fit_loop"]["state_dict"].pop("combined_loader")
@@ -177,6 +178,7 @@ def main() -> None:
         from deepep_lightning import _lightning_compat
 
         _lightning_compat.load_pending_loader_states = lambda trainer: False
+    configure(SEED)  # before the model is built (and before CUDA starts): its initial weights are seeded
     model = _plain_module(args.scheduler) if args.module == "plain" else _deepep_module(args.deepep_args)
     trainer = pl.Trainer(
         accelerator=args.accelerator,

@@ -84,6 +84,7 @@ def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path, boring_modu
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["callbacks"]["DeterminismCallback"]["fingerprint"]["world_size"] = "8"
+    checkpoint["callbacks"]["DeterminismCallback"].pop("digest")  # an edit on purpose, not a corruption
     torch.save(checkpoint, path)
     resumed = quiet_trainer(
         max_steps=4,
@@ -142,8 +143,14 @@ def test_strict_setup_raises_when_cuda_started_before_configure(monkeypatch: pyt
     import deepep_lightning.determinism.configuration as configure_module
 
     monkeypatch.setattr(configure_module, "_last_record", None)
-    callback = DeterminismCallback(1)  # CUDA "started": cannot configure here
+    monkeypatch.setattr(configure_module, "_cuda_memory_in_use", lambda: False)
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    # negative control: a context that holds no memory yet (Trainer's set_device) ran no cuBLAS call
+    DeterminismCallback(1).setup(trainer, boring_module(), "fit")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setattr(configure_module, "_last_record", None)
+    monkeypatch.setattr(configure_module, "_cuda_memory_in_use", lambda: True)
+    callback = DeterminismCallback(1)  # CUDA "in use": too late for the cuBLAS setting
     with pytest.raises(MisconfigurationException, match="HINT: call `deepep_lightning.configure"):
         callback.setup(trainer, boring_module(), "fit")
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")

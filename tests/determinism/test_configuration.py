@@ -48,6 +48,14 @@ def test_after_cuda_started_reports_what_is_too_late(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    import deepep_lightning.determinism.configuration as configure_module
+
+    monkeypatch.setattr(configure_module, "_cuda_memory_in_use", lambda: False)
+    record = configure(0)  # a context that holds no memory has run no cuBLAS call: still in time
+    assert record.cuda_initialized_before and record.too_late == ()
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG")
+    monkeypatch.setattr(configure_module, "_last_record", None)
+    monkeypatch.setattr(configure_module, "_cuda_memory_in_use", lambda: True)
     record = configure(0)
     assert record.cuda_initialized_before and "CUBLAS_WORKSPACE_CONFIG" in record.too_late
 
