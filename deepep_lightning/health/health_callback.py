@@ -21,7 +21,14 @@ from deepep_lightning.health.flags import HealthReason, StepFlags, StepRecord
 from deepep_lightning.health.spike import LossSpikeDetector
 from deepep_lightning.protocols import step_grad_norm, step_loss
 
-__all__ = ["Action", "FailureHandler", "HealthVerdict", "NonFiniteError", "NumericalHealthCallback", "log_host_value"]
+__all__ = [
+    "Action",
+    "FailureHandler",
+    "HealthVerdict",
+    "NonFiniteError",
+    "NumericalHealthCallback",
+    "log_check_scalars",
+]
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +40,33 @@ _ACTIONS: tuple[str, ...] = get_args(Action)
 MAX_CHECK_EVERY_N_STEPS = 10_000
 
 
-def log_host_value(
-    pl_module: pl.LightningModule, name: str, value: float, prog_bar: bool = False, on_epoch: bool = False
+def log_check_scalars(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float], prog_bar: tuple[str, ...] = ()
 ) -> None:
-    """``pl_module.log`` of a value already on the host, as a CPU tensor.
+    """Log host values measured at a check: to Lightning's metrics, and to the loggers at this step only.
 
-    Lightning moves a Python float to the module's device, and converts every progress-bar value back
-    with ``.item()`` at each step's end, a host sync per step on a GPU; a CPU tensor needs neither.
+    ``pl_module.log`` (``logger=False``) puts them in ``trainer.callback_metrics`` (what ``EarlyStopping``
+    and ``ModelCheckpoint`` monitor) and the progress bar, as CPU tensors: Lightning moves a Python
+    float to the module's device and converts every progress-bar value back with ``.item()`` at each
+    step's end, a host sync per step on a GPU; a CPU tensor needs neither. The loggers get them on
+    rank 0 at the step Lightning writes this step's training scalars (``global_step - 1`` in
+    ``on_train_batch_end``), once: Lightning would write a value logged at a check again at every later
+    write until the epoch ends, points that were never measured (and that a resumed run, whose
+    logging starts afresh, does not repeat).
     """
-    pl_module.log(
-        name, torch.tensor(float(value)), on_step=not on_epoch, on_epoch=on_epoch, prog_bar=prog_bar, batch_size=1
-    )
+    for name, value in metrics.items():
+        pl_module.log(
+            name,
+            torch.tensor(float(value)),
+            on_step=True,
+            on_epoch=False,
+            prog_bar=name in prog_bar,
+            logger=False,
+            batch_size=1,
+        )
+    if metrics and trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(dict(metrics), step=max(trainer.global_step - 1, 0))
 
 
 class NonFiniteError(RuntimeError):
@@ -91,10 +114,11 @@ class NumericalHealthCallback(Callback):
     the parameters and feeds the loss spike detector. At each epoch end it checks every
     parameter for NaN/Inf and ``max |w| > param_max_abs``.
 
-    Scalars go through ``pl_module.log`` (so ``EarlyStopping``/``ModelCheckpoint`` can monitor
-    them and they share the training step's x-axis), logged at each check only, as host values
-    the check has already read (CPU tensors: neither Lightning nor the progress bar reads the device
-    for them):
+    Scalars are logged at each check only, as host values the check has already read: through
+    ``pl_module.log`` (so ``EarlyStopping``/``ModelCheckpoint`` can monitor them and
+    ``health/incidents`` is in the progress bar; CPU tensors, so neither Lightning nor the bar reads
+    the device for them) and to the loggers once, at the step of the check, on the training
+    scalars' x-axis (:func:`log_check_scalars`):
 
     * ``health/events``: health events recorded since the previous check (0 when healthy);
     * ``health/incidents``: failed checks in the run so far (also in the progress bar);
@@ -103,9 +127,7 @@ class NumericalHealthCallback(Callback):
 
     The gradient norm is the training step's to log (DeepEP's ``train/grad_norm``;
     ``lightning.pytorch.utilities.grad_norm`` for any module): the check reads it for its verdict
-    but does not log it again. Lightning writes logged values every ``log_every_n_steps`` steps and
-    repeats the last value in between, so a ``check_every_n_steps`` that is a multiple of
-    ``log_every_n_steps`` writes every check on its own step.
+    but does not log it again.
 
     Every health event is printed on rank 0 as one line through Lightning's ``rank_zero_info``
     (shown by default), appended to the JSON-lines event log and added to TensorBoard's text tab;
@@ -192,6 +214,7 @@ class NumericalHealthCallback(Callback):
         self._cache: tuple[int, HealthVerdict] | None = None
         self._handler: FailureHandler | None = None
         self._grad_checks_enabled = True
+        self._check_scalars: dict[str, float] = {}  # norms of the last check, logged by log_check()
         self._loss_recorded: int | None = None
         self._grads_recorded: int | None = None
 
@@ -350,19 +373,24 @@ class NumericalHealthCallback(Callback):
                 metrics["health/param_norm"] = float(extra[0])
             if self.spike_detector is not None and self.spike_detector.last_z is not None:
                 metrics["health/loss_z"] = float(self.spike_detector.last_z)
-            for name, value in metrics.items():
-                if math.isfinite(value):
-                    log_host_value(pl_module, name, value)
+            self._check_scalars = {name: value for name, value in metrics.items() if math.isfinite(value)}
         return verdict
 
     def log_check(self, pl_module: pl.LightningModule) -> None:
-        """Log ``health/events`` (events since the previous check) and ``health/incidents`` (failed checks so far).
+        """Log the check's scalars: ``health/events`` (events since the previous check), ``health/incidents``
+        (failed checks so far) and the norms of the last :meth:`check_steps` (see :func:`log_check_scalars`).
 
         Called after a check has been acted on (by this callback, or by the attached rollback), in
-        ``on_train_batch_end``, so the events of the check's own handling count at its step.
+        ``on_train_batch_end``, so the events of the check's own handling count at its step; the
+        checks a rollback replays only update the norms logged here (a replay logs nothing).
         """
-        log_host_value(pl_module, "health/events", float(self.events.new_since_last_count()))
-        log_host_value(pl_module, "health/incidents", float(self.events.count(*INCIDENT_KINDS)), prog_bar=True)
+        metrics = {
+            **self._check_scalars,
+            "health/events": float(self.events.new_since_last_count()),
+            "health/incidents": float(self.events.count(*INCIDENT_KINDS)),
+        }
+        self._check_scalars = {}
+        log_check_scalars(pl_module.trainer, pl_module, metrics, prog_bar=("health/incidents",))
 
     def _agree(self, trainer: pl.Trainer, verdict: HealthVerdict) -> HealthVerdict:
         """Make the verdict rank-consistent: all ranks adopt the earliest bad step seen by any rank."""
@@ -414,7 +442,10 @@ class NumericalHealthCallback(Callback):
         bad = [n for n, v in zip(names, host) if not math.isfinite(v)]
         worst = max(range(len(host)), key=lambda i: host[i] if math.isfinite(host[i]) else -1.0)
         if math.isfinite(host[worst]):
-            log_host_value(pl_module, "health/param_max_abs", host[worst], on_epoch=True)
+            pl_module.log("health/param_max_abs", torch.tensor(host[worst]), on_epoch=True, logger=False, batch_size=1)
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics({"health/param_max_abs": host[worst]}, step=max(trainer.global_step - 1, 0))
         if bad:
             verdict = HealthVerdict(
                 trainer.global_step,
