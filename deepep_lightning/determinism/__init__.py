@@ -1,6 +1,7 @@
 """Determinism: configuration before CUDA starts, RNG state, fingerprints, seekable data order."""
 
 from deepep_lightning.determinism.callback import DeterminismCallback, FingerprintMismatchError
+from deepep_lightning.determinism.checkpoint_integrity import CheckpointIntegrityError
 from deepep_lightning.determinism.configuration import (
     NCCL_DETERMINISTIC_ENV,
     ConfigureRecord,
@@ -20,6 +21,7 @@ from deepep_lightning.determinism.sampler import SampleKey, SeekableSampler
 from deepep_lightning.determinism.streams import derive_seed, make_generator
 
 __all__ = [
+    "CheckpointIntegrityError",
     "ConfigureRecord",
     "DeterminismCallback",
     "FingerprintMismatchError",

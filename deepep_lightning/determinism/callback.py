@@ -109,11 +109,15 @@ class DeterminismCallback(Callback):
             case keeps PyTorch's behaviour.
 
     Raises:
-        MisconfigurationException: an argument has a wrong type or value.
+        MisconfigurationException: an argument has a wrong type or value (at construction); at
+            ``setup`` under ``strict``: CUDA was in use before :func:`configure`, or the model was
+            initialised from torch's unseeded start-up generator.
+        CheckpointIntegrityError: on resume, the checkpoint cannot be read or does not match its digests.
 
     Example::
 
-        trainer = Trainer(callbacks=[DeterminismCallback(seed=7)])
+        pl.seed_everything(7)  # before the model is built: its initial weights are seeded
+        trainer = Trainer(callbacks=[DeterminismCallback()])  # seed 7, from seed_everything
     """
 
     def __init__(

@@ -42,8 +42,10 @@ def _feed(hasher: Any, value: Any) -> None:
         hasher.update(f"L{len(value)}".encode())
         for item in value:
             _feed(hasher, item)
-    else:  # int, float, str, bool, None: repr is exact for these
-        hasher.update(f"{type(value).__name__}:{value!r}".encode())
+    elif value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        hasher.update(f"{type(value).__name__}:{value!r}".encode())  # repr is exact for these
+    else:  # an object's repr may hold its address: only its type is covered
+        hasher.update(f"O{type(value).__module__}.{type(value).__qualname__}".encode())
 
 
 def digest(value: Any) -> str:

@@ -113,3 +113,4 @@ def test_the_digest_depends_on_content_only() -> None:
     flipped = torch.arange(4, dtype=torch.float32)
     flipped.view(torch.int32)[2] ^= 1
     assert digest(value) != digest({**value, "a": flipped})
+    assert digest({"o": object()}) == digest({"o": object()})  # an address in a repr is not content
