@@ -217,3 +217,26 @@ def test_setup_configures_cuda_in_time_unless_cublas_already_ran(
     assert process.wait(timeout_s=180) == exit_code, process.output_tail()
     output = process.output_tail(20000)
     assert ("REFUSED:" in output and "CUBLAS_WORKSPACE_CONFIG" in output) is (exit_code == 3), output
+
+
+def test_lightning_cli_seed_everything_reaches_the_checkpoint(tmp_path: Path, boring_module, no_seed_anywhere) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    args = ["fit", "--seed_everything=5", "--trainer.max_steps=2", "--trainer.limit_val_batches=0"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = LightningCLI(
+            boring_module,
+            trainer_defaults={
+                "accelerator": "cpu",
+                "logger": False,
+                "enable_progress_bar": False,
+                "enable_checkpointing": False,
+                "callbacks": [DeterminismCallback()],
+            },
+            save_config_callback=None,
+            args=args,
+        )
+    path = tmp_path / "cli.ckpt"
+    cli.trainer.save_checkpoint(path)
+    assert torch.load(path, weights_only=True)["callbacks"]["DeterminismCallback"]["seed"] == 5
