@@ -66,12 +66,18 @@ from deepep_lightning.determinism.rng import (
     seed_everything_from,
 )
 from deepep_lightning.ops.routing import patch_refused_ops
+from deepep_lightning.trainer_deterministic import warn_if_trainer_deterministic_conflicts
 
 __all__ = ["CheckpointIntegrityError", "DeterminismCallback", "FingerprintMismatchError"]
 
 log = logging.getLogger(__name__)
 
 _STATE_VERSION = 1
+
+
+def _deterministic_flags() -> tuple[bool, bool]:
+    """(deterministic algorithms on, warn_only) as torch has them now."""
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
 
 
 class FingerprintMismatchError(RuntimeError):
@@ -174,6 +180,8 @@ class DeterminismCallback(Callback):
             "fill_uninitialized_memory": fill_uninitialized_memory,
             "cublas_workspace_config": cublas_workspace_config,
         }
+        # Read, not set: a change between here and setup is Trainer(deterministic=...) (built after its callbacks)
+        self._deterministic_flags_at_init = _deterministic_flags()
         self._pending_rng: dict[str, Any] | None = None
         self._pending_logged: dict[str, Any] | None = None
         self._pending_results: dict[str, Any] = {}
@@ -238,6 +246,13 @@ class DeterminismCallback(Callback):
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
         self._settle_seed()
         self._check_seeded_before_model()
+        flags = _deterministic_flags()
+        if flags != self._deterministic_flags_at_init:  # set by Trainer(deterministic=...) or code since __init__
+            warn_if_trainer_deterministic_conflicts(
+                "warn" if flags == (True, True) else flags[0],
+                self._configure_kwargs["deterministic_algorithms"],
+                self._configure_kwargs["warn_only"],
+            )
         record = last_configure_record()
         if record is None or not self._record_matches(record):
             record = configure(self.seed, **self._configure_kwargs)
