@@ -80,7 +80,8 @@ def test_kl_term_is_zero_with_zero_gradient_when_the_policies_match():
 
 def test_kl_term_gradient_is_kl_coef_times_pi_minus_target_pi():
     logits, q, actions, rewards, dones, bootstrap = _random_rollout()
-    target_logits = torch.randn_like(logits.detach())
+    # its own generator: a policy drawn like the rollout's would equal it (KL 0)
+    target_logits = torch.randn(logits.shape, dtype=logits.dtype, generator=torch.Generator().manual_seed(1))
     terms = _loss(logits, q, actions, rewards, dones, bootstrap, target_logits=target_logits, kl_coef=0.7)
     assert terms.kl.item() > 0  # negative control for the test above: different policies, positive KL
     with_kl = torch.autograd.grad(terms.loss, logits, retain_graph=True)[0]
