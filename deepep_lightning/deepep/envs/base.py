@@ -57,6 +57,19 @@ class BatchedEnv:
         """Advance every environment by one step with ``action`` (``[B]`` long)."""
         raise NotImplementedError
 
+    def draw_step_noise(self, generator: torch.Generator) -> torch.Tensor:
+        """The random numbers one :meth:`step` consumes, drawn from ``generator`` ahead of the step.
+
+        With :meth:`step_with_noise`, an optional split of :meth:`step` (``step(a, g)`` equals
+        ``step_with_noise(a, draw_step_noise(g))``): the second half is then a pure function of the state,
+        the action and the noise, which a compiled region without RNG can hold (``agent.compiled_step``).
+        """
+        raise NotImplementedError
+
+    def step_with_noise(self, action: torch.Tensor, noise: torch.Tensor) -> StepResult:
+        """:meth:`step` with its random numbers given (from :meth:`draw_step_noise`)."""
+        raise NotImplementedError
+
     def observe(self) -> torch.Tensor:
         """The current observations ``[B, obs_dim]`` without stepping."""
         raise NotImplementedError

@@ -75,6 +75,13 @@ class BatchedCartPole(BatchedEnv):
         return self.state.clone()
 
     def step(self, action: torch.Tensor, generator: torch.Generator) -> StepResult:
+        return self.step_with_noise(action, self.draw_step_noise(generator))
+
+    def draw_step_noise(self, generator: torch.Generator) -> torch.Tensor:
+        # Reset states are drawn every step (used or not) so RNG use never depends on the data.
+        return self._random_state(generator)  # [B, 4]
+
+    def step_with_noise(self, action: torch.Tensor, noise: torch.Tensor) -> StepResult:
         x, x_dot, theta, theta_dot = self.state.unbind(-1)
         force = torch.where(action == 1, FORCE_MAG, -FORCE_MAG).to(self.state.dtype)
         cos_theta, sin_theta = torch.cos(theta), torch.sin(theta)
@@ -91,7 +98,5 @@ class BatchedCartPole(BatchedEnv):
         truncated = self.episode_length + 1 >= self.max_episode_steps
         done = terminated | truncated
         reward = torch.ones(self.num_envs, device=self.device)
-        # Draw reset states every step (used or not) so RNG use never depends on the data.
-        fresh = self._random_state(generator)
-        self.state.copy_(torch.where(done.unsqueeze(-1), fresh, next_state))
+        self.state.copy_(torch.where(done.unsqueeze(-1), noise, next_state))
         return self._finish(reward, done, terminated)

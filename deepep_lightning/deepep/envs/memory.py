@@ -62,11 +62,17 @@ class CueRecall(BatchedEnv):
         return torch.cat((cue_one_hot, query), dim=-1)
 
     def step(self, action: torch.Tensor, generator: torch.Generator) -> StepResult:
+        return self.step_with_noise(action, self.draw_step_noise(generator))
+
+    def draw_step_noise(self, generator: torch.Generator) -> torch.Tensor:
+        # the next episode's cue [B], drawn every step so RNG use never depends on the data
+        return self._draw_cue(generator)
+
+    def step_with_noise(self, action: torch.Tensor, noise: torch.Tensor) -> StepResult:
         is_query = self.clock == self.horizon - 1
         correct = (action == self.cue).float()
         reward = torch.where(is_query, 2.0 * correct - 1.0, torch.zeros_like(correct))
         done = is_query
-        fresh_cue = self._draw_cue(generator)  # drawn every step so RNG use never depends on the data
-        self.cue.copy_(torch.where(done, fresh_cue, self.cue))
+        self.cue.copy_(torch.where(done, noise, self.cue))
         self.clock.copy_(torch.where(done, torch.zeros_like(self.clock), self.clock + 1))
         return self._finish(reward, done, done)  # the query step is a true end
