@@ -113,6 +113,15 @@ class DeepEPModule(pl.LightningModule):
             regression, of the expected value ``Σ_a π Q`` onto the same λ-returns: it moves the Q of every
             action with the value level, so the Q of actions the policy takes less does not go stale
             while values change fast (``agent.loss.deepep_loss``). 0: off.
+        policy_adam_eps: Adam's ``eps`` for the policy network (None: Adam's default, 1e-8). Adam divides
+            each gradient by its running RMS, so a tiny but consistently signed policy gradient (the
+            critic's state-independent error on an action the policy hardly takes) still moves every
+            policy weight by the full learning rate each step. An ``eps`` at the scale of that gradient
+            makes such steps proportional to the gradient (``lr·g / eps``, SGD with momentum) while large
+            gradients keep Adam's normalised steps. Needs ``optimizer="adam"``.
+        logit_bound: squash the policy logits to ``c·tanh(z / c)``, ``c = logit_bound``: every action keeps
+            a probability of at least ``1 / (1 + (A − 1)·e^{2c})``, so it keeps being tried and its Q trained
+            (``agent.network.DeepEPAgent``). None: unbounded logits.
         chrono_horizon: chrono initialisation of the GRU's update gate for memory over up to this many
             steps (``>= 2``); None: PyTorch's default initialisation.
         max_grad_norm: clip the gradients' global norm to this (None: no clipping). Works on both
@@ -174,6 +183,8 @@ class DeepEPModule(pl.LightningModule):
         target_tau: float | None = None,
         kl_coef: float = 0.0,
         expected_value_coef: float = 0.0,
+        policy_adam_eps: float | None = None,
+        logit_bound: float | None = None,
         chrono_horizon: int | None = None,
         max_grad_norm: float | None = None,
         detach_feedback: bool = True,
@@ -234,6 +245,13 @@ class DeepEPModule(pl.LightningModule):
         )
         _checks.number("DeepEPModule", "kl_coef", kl_coef, minimum=0.0, finite=True)
         _checks.number("DeepEPModule", "expected_value_coef", expected_value_coef, minimum=0.0, finite=True)
+        for name, value in (("policy_adam_eps", policy_adam_eps), ("logit_bound", logit_bound)):
+            _checks.number("DeepEPModule", name, value, minimum=0, exclusive_minimum=True, finite=True, allow_none=True)
+        if policy_adam_eps is not None and optimizer != "adam":
+            raise MisconfigurationException(
+                f"`DeepEPModule(policy_adam_eps=...)` must be None with optimizer={optimizer!r}, got"
+                f" {policy_adam_eps!r} (HINT: it is Adam's eps for the policy group)"
+            )
         if kl_coef > 0 and target_tau is None:
             raise MisconfigurationException(
                 f"`DeepEPModule(kl_coef=...)` must be 0 without target networks, got {kl_coef!r} with target_tau=None"
@@ -287,6 +305,7 @@ class DeepEPModule(pl.LightningModule):
                 target_critic=target_tau is not None,
                 target_policy=kl_coef > 0,
                 chrono_horizon=chrono_horizon,
+                logit_bound=logit_bound,
             )
         # log α of the adaptive entropy coefficient: a buffer, so checkpoints and rollbacks carry it.
         self.register_buffer("log_entropy_coef", torch.tensor(math.log(entropy_coef) if entropy_coef > 0 else 0.0))
@@ -397,6 +416,8 @@ class DeepEPModule(pl.LightningModule):
             {"params": other_params, "lr": hp.learning_rate},
             {"params": policy_params, "lr": hp.policy_learning_rate or hp.learning_rate},
         ]
+        if hp.policy_adam_eps is not None:
+            groups[1]["eps"] = hp.policy_adam_eps
         if hp.optimizer == "sgd":
             return torch.optim.SGD(groups, lr=hp.learning_rate)
         return torch.optim.Adam(groups, lr=hp.learning_rate, capturable=hp.cuda_graph)

@@ -284,3 +284,55 @@ def test_throughput_is_logged_only_when_asked_for():
     assert "perf/env_steps_per_s" not in trainer.callback_metrics and "return_100" in trainer.callback_metrics
     with pytest.raises(MisconfigurationException, match="log_throughput.*'yes'"):
         DeepEPModule(**TINY, log_throughput="yes")
+
+
+def _policy_step_sizes(gradient, steps=20, **kwargs):
+    """Per-element policy weight change after ``steps`` Adam steps on a constant policy gradient."""
+    model = DeepEPModule(**{**TINY, **kwargs})
+    optimizer = model.configure_optimizers()
+    policy = list(model.agent.policy_net.parameters())
+    start = [p.detach().clone() for p in policy]
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=False)
+        for p in policy:
+            p.grad = torch.full_like(p, gradient)
+        optimizer.step()
+    return torch.cat([(p.detach() - s).abs().flatten() for p, s in zip(policy, start)]), optimizer
+
+
+def test_policy_adam_eps_bounds_the_policy_step_under_a_tiny_biased_gradient():
+    lr, steps = 1e-4, 20
+    default, optimizer = _policy_step_sizes(1e-7, steps, policy_learning_rate=lr)
+    # Adam normalises a tiny consistent gradient to a full step per element (the drift this option bounds)
+    assert default.min().item() > 0.8 * lr * steps
+    damped, optimizer = _policy_step_sizes(1e-7, steps, policy_learning_rate=lr, policy_adam_eps=1e-4)
+    assert [group["eps"] for group in optimizer.param_groups] == [1e-8, 1e-4]  # the critic keeps Adam's default
+    assert damped.max().item() < 2e-3 * lr * steps  # lr·g/eps per step: 1e-3 of the full step
+    # a gradient far above eps still gets Adam's normalised step
+    strong, _ = _policy_step_sizes(1e-1, steps, policy_learning_rate=lr, policy_adam_eps=1e-4)
+    assert strong.min().item() > 0.95 * lr * steps
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"policy_adam_eps": 0.0}, r"policy_adam_eps=.*must be a finite number > 0 or None, got 0.0"),
+        ({"policy_adam_eps": float("inf")}, r"policy_adam_eps=.*got inf"),
+        ({"policy_adam_eps": 1e-3, "optimizer": "sgd"}, r"policy_adam_eps=.*None with optimizer='sgd', got 0.001"),
+        ({"logit_bound": -2.0}, r"logit_bound=.*must be a finite number > 0 or None, got -2.0"),
+        ({"logit_bound": "3"}, r"logit_bound=.*got '3'"),
+    ],
+)
+def test_bad_policy_step_arguments_fail_before_training(kwargs, message):
+    with pytest.raises(MisconfigurationException, match=message):
+        DeepEPModule(**kwargs)
+
+
+def test_policy_step_options_train_bitwise_repeatably_and_change_the_run():
+    options = dict(policy_adam_eps=1e-5, logit_bound=3.0)
+    a, _ = _fit(4, seed=2, **options)
+    b, _ = _fit(4, seed=2, **options)
+    plain, _ = _fit(4, seed=2)
+    state_a, state_b, state_plain = a.state_dict(), b.state_dict(), plain.state_dict()
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    assert any(not torch.equal(state_a[k], state_plain[k]) for k in state_a)  # negative control

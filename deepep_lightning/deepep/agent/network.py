@@ -52,6 +52,11 @@ class DeepEPAgent(nn.Module):
             ``log U(1, chrono_horizon - 1)``, so units start out keeping their state over time scales
             up to ``chrono_horizon`` steps and BPTT reaches back that far from the start of training.
             None: PyTorch's default initialisation.
+        logit_bound: squash the policy's logits to ``c·tanh(z / c)`` with ``c = logit_bound``: the logit gap
+            between two actions stays below ``2c``, so no action's probability falls below
+            ``1 / (1 + (A − 1)·e^{2c})`` and the softmax cannot saturate onto one action, where the
+            all-action gradient ``π(Q − V)`` of the actions it stops taking vanishes. The target policy is
+            squashed the same way. None: unbounded logits.
     """
 
     def __init__(
@@ -66,8 +71,12 @@ class DeepEPAgent(nn.Module):
         target_critic: bool = False,
         target_policy: bool = False,
         chrono_horizon: int | None = None,
+        logit_bound: float | None = None,
     ) -> None:
         super().__init__()
+        if logit_bound is not None and not logit_bound > 0:
+            raise ValueError(f"DeepEPAgent: logit_bound must be > 0 or None, got {logit_bound!r}")
+        self.logit_bound = logit_bound
         self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, hidden_size
         self.detach_feedback = detach_feedback
         self.policy_net = nn.Sequential(
@@ -111,7 +120,13 @@ class DeepEPAgent(nn.Module):
         if self.target_policy_net is None:
             raise RuntimeError("DeepEPAgent.target_logits needs target_policy=True")
         with torch.no_grad():
-            return self.target_policy_net(features)
+            return self._bounded(self.target_policy_net(features))
+
+    def _bounded(self, logits: torch.Tensor) -> torch.Tensor:
+        """``c·tanh(z / c)`` with ``c = logit_bound`` (identity without a bound)."""
+        if self.logit_bound is None:
+            return logits
+        return self.logit_bound * torch.tanh(logits / self.logit_bound)
 
     def initial_state(self, batch_size: int, device: torch.device | str) -> torch.Tensor:
         return torch.zeros(batch_size, self.hidden_size, device=device)
@@ -129,7 +144,7 @@ class DeepEPAgent(nn.Module):
     def _evaluate(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = torch.cat((obs, hidden), dim=-1)  # [B, obs_dim + H]
         policy_input = torch.cat((obs, hidden.detach()), dim=-1)
-        return self.policy_net(policy_input), self.value_head(x), x.detach()
+        return self._bounded(self.policy_net(policy_input)), self.value_head(x), x.detach()
 
     def target_q(self, features: torch.Tensor) -> torch.Tensor:
         """Q of every action from the target critic at ``features`` ``[..., obs_dim + H]``, no gradient.

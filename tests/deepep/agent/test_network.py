@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -116,3 +118,36 @@ def test_rollout_features_are_the_value_head_inputs():
     rollout = collect_rollout(agent, env, agent.initial_state(6, "cpu"), 5, generator)
     assert rollout.features.shape == (6, 6, 20) and rollout.bootstrap_logits.shape == (6, 2)
     torch.testing.assert_close(agent.value_head(rollout.features[:-1].flatten(0, 1)).view(5, 6, 2), rollout.q)
+
+
+def test_logit_bound_keeps_every_action_probable_and_lets_gradients_through():
+    torch.manual_seed(0)
+    bounded, plain = DeepEPAgent(4, 2, 16, logit_bound=2.0, target_policy=True), DeepEPAgent(4, 2, 16)
+    plain.load_state_dict(bounded.state_dict(), strict=False)
+    for agent in (bounded, plain):
+        with torch.no_grad():  # a saturated policy: huge last-layer weights
+            agent.policy_net[2].weight.mul_(1000.0)
+    bounded.target_policy_net.load_state_dict(bounded.policy_net.state_dict())
+    obs, hidden = torch.randn(64, 4), torch.randn(64, 16)
+    logits, _ = bounded.evaluate(obs, hidden)
+    floor = 1.0 / (1.0 + math.exp(2 * 2.0))  # A = 2: the gap stays below 2c
+    assert logits.abs().max().item() <= 2.0
+    assert torch.softmax(logits, -1).min().item() >= floor * (1 - 1e-5)
+    plain_logits, _ = plain.evaluate(obs, hidden)
+    assert torch.softmax(plain_logits, -1).min().item() < floor / 100  # negative control: unbounded saturates
+    torch.testing.assert_close(logits, 2.0 * torch.tanh(plain_logits / 2.0))
+    features = torch.cat((obs, hidden), -1)
+    torch.testing.assert_close(bounded.target_logits(features), logits.detach())  # the target is squashed alike
+    # mild logits pass through nearly unchanged, with gradient
+    mild = DeepEPAgent(4, 2, 16, logit_bound=50.0)
+    z = mild.policy_net(features)
+    mild_logits, _ = mild.evaluate(obs, hidden)
+    torch.testing.assert_close(mild_logits, z, rtol=1e-3, atol=1e-4)
+    mild_logits.sum().backward()
+    assert mild.policy_net[2].weight.grad.abs().sum().item() > 0
+
+
+@pytest.mark.parametrize("bound", [0.0, -1.0])
+def test_logit_bound_must_be_positive(bound):
+    with pytest.raises(ValueError, match=rf"logit_bound must be > 0 or None, got {bound!r}"):
+        DeepEPAgent(4, 2, 16, logit_bound=bound)
