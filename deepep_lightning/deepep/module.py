@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from deepep_lightning import _checks, _lightning_compat
 from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss
+from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
 from deepep_lightning.deepep.envs import ENVIRONMENTS, BatchedEnv, make_env
@@ -135,7 +136,11 @@ class DeepEPModule(pl.LightningModule):
             bitwise reproducible: a negative control for ``deepep-audit`` (its ``fused_atomic``
             variant). Needs the fused head; no effect on CPU, where the kernel is deterministic.
         cuda_graph: capture the whole training step as one CUDA graph (GPU only; manual optimisation).
-        compile_step: ``torch.compile`` the per-timestep network call.
+        compile_step: ``torch.compile`` the rollout's timestep (agent step, env step and state reset, forward
+            and backward) into fused kernels (:class:`~deepep_lightning.deepep.agent.compiled_step.CompiledTimestep`);
+            with ``cuda_graph`` the graph's warm-up compiles and the capture holds the generated kernels.
+            Where torch.compile is unavailable (no C++ compiler, no triton) the timestep runs eagerly after
+            one warning.
         env_kwargs: extra environment arguments, e.g. ``{"horizon": 512}`` for ``"memory"``.
         log_throughput: log ``perf/env_steps_per_s`` at the steps Lightning writes. Off by default: a
             wall-clock figure differs between two bitwise-identical runs (the configs turn it on;
@@ -262,6 +267,7 @@ class DeepEPModule(pl.LightningModule):
         if max_grad_norm is not None:
             _require_in_range("max_grad_norm", max_grad_norm, 1e-12, float("inf"))
         _checks.strict_bool("DeepEPModule", "log_throughput", log_throughput)
+        _checks.strict_bool("DeepEPModule", "compile_step", compile_step)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {seed!r}")
         if not isinstance(atomic_value_head, bool) or (atomic_value_head and fused_value_head is False):
@@ -312,7 +318,7 @@ class DeepEPModule(pl.LightningModule):
         self.episode_return = EpisodeReturnMean()
         self.episode_return_100 = RollingEpisodeReturn(RETURN_WINDOW)
         self._throughput_mark: tuple[float, int] | None = None  # (perf_counter, rollout step) at the last write
-        self._agent_step = torch.compile(self.agent.step) if compile_step else self.agent.step
+        self._compiled_timestep: CompiledTimestep | None = None  # built with the env (compile_step=True)
         self._env: BatchedEnv | None = None
         self._hidden: torch.Tensor | None = None
         self._generator: torch.Generator | None = None
@@ -429,17 +435,22 @@ class DeepEPModule(pl.LightningModule):
     def _rollout_and_loss(self) -> tuple[Any, Any]:
         hp = self.hparams
         assert self._env is not None and self._hidden is not None and self._generator is not None
-        step_fn = self._agent_step
-        # _CompiledStepAgent forwards every attribute but step to the agent: it stands in for one
-        agent = self.agent if step_fn is self.agent.step else cast(DeepEPAgent, _CompiledStepAgent(self.agent, step_fn))
         if hp.target_tau is not None:
             # Before the rollout, so the target follows the weights of the previous optimizer step on both paths.
             assert self.agent.target_value_head is not None
             polyak_update_(
                 list(self.agent.target_parameters()), list(self.agent.online_parameters_of_targets()), hp.target_tau
             )
+        if hp.compile_step and (self._compiled_timestep is None or self._compiled_timestep.env is not self._env):
+            self._compiled_timestep = CompiledTimestep(self.agent, self._env)
         rollout = collect_rollout(
-            agent, self._env, self._hidden.clone(), hp.rollout_length, self._generator, hp.bptt_truncation
+            self.agent,
+            self._env,
+            self._hidden.clone(),
+            hp.rollout_length,
+            self._generator,
+            hp.bptt_truncation,
+            timestep=self._compiled_timestep if hp.compile_step else None,
         )
         self._hidden.copy_(rollout.final_hidden)
         self.episode_return_100.update(rollout.episode_returns, rollout.dones)
@@ -636,16 +647,6 @@ class DeepEPModule(pl.LightningModule):
             "episode_return_sum": rollout.episode_returns.sum(),
             "episodes": rollout.dones.sum(),
         }
-
-
-class _CompiledStepAgent:
-    """The agent with its per-timestep call replaced by a compiled one (``compile_step=True``)."""
-
-    def __init__(self, agent: DeepEPAgent, step_fn: Any) -> None:
-        self._agent, self.step = agent, step_fn
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._agent, name)
 
 
 def _extension_loads() -> bool:

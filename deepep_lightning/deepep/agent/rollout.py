@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from deepep_lightning.deepep.agent.network import DeepEPAgent
-from deepep_lightning.deepep.envs.base import BatchedEnv
+from deepep_lightning.deepep.agent.network import AgentStep, DeepEPAgent
+from deepep_lightning.deepep.envs.base import BatchedEnv, StepResult
 
-__all__ = ["Rollout", "collect_rollout"]
+__all__ = ["Rollout", "Timestep", "collect_rollout", "eager_timestep"]
+
+#: One timestep of the rollout loop: ``(obs [B, obs_dim], hidden [B, H], generator)`` to the agent's step,
+#: the env's step and the next recurrent state ``[B, H]`` (zeroed where an episode ended).
+Timestep = Callable[[torch.Tensor, torch.Tensor, torch.Generator], tuple[AgentStep, StepResult, torch.Tensor]]
 
 
 @dataclass
@@ -29,6 +34,16 @@ class Rollout:
     bootstrap_logits: torch.Tensor  # [B, A] policy logits at s_T, no grad
 
 
+def eager_timestep(
+    agent: DeepEPAgent, env: BatchedEnv, obs: torch.Tensor, hidden: torch.Tensor, generator: torch.Generator
+) -> tuple[AgentStep, StepResult, torch.Tensor]:
+    """One timestep, op by op: a uniform per env for the action, the agent's step, the env's step, the state reset."""
+    uniform = torch.rand(env.num_envs, device=obs.device, generator=generator)
+    step = agent.step(obs, hidden, uniform)
+    result = env.step(step.action, generator)
+    return step, result, step.hidden * (~result.done).unsqueeze(-1).to(step.hidden.dtype)
+
+
 def collect_rollout(
     agent: DeepEPAgent,
     env: BatchedEnv,
@@ -36,6 +51,7 @@ def collect_rollout(
     length: int,
     generator: torch.Generator,
     bptt_truncation: int | None = None,
+    timestep: Timestep | None = None,
 ) -> Rollout:
     """Run ``length`` timesteps from the env's current state and recurrent state ``hidden`` ``[B, H]``.
 
@@ -43,18 +59,19 @@ def collect_rollout(
     ``bptt_truncation`` steps when set. The recurrent state is zeroed where an episode ends.
     Every step draws the same amount of randomness from ``generator`` (one uniform per env for
     the action, plus the env's own draws), so the rollout is a pure function of its inputs and
-    of the generator's state, and is capturable in a CUDA graph.
+    of the generator's state, and is capturable in a CUDA graph. ``timestep`` runs each timestep
+    (:class:`~deepep_lightning.deepep.agent.compiled_step.CompiledTimestep`, for one); None:
+    :func:`eager_timestep`.
     """
-    batch = env.num_envs
     obs = env.observe()  # [B, obs_dim]
     logits, qs, actions, rewards, dones, terminateds, returns, features = [], [], [], [], [], [], [], []
     for t in range(length):
         if bptt_truncation is not None and t > 0 and t % bptt_truncation == 0:
             hidden = hidden.detach()
-        uniform = torch.rand(batch, device=obs.device, generator=generator)
-        step = agent.step(obs, hidden, uniform)
-        result = env.step(step.action, generator)
-        hidden = step.hidden * (~result.done).unsqueeze(-1).to(step.hidden.dtype)
+        if timestep is None:
+            step, result, hidden = eager_timestep(agent, env, obs, hidden, generator)
+        else:
+            step, result, hidden = timestep(obs, hidden, generator)
         obs = result.obs
         logits.append(step.logits)
         features.append(step.features)
