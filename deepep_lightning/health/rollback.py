@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
 import uuid
-import warnings
-from typing import Any, Literal, get_args
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -18,12 +16,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
-from deepep_lightning._enums import StrEnum
-from deepep_lightning._lightning_compat import optimizer_step_progress
-from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite, locate_nonfinite_update
-from deepep_lightning.health import _replay, _step_hooks
-from deepep_lightning.health._collectives import min_max_over_ranks
-from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
+from deepep_lightning.health import _replay, _step_hooks, incidents
+from deepep_lightning.health._replay import ReplayEntry, clone_batch
 from deepep_lightning.health._step_hooks import (
     add_step_hook,
     install_optimizer_step_skip,
@@ -31,40 +25,17 @@ from deepep_lightning.health._step_hooks import (
     remove_step_hook,
 )
 from deepep_lightning.health.events import EventKind, run_log_dir
-from deepep_lightning.health.flags import HealthReason
 from deepep_lightning.health.health_callback import HealthVerdict, NumericalHealthCallback
+from deepep_lightning.health.incidents import _POLICIES, Classification, Outcome, Policy, _IncidentHandling
 from deepep_lightning.health.regression import RegressionTrigger
 from deepep_lightning.health.snapshot import Snapshot, SnapshotRing, clone_update_state, restore_update_state
-from deepep_lightning.protocols import RolloutStateful, UncapturedSteps
 
 __all__ = ["Classification", "NaNRollbackCallback", "Outcome", "Policy"]
 
 log = logging.getLogger(__name__)
 
-#: What a reproducible failure gets: skip its batches, lower every learning rate, or stop.
-Policy = Literal["skip", "lower_lr", "stop"]
-_POLICIES: tuple[str, ...] = get_args(Policy)
 
-# the frames a diagnosis runs through on its way to the step: never reported as the user's code
-_PLUMBING_FILES = (__file__, _replay.__file__, _step_hooks.__file__)
-
-
-class Classification(StrEnum):
-    """What the first replay of a failed step showed."""
-
-    REPRODUCIBLE = "reproducible"  # the same failure at the same step: a numerical bug
-    NONDETERMINISTIC = "nondeterministic"  # a failure, but another one: the step is not reproducible
-
-
-class Outcome(StrEnum):
-    """How an incident ended."""
-
-    TRANSIENT = "transient"  # the first replay was clean
-    RECOVERED = "recovered"  # a replay after the policy was clean
-    STOPPED = "stopped"  # gave up: weights at the last healthy snapshot, training stopped
-
-
-class NaNRollbackCallback(Callback):
+class NaNRollbackCallback(_IncidentHandling, Callback):
     r"""Survive NaN/Inf and loss spikes: roll back to a healthy snapshot, replay, and decide.
 
     Works with a :class:`~deepep_lightning.NumericalHealthCallback` in the same trainer (it
@@ -153,6 +124,9 @@ class NaNRollbackCallback(Callback):
         trainer = Trainer(callbacks=[NumericalHealthCallback(check_every_n_steps=10),
                                      NaNRollbackCallback(snapshot_every_n_steps=100, policy="skip")])
     """
+
+    # the frames a diagnosis runs through on its way to the step: never reported as the user's code
+    _plumbing_files = (__file__, incidents.__file__, _replay.__file__, _step_hooks.__file__)
 
     def __init__(
         self,
@@ -282,12 +256,6 @@ class NaNRollbackCallback(Callback):
             restore_update_state(pl_module, optimizers, saved)
         return output
 
-    def _emit(
-        self, trainer: pl.Trainer, kind: EventKind, step: int, announce: bool = True, **fields: Any
-    ) -> dict[str, Any]:
-        assert self._health is not None
-        return self._health.events.emit(trainer, kind, step, announce=announce, **fields)
-
     # ---------------------------------------------------------------- snapshots
     def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metric: float | None = None) -> None:
         assert self._health is not None
@@ -304,29 +272,7 @@ class NaNRollbackCallback(Callback):
         oldest = self.ring.steps()[0]
         self._buffer = [entry for entry in self._buffer if entry.step >= oldest]
 
-    def _latest_snapshot(self, trainer: pl.Trainer, before_step: int | None = None) -> Snapshot | None:
-        """The newest snapshot that **every** rank can load (with ``step < before_step`` when given), or None.
-
-        Each rank proposes the newest one it can load; while the proposals differ, every rank looks
-        again at or below the smallest (a corrupt file on one rank makes all fall back together, so
-        the replays keep the same length and the collectives stay matched). None on all ranks when
-        one rank has none.
-        """
-
-        def on_corrupt(path: str, error: Exception) -> None:
-            self._emit(trainer, EventKind.CORRUPT_SNAPSHOT, trainer.global_step, path=path, error=str(error))
-            warnings.warn(f"NaNRollbackCallback: {error}; falling back to the previous snapshot.", stacklevel=2)
-
-        limit = before_step
-        while True:
-            snapshot = self.ring.latest(on_corrupt, limit)
-            low, high = min_max_over_ranks(trainer, snapshot.step if snapshot is not None else -1)
-            if low == high:
-                return snapshot
-            if low < 0:
-                return None
-            limit = low + 1
-
+    # ---------------------------------------------------------------- the training loop
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         finite = all(bool(torch.isfinite(p.detach()).all()) for p in pl_module.parameters())
@@ -389,321 +335,6 @@ class NaNRollbackCallback(Callback):
             elif is_last or trainer.global_step - (self._last_snapshot_step or 0) >= self.snapshot_every_n_steps:
                 self._snapshot(trainer, pl_module, metric)
 
-    # ---------------------------------------------------------------- regression (a collapse of a metric)
-    def _monitored(self, trainer: pl.Trainer) -> float | None:
-        """The monitored metric now, averaged over ranks (read at a check only: no per-step sync); None when absent."""
-        assert self.regression is not None
-        raw = trainer.callback_metrics.get(self.regression.monitor)
-        if not trainer.strategy.reduce_boolean_decision(raw is not None, all=True):
-            if not self._monitor_missing_warned:
-                self._monitor_missing_warned = True
-                rank_zero_warn(
-                    f"NaNRollbackCallback: the monitored metric {self.regression.monitor!r} is not logged (yet); "
-                    f"logged: {sorted(trainer.callback_metrics)}. HINT: `self.log({self.regression.monitor!r}, ...)`."
-                )
-            return None
-        value = torch.as_tensor(raw).detach().float().reshape(()).to(trainer.strategy.root_device)
-        return float(trainer.strategy.reduce(value, reduce_op="mean"))
-
-    def _best_snapshot(self, trainer: pl.Trainer) -> Snapshot | None:
-        """The snapshot with the best monitored value that every rank can load."""
-        assert self.regression is not None
-        for step in self.regression.rank(self._snapshot_metric):
-            snapshot = self.ring.load(step)
-            if trainer.strategy.reduce_boolean_decision(snapshot is not None, all=True):
-                return snapshot
-        return None
-
-    def _handle_regression(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: float) -> None:
-        """Restore the best snapshot's weights and apply the policy (or stop past the retry cap)."""
-        assert self.regression is not None and self._health is not None
-        trigger, step = self.regression, trainer.global_step
-        why = trigger.describe(value)
-        incident: dict[str, Any] = {"step": step, "reason": "regression", "detected_at": step, "attempts": 0}
-        incident.update(monitor=trigger.monitor, value=value, best=trigger.best, best_step=trigger.best_step)
-        self.incidents.append(incident)
-        self._emit(trainer, EventKind.REGRESSION, step, details=why, **_public(incident))
-        snapshot = self._best_snapshot(trainer)
-        if snapshot is None or self.policy == "stop" or trigger.attempts >= self.max_retries:
-            self._stop(trainer, pl_module, incident, why, weights_from=snapshot)
-            return
-        trigger.attempts += 1
-        incident["attempts"] = trigger.attempts
-        snapshot.restore_weights(trainer, pl_module)
-        self._emit(trainer, EventKind.ROLLBACK, snapshot.step, to_step=snapshot.step, weights_only=True)
-        if self.policy == "lower_lr":
-            self._lr_scale *= self.lr_factor
-        self._apply_lr_scale(trainer, snapshot.lr_scale)
-        dropped = [snapshot.step, step]
-        self._emit(trainer, EventKind.POLICY, step, policy=self.policy, lr_scale=self._lr_scale, dropped_steps=dropped)
-        incident["outcome"] = Outcome.RECOVERED.value
-        # the older snapshots lead to the collapse (a NaN replay from them would redo it): start afresh here
-        trigger.bad_checks = 0
-        best = self._snapshot_metric.get(snapshot.step, trigger.best)
-        self.ring.clear()
-        self._snapshot_metric = {}
-        self._snapshot(trainer, pl_module, best)
-
-    # ---------------------------------------------------------------- rollback and replay
-    def _rolls_back(self, verdict: HealthVerdict) -> bool:
-        return verdict.reason != HealthReason.LOSS_SPIKE or self.rollback_on_spike
-
-    def _apply_lr_scale(self, trainer: pl.Trainer, snapshot_scale: float) -> None:
-        ratio = self._lr_scale / snapshot_scale
-        if ratio == 1.0:
-            return
-        for optimizer in trainer.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * ratio
-                if "initial_lr" in group:
-                    group["initial_lr"] = group["initial_lr"] * ratio
-        for config in trainer.lr_scheduler_configs:
-            if hasattr(config.scheduler, "base_lrs"):
-                config.scheduler.base_lrs = [lr * ratio for lr in config.scheduler.base_lrs]
-
-    def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: Snapshot) -> None:
-        assert self._health is not None
-        if not snapshot.rollout and isinstance(pl_module, RolloutStateful) and pl_module.rollout_state_dict():
-            rank_zero_warn(
-                f"NaNRollbackCallback: the snapshot of step {snapshot.step} has no rollout state (the module created "
-                "it later), so the replay starts from the current one and is not bitwise. HINT: create the rollout "
-                "state before `on_train_start` (e.g. in the module's `on_fit_start`)."
-            )
-        snapshot.restore(trainer, pl_module)
-        self._health.load_state_dict(copy.deepcopy(snapshot.callback_state))
-        self._apply_lr_scale(trainer, snapshot.lr_scale)
-
-    def _entries(self, first: int, end: int) -> list[ReplayEntry]:
-        entries = [entry for entry in self._buffer if first <= entry.step < end]
-        if [entry.step for entry in entries] != list(range(first, end)):
-            raise RuntimeError(f"NaNRollbackCallback: batches for steps {first}..{end - 1} are not all recorded")
-        return entries
-
-    def _replay(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: Snapshot, end: int
-    ) -> HealthVerdict:
-        """Restore ``snapshot`` and replay up to step ``end`` (exclusive), checking after every step."""
-        assert self._health is not None
-        self._restore(trainer, pl_module, snapshot)
-        with silenced_logging(pl_module):
-            for entry in self._entries(snapshot.step, end):
-                self._health.begin_step(entry.step)
-                outputs = run_step(trainer, pl_module, entry)
-                self._health.end_step(entry.step, outputs)
-                verdict = self._health.check_steps(trainer, pl_module, entry.step, entry.step + 1)
-                if not verdict.healthy and self._rolls_back(verdict):
-                    return verdict
-        return HealthVerdict(snapshot.step, end, healthy=True)
-
-    def _diagnose(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: Snapshot, bad_step: int
-    ) -> NonFiniteOp | None:
-        """Replay up to ``bad_step`` and run that step under the non-finite locator."""
-        assert self._health is not None
-        self._restore(trainer, pl_module, snapshot)
-        with silenced_logging(pl_module):
-            for entry in self._entries(snapshot.step, bad_step):
-                self._health.begin_step(entry.step)
-                run_step(trainer, pl_module, entry)
-            entry = self._entries(bad_step, bad_step + 1)[0]
-            call_replay_hooks(trainer, pl_module, entry)  # reseeded like the original step and the replays
-            # DDP's no_sync: the diagnosis backward must not all-reduce (the other ranks run no such step)
-            no_sync = getattr(trainer.strategy.model, "no_sync", None)
-            with contextlib.ExitStack() as stack:
-                if callable(no_sync):
-                    stack.enter_context(no_sync())
-                if isinstance(pl_module, UncapturedSteps):
-                    # a captured graph is one opaque launch: run the step eagerly so the locator sees its ops
-                    stack.enter_context(pl_module.uncaptured_steps())
-                found = locate_nonfinite(
-                    lambda: pl_module.training_step(clone_batch(entry.batch), entry.batch_idx),
-                    module=pl_module,
-                    backward=pl_module.automatic_optimization,
-                    internal_files=_PLUMBING_FILES,
-                )
-                if found is None and pl_module.automatic_optimization:
-                    # forward and backward stayed finite: the update itself went non-finite
-                    found = locate_nonfinite_update(trainer.optimizers, pl_module, internal_files=_PLUMBING_FILES)
-        for optimizer in trainer.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        return found
-
-    def _handle_failure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: HealthVerdict) -> None:
-        """Roll back and replay until a replay is clean or the policy gives up (see the class docstring)."""
-        assert self._health is not None
-        assert verdict.bad_step is not None  # every unhealthy verdict names its step
-        end = trainer.global_step
-        counters = optimizer_step_progress(trainer)
-        saved_counters = [copy.deepcopy(counter.state_dict()) for counter in counters]
-        # plain values only: incidents are checkpointed (state_dict) and loaded with weights_only
-        incident: dict[str, Any] = {"step": verdict.bad_step, "reason": str(verdict.reason), "detected_at": end}
-        incident["attempts"] = 0
-        self.incidents.append(incident)
-        self._emit(
-            trainer,
-            EventKind.DETECTED,
-            verdict.bad_step,
-            reason=verdict.reason,
-            details=verdict.details,
-            checked_at=end,
-        )
-        failing = verdict
-        restart_before: int | None = None
-        try:
-            while True:
-                snapshot = self._pick_snapshot(trainer, failing, incident["attempts"], restart_before)
-                if snapshot is None:
-                    self._stop(trainer, pl_module, incident, "no healthy snapshot to roll back to")
-                    return
-                if incident["attempts"] > 0:
-                    restart_before = snapshot.step
-                self._emit(trainer, EventKind.ROLLBACK, snapshot.step, to_step=snapshot.step, replay_until=end)
-                replayed = self._replay(trainer, pl_module, snapshot, end)
-                if replayed.healthy:
-                    outcome = Outcome.TRANSIENT if incident["attempts"] == 0 else Outcome.RECOVERED
-                    incident["outcome"] = outcome.value
-                    self._emit(trainer, EventKind(outcome.value), incident["step"], **_public(incident))
-                    self._snapshot(trainer, pl_module)
-                    return
-                if incident["attempts"] == 0:
-                    incident["classification"] = self._classify(trainer, failing, replayed).value
-                    if self.locate:
-                        incident["diagnosis"] = self._report_diagnosis(trainer, pl_module, snapshot, replayed)
-                if self.policy == "stop" or incident["attempts"] >= self.max_retries:
-                    self._stop(trainer, pl_module, incident, f"{replayed.reason} at step {replayed.bad_step} persists")
-                    return
-                if self.policy == "skip" and self._skip_cap_reached(replayed):
-                    why = (
-                        f"{replayed.reason} at step {replayed.bad_step} persists and skipping it would skip more "
-                        f"than max_skipped_steps={self.max_skipped_steps} steps in this run"
-                    )
-                    self._stop(trainer, pl_module, incident, why)
-                    return
-                incident["attempts"] += 1
-                self._apply_policy(trainer, replayed)
-                failing = replayed
-        finally:
-            for counter, saved in zip(counters, saved_counters):
-                counter.load_state_dict(saved)
-            self._health.resume_checks_at(end)
-
-    def _pick_snapshot(
-        self, trainer: pl.Trainer, failing: HealthVerdict, attempts: int, restart_before: int | None
-    ) -> Snapshot | None:
-        """The snapshot to restart from: the latest one, and for a retry one strictly before the bad step.
-
-        A changed replay must change the state *before* the bad step (its loss is a function of that
-        state): each retry restarts strictly before it, one snapshot further back than the last retry.
-        """
-        snapshot = self._latest_snapshot(trainer)
-        if attempts == 0:
-            return snapshot
-        assert failing.bad_step is not None
-        before = failing.bad_step if restart_before is None else min(restart_before, failing.bad_step)
-        return self._latest_snapshot(trainer, before_step=before) or snapshot
-
-    def _classify(self, trainer: pl.Trainer, failing: HealthVerdict, replayed: HealthVerdict) -> Classification:
-        """Reproducible when the replay fails at the same step for the same reason, or finds a non-finite
-        parameter within the failed check's window (one label on all ranks)."""
-        same = replayed.bad_step == failing.bad_step and replayed.reason == failing.reason
-        # A parameter is read at a check only (the window's last step), a replay checks each step: it
-        # finds a non-finite parameter at the step whose update made it, inside the check's window at
-        # or before the step the check reported (the later symptom: a loss, a gradient, the window end).
-        if replayed.reason == HealthReason.NONFINITE_PARAM and replayed.bad_step is not None:
-            reported = failing.bad_step if failing.bad_step is not None else failing.end_step - 1
-            same = same or failing.first_step <= replayed.bad_step <= reported
-        same = bool(trainer.strategy.reduce_boolean_decision(same, all=True))
-        label = Classification.REPRODUCIBLE if same else Classification.NONDETERMINISTIC
-        assert replayed.bad_step is not None  # an unhealthy replay names its step
-        self._emit(trainer, EventKind(label.value), replayed.bad_step, reason=replayed.reason)
-        return label
-
-    def _report_diagnosis(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, snapshot: Snapshot, replayed: HealthVerdict
-    ) -> dict[str, Any] | None:
-        """Run the non-finite locator on the failing step, log and warn its report; returns it as a dict."""
-        assert replayed.bad_step is not None
-        found = self._diagnose(trainer, pl_module, snapshot, replayed.bad_step)
-        text = (
-            found.describe()
-            if found is not None
-            else "no op of the step (forward, backward, optimizer step) produced a non-finite value when run again"
-        )
-        self._emit(
-            trainer,
-            EventKind.DIAGNOSIS,
-            replayed.bad_step,
-            announce=False,  # warned below, with the whole report
-            report=text,
-            op=found and found.op,
-            module=found and found.module_path,
-            phase=found and found.phase,
-            optimizer=found and found.optimizer,
-            parameter=found and found.parameter,
-        )
-        rank_zero_warn(f"NaNRollbackCallback diagnosis at step {replayed.bad_step}:\n{text}")
-        return found.to_dict() if found is not None else None
-
-    def _skip_cap_reached(self, verdict: HealthVerdict) -> bool:
-        assert verdict.bad_step is not None
-        wanted = self._skip_steps | set(range(verdict.bad_step, verdict.bad_step + self.skip_batches))
-        return len(wanted) > self.max_skipped_steps
-
-    def _apply_policy(self, trainer: pl.Trainer, verdict: HealthVerdict) -> None:
-        """``skip``: drop the updates of ``skip_batches`` batches from the bad one; ``lower_lr``: scale every LR."""
-        assert verdict.bad_step is not None
-        if self.policy == "skip":
-            skipped = list(range(verdict.bad_step, verdict.bad_step + self.skip_batches))
-            self._skip_steps.update(skipped)
-            self._emit(trainer, EventKind.POLICY, verdict.bad_step, policy="skip", skipped_steps=skipped)
-        else:
-            self._lr_scale *= self.lr_factor
-            self._emit(trainer, EventKind.POLICY, verdict.bad_step, policy="lower_lr", lr_scale=self._lr_scale)
-
-    def _stop(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        incident: dict[str, Any],
-        why: str,
-        weights_from: Snapshot | None = None,
-    ) -> None:
-        """Stop training with finite weights: those of ``weights_from`` (weights and optimizer only), else of
-        the newest snapshot every rank loads, else the current ones when they are finite on every rank;
-        raise when none exists."""
-        stopped_at = max(trainer.global_step, int(incident.get("detected_at", trainer.global_step)))
-        snapshot = weights_from if weights_from is not None else self._latest_snapshot(trainer)
-        if weights_from is not None:
-            weights_from.restore_weights(trainer, pl_module)
-            weights = f"Weights restored to the snapshot of step {weights_from.step}"
-        elif snapshot is not None:
-            self._restore(trainer, pl_module, snapshot)
-            weights = f"Weights restored to the snapshot of step {snapshot.step}"
-        else:
-            finite = all(bool(torch.isfinite(p.detach()).all()) for p in pl_module.parameters())
-            if not trainer.strategy.reduce_boolean_decision(finite, all=True):
-                self._emit(trainer, EventKind.STOPPED, incident["step"], why=why, weights_at_step=None)
-                raise RuntimeError(
-                    f"NaNRollbackCallback cannot stop with finite weights: {why}, no snapshot loads on every rank "
-                    "and the current weights are not finite. HINT: keep more snapshots (`keep_snapshots`) or "
-                    "resume from an earlier checkpoint."
-                )
-            weights = f"No snapshot loads on every rank: the weights are the current (finite) ones of step {stopped_at}"
-        self.stopped = True
-        trainer.should_stop = True
-        incident["outcome"] = Outcome.STOPPED.value
-        self.stop_report = {
-            "why": why,
-            "weights_at_step": snapshot.step if snapshot is not None else stopped_at,
-            "stopped_at_step": stopped_at,
-            "policy": self.policy,
-            "skipped_steps": sorted(self._skip_steps),
-            "lr_scale": self._lr_scale,
-            **_public(incident),
-        }
-        self._emit(trainer, EventKind.STOPPED, incident["step"], announce=False, **self.stop_report)
-        rank_zero_warn(f"NaNRollbackCallback stopped training: {why}. {weights}; see the health event log.")
-
     # ---------------------------------------------------------------- state
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -730,7 +361,3 @@ class NaNRollbackCallback(Callback):
         self.stop_report = None
         if self.regression is not None and state_dict.get("regression") is not None:
             self.regression.load_state_dict(state_dict["regression"])
-
-
-def _public(incident: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in incident.items() if k != "step"} | {"incident_step": incident["step"]}
