@@ -10,7 +10,9 @@ What it does, in hook order:
   calls ``configure`` unless the user already did with the same settings (then it only reseeds
   torch/numpy/random from the seed, as ``configure`` does), and checks that it was in
   time for CUDA (``strict``: raise, naming what to move; otherwise warn); wraps the train DataLoader
-  source so plain map-style loaders become :class:`~deepep_lightning.determinism.data.SeekableDataLoader`.
+  source so plain map-style loaders (torch ``DataLoader`` or torchdata ``StatefulDataLoader``) become
+  :class:`~deepep_lightning.determinism.data.SeekableDataLoader`; any other ``StatefulDataLoader``
+  keeps its own state, which Lightning checkpoints (the plugin interoperates, never refuses it).
 * ``on_train_batch_start``: reseeds torch/numpy/random from ``(seed, "train", rank, epoch,
   batch_idx)``, so the training stream at any batch is a pure function of its position: nothing
   that runs between two batches (validation, sanity check, logging, a loader's ``base_seed``) can
@@ -18,11 +20,19 @@ What it does, in hook order:
   checkpointed RNG states (the only mechanism when ``reseed_every_step=False``).
 * ``state_dict``: every RNG state (torch CPU, each CUDA device, numpy, python) as
   ``weights_only``-loadable values, plus the stack fingerprint.
-* ``on_save_checkpoint``: SHA-256 digests of its own state and of the model's ``state_dict``.
+* ``on_after_backward`` / ``on_before_optimizer_step``: track whether an accumulation window is
+  open (``accumulate_grad_batches > 1``, a backward since the last optimizer step).
+* ``on_save_checkpoint``: moves the positions of the loaders it built out of Lightning's
+  ``combined_loader`` list into its own state, so that plain Lightning (no DeterminismCallback)
+  resumes the checkpoint without "CombinedLoader has 0 stateful loaders" and
+  ``load_from_checkpoint`` needs nothing from the plugin; stores the gradients of an open
+  accumulation window (:mod:`~deepep_lightning.determinism.accumulation`; single process only);
+  then SHA-256 digests of its own state and of the model's ``state_dict``.
 * ``on_load_checkpoint``: verifies those digests (a mismatch raises
   :class:`~deepep_lightning.determinism.checkpoint_integrity.CheckpointIntegrityError` naming the file)
   and warns when the checkpoint holds no state of this callback (written without it: the resume is
-  not guaranteed exact). A file that cannot be read at all raises the same error, naming it.
+  not guaranteed exact); puts its loaders' positions back where Lightning's loop restore reads them.
+  A file that cannot be read at all raises the same error, naming it.
 * ``load_state_dict``: compares the saved fingerprint with the current one.
 """
 
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,6 +53,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks, _lightning_compat
+from deepep_lightning.determinism.accumulation import capture_gradients, restore_gradients
 from deepep_lightning.determinism.checkpoint_integrity import (
     CheckpointIntegrityError,
     digest,
@@ -56,7 +68,7 @@ from deepep_lightning.determinism.configuration import (
     prime_cublas_and_release_env,
     validate_arguments,
 )
-from deepep_lightning.determinism.data import make_seekable
+from deepep_lightning.determinism.data import make_seekable, put_back_loader_states, take_loader_states
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints, format_fingerprint
 from deepep_lightning.determinism.results import capture_logged_state, merge_epoch_results, restore_metric_modules
 from deepep_lightning.determinism.rng import (
@@ -186,6 +198,10 @@ class DeterminismCallback(Callback):
         self._pending_logged: dict[str, Any] | None = None
         self._pending_results: dict[str, Any] = {}
         self._saved_train_rng: dict[str, Any] | None = None
+        self._pending_gradients: dict[str, Any] | None = None
+        self._window_open = False  # a backward ran since the last optimizer step
+        self._warned_window_under_ddp = False
+        self._own_loaders: weakref.WeakSet[Any] = weakref.WeakSet()  # the SeekableDataLoaders made here
         self._original_source: Any = None
         self._wrapped_loader_of: Any = None
         self._rank = 0
@@ -300,11 +316,20 @@ class DeterminismCallback(Callback):
     def _make_seekable(self, loaders: Any) -> Any:
         def convert(loader: Any) -> Any:
             new, reason = make_seekable(loader, seed=self.seed, rank=self._rank, world_size=self._world_size)
-            if reason is not None and not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
+            if new is not loader:
+                self._own_loaders.add(new)
+            if reason is not None and hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):
+                rank_zero_info(
+                    f"DeterminismCallback: the train loader ({type(loader).__name__}) is not rebuilt as a seekable"
+                    f" one because {reason}; Lightning checkpoints its own state_dict, and a mid-epoch resume is"
+                    " as exact as that state (a worker's RNG state is not part of a StatefulDataLoader's)."
+                )
+            elif reason is not None:
                 message = (
                     f"DeterminismCallback: the train loader cannot be made seekable because {reason};"
-                    " a mid-epoch resume will not be exact. HINT: use a plain DataLoader over a map-style"
-                    " dataset, or a `SeekableSampler`, or pass seekable_data=False to silence this."
+                    " a mid-epoch resume will not be exact. HINT: use a plain DataLoader (or torchdata"
+                    " StatefulDataLoader) over a map-style dataset, or a `SeekableSampler`, or pass"
+                    " seekable_data=False to silence this."
                 )
                 if self.strict:
                     raise MisconfigurationException(message)
@@ -344,6 +369,12 @@ class DeterminismCallback(Callback):
             if skipped:
                 rank_zero_warn(f"DeterminismCallback: could not restore {', '.join(skipped)}")
             self._pending_rng = None
+        if self._pending_gradients is not None:  # the resume lands inside an accumulation window
+            gradients, self._pending_gradients = self._pending_gradients, None
+            missing = restore_gradients(pl_module, gradients)
+            if missing:
+                rank_zero_warn(f"DeterminismCallback: no parameter named {missing} to restore the gradient of")
+            self._window_open = True
         if self._pending_logged is not None:
             logged, self._pending_logged = self._pending_logged, None
             if logged.get("epoch") == trainer.current_epoch:  # mid-epoch resume: continue the epoch's sums
@@ -353,6 +384,16 @@ class DeterminismCallback(Callback):
                 self._pending_results = dict(logged.get("results", {}))
         if self.reseed_every_step:
             seed_everything_from(self.seed, "train", self._rank, trainer.current_epoch, batch_idx)
+
+    @override
+    def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._window_open = True
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", optimizer: torch.optim.Optimizer
+    ) -> None:
+        self._window_open = False  # the step consumes the window; the next window starts with zero_grad
 
     def on_replay_batch_start(
         self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", batch: Any, batch_idx: int, epoch: int
@@ -417,6 +458,13 @@ class DeterminismCallback(Callback):
         state = checkpoint.get("callbacks", {}).get(self.state_key)
         if state is not None:
             state["logged"] = logged
+            if trainer.train_dataloader is not None and len(self._own_loaders):
+                flattened = CombinedLoader(trainer.train_dataloader, "max_size_cycle").flattened
+                taken = take_loader_states(checkpoint, flattened, lambda loader: loader in self._own_loaders)
+                if taken is not None:
+                    state["train_loaders"] = taken
+            if self._window_open and trainer.accumulate_grad_batches > 1:
+                self._save_window_gradients(trainer, pl_module, state)
             state["digest"] = {
                 "state": digest({k: v for k, v in state.items() if k != "digest"}),
                 "model": model_digest(checkpoint.get("state_dict")),
@@ -435,6 +483,32 @@ class DeterminismCallback(Callback):
                 " equal to an uninterrupted run (no RNG states, no mid-epoch loader position, no seed check)."
             )
             return
+        self._verify_digests(path, state, checkpoint)
+        if state.get("train_loaders"):  # read by Lightning's loop restore, which runs after this hook
+            put_back_loader_states(checkpoint, state["train_loaders"])
+
+    def _save_window_gradients(
+        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", state: dict[str, Any]
+    ) -> None:
+        """Store the open accumulation window's gradients in ``state``: one process, or one state per rank.
+
+        Each rank accumulates its own gradients until the step; Lightning writes rank 0's callback
+        states only, unless the strategy keeps every rank's (``per_rank_checkpoint_keys`` holding
+        ``"callbacks"``, as :class:`~deepep_lightning.strategies.DeterministicDDPStrategy` does).
+        """
+        if trainer.world_size == 1 or "callbacks" in getattr(trainer.strategy, "per_rank_checkpoint_keys", ()):
+            state["accumulated_gradients"] = capture_gradients(pl_module)
+        elif not self._warned_window_under_ddp:
+            self._warned_window_under_ddp = True
+            rank_zero_warn(
+                "DeterminismCallback: a checkpoint inside a gradient-accumulation window holds no gradients"
+                f" with {trainer.world_size} processes (each rank accumulates its own until the step, and this"
+                " strategy keeps rank 0's callback state only), so a resume from it is not exact. HINT:"
+                " checkpoint at optimizer steps (ModelCheckpoint's every_n_train_steps does), or use"
+                " strategy='ddp_deterministic', which keeps every rank's."
+            )
+
+    def _verify_digests(self, path: Any, state: dict[str, Any], checkpoint: dict[str, Any]) -> None:
         saved = state.get("digest")
         if not isinstance(saved, dict):
             return  # written before digests existed
@@ -475,6 +549,7 @@ class DeterminismCallback(Callback):
                 rank_zero_warn(message)
         if state_dict.get("logged"):
             self._pending_logged = state_dict["logged"]
+        self._pending_gradients = state_dict.get("accumulated_gradients")
         if "rng" in state_dict:
             self._pending_rng = state_dict["rng"]
         else:

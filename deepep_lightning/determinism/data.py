@@ -17,23 +17,31 @@ and it owns a generator. Its :class:`~deepep_lightning.determinism.sampler.Seeka
 the order a pure function of (seed, epoch, rank), and :class:`SeededDataset` reseeds torch, numpy
 and ``random`` before each ``__getitem__`` from ``(seed, epoch, index)``, so random augmentation
 gives the same sample whichever worker loads it and however many workers there are.
+
+torchdata's ``StatefulDataLoader`` is rebuilt the same way when it is the plain case (a map-style
+dataset without a ``state_dict`` of its own, the default samplers): its own state holds the sampler
+position and the workers' ``base_seed``, not the workers' RNG states, so random augmentation in
+``__getitem__`` draws other numbers after a resume. A ``StatefulDataLoader`` over an iterable or
+stateful dataset, or with a custom sampler, is left as it is: Lightning checkpoints its own state,
+and the resume is as exact as that state is.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 
 from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.rng import fork_global_rng, seed_everything_from
 from deepep_lightning.determinism.sampler import SampleKey, SeekableSampler
 from deepep_lightning.determinism.streams import derive_seed
 
-__all__ = ["SeededDataset", "SeekableDataLoader", "make_seekable"]
+__all__ = ["SeededDataset", "SeekableDataLoader", "make_seekable", "put_back_loader_states", "take_loader_states"]
 
 
 class SeededDataset(Dataset):
@@ -109,32 +117,55 @@ class SeekableDataLoader(DataLoader):
         self._resume_batches = 0 if batches >= len(self) else batches
 
 
+def _stateful_dataloader_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """torchdata's (loader, random sampler, batch sampler) classes, or empty tuples when it is not imported.
+
+    Read from ``sys.modules``: a ``StatefulDataLoader`` exists only once its module is imported, so
+    torchdata stays an optional dependency that this module never imports.
+    """
+    loader_module = sys.modules.get("torchdata.stateful_dataloader.stateful_dataloader")
+    sampler_module = sys.modules.get("torchdata.stateful_dataloader.sampler")
+    if loader_module is None or sampler_module is None:
+        return (), (), ()
+    return (loader_module.StatefulDataLoader,), (sampler_module.RandomSampler,), (sampler_module.BatchSampler,)
+
+
 def _is_plain_map_loader(dataloader: DataLoader) -> str | None:
     """Why ``dataloader`` cannot be rebuilt as a SeekableDataLoader, or ``None`` when it can."""
-    if type(dataloader) is not DataLoader:
-        return f"it is a {type(dataloader).__name__}, not a plain torch DataLoader"
+    stateful_loaders, stateful_random_samplers, stateful_batch_samplers = _stateful_dataloader_types()
+    if type(dataloader) is not DataLoader and type(dataloader) not in stateful_loaders:
+        return f"it is a {type(dataloader).__name__}, not a plain torch DataLoader or torchdata StatefulDataLoader"
     if isinstance(dataloader.dataset, IterableDataset):
         return "its dataset is an IterableDataset (no index to seek to)"
-    sampler = dataloader.sampler
-    if type(sampler) not in (RandomSampler, SequentialSampler):
+    if type(dataloader) in stateful_loaders and hasattr(dataloader.dataset, "state_dict"):
+        return "its dataset has a state_dict of its own, which the StatefulDataLoader checkpoints"
+    sampler: Any = dataloader.sampler  # torch's or torchdata's RandomSampler: the same attributes
+    random_samplers = (RandomSampler, *stateful_random_samplers)
+    if type(sampler) not in (*random_samplers, SequentialSampler):
         return f"its sampler is a {type(sampler).__name__}"
-    if isinstance(sampler, RandomSampler) and (
+    if type(sampler) in random_samplers and (
         sampler.replacement or _lightning_compat.random_sampler_num_samples(sampler) is not None
     ):
         return "its RandomSampler draws with replacement or a custom num_samples"
     batch_sampler = dataloader.batch_sampler
-    if batch_sampler is not None and type(batch_sampler) is not torch.utils.data.BatchSampler:
+    if batch_sampler is not None and type(batch_sampler) not in (BatchSampler, *stateful_batch_samplers):
         return f"its batch_sampler is a {type(batch_sampler).__name__}"
     return None
 
 
 def make_seekable(dataloader: Any, *, seed: int, rank: int = 0, world_size: int = 1) -> tuple[Any, str | None]:
-    """Rebuild a plain map-style DataLoader as a :class:`SeekableDataLoader`.
+    """Rebuild a plain map-style DataLoader (or torchdata ``StatefulDataLoader``) as a :class:`SeekableDataLoader`.
 
     The order becomes ``derive_seed(seed, "order", epoch)`` (shuffled iff the original sampler was
     a ``RandomSampler``), split over ``world_size`` ranks like ``DistributedSampler``; every other
-    argument is kept. Returns ``(loader, None)``, or ``(dataloader, reason)`` unchanged when it
-    cannot be rebuilt (custom samplers, iterable datasets, DataLoader subclasses).
+    argument is kept (a ``StatefulDataLoader``'s ``snapshot_every_n_steps`` has nothing left to
+    snapshot). Returns ``(loader, None)``, or ``(dataloader, reason)`` unchanged when it cannot be
+    rebuilt (custom samplers, iterable or stateful datasets, other DataLoader subclasses).
+
+    Example::
+
+        loader, reason = make_seekable(DataLoader(dataset, batch_size=8, shuffle=True), seed=7)
+        assert reason is None and isinstance(loader, SeekableDataLoader)
     """
     if isinstance(dataloader, SeekableDataLoader):
         return dataloader, None
@@ -147,7 +178,7 @@ def make_seekable(dataloader: Any, *, seed: int, rank: int = 0, world_size: int 
     sampler = SeekableSampler(
         dataloader.dataset,  # type: ignore[arg-type]
         seed=seed,
-        shuffle=isinstance(dataloader.sampler, RandomSampler),
+        shuffle=isinstance(dataloader.sampler, (RandomSampler, *_stateful_dataloader_types()[1])),
         num_replicas=world_size,
         rank=rank,
         emit_keys=True,
@@ -173,3 +204,47 @@ def make_seekable(dataloader: Any, *, seed: int, rank: int = 0, world_size: int 
     if hasattr(dataloader, "in_order"):
         kwargs["in_order"] = dataloader.in_order
     return SeekableDataLoader(SeededDataset(dataloader.dataset, seed), **kwargs), None
+
+
+def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    """The fit loop's part of a Lightning checkpoint (``checkpoint["loops"]["fit_loop"]["state_dict"]``)."""
+    state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+    return state if isinstance(state, dict) else None
+
+
+def take_loader_states(checkpoint: dict[str, Any], loaders: list[Any], is_own: Any) -> dict[str, list] | None:
+    """Move the states of the loaders ``is_own`` picks out of the checkpoint's train-loader states.
+
+    Lightning stores one state per stateful train loader, in order, under the fit loop's
+    ``combined_loader`` key, and on resume hands them back by position: a checkpoint holding the
+    state of a loader the resuming run does not have (a :class:`SeekableDataLoader` this plugin
+    built, resumed without the plugin) fails with "The CombinedLoader has 0 stateful loaders".
+    ``loaders`` are the fit loop's train loaders, flattened as Lightning flattens them. Returns
+    ``{"positions", "states"}`` for :func:`put_back_loader_states`, or ``None`` when nothing moved
+    (no own loader, or states that do not line up with ``loaders``).
+    """
+    loop_state = _fit_loop_state(checkpoint)
+    states = None if loop_state is None else loop_state.get("combined_loader")
+    stateful = [loader for loader in loaders if hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")]
+    if loop_state is None or not states or len(states) != len(stateful):
+        return None
+    positions = [position for position, loader in enumerate(stateful) if is_own(loader)]
+    if not positions:
+        return None
+    kept = [state for position, state in enumerate(states) if position not in positions]
+    if kept:
+        loop_state["combined_loader"] = kept
+    else:
+        del loop_state["combined_loader"]  # as Lightning writes a checkpoint without stateful loaders
+    return {"positions": positions, "states": [states[position] for position in positions]}
+
+
+def put_back_loader_states(checkpoint: dict[str, Any], taken: dict[str, list]) -> None:
+    """Undo :func:`take_loader_states` on a loaded checkpoint, before Lightning restores its loops."""
+    loop_state = _fit_loop_state(checkpoint)
+    if loop_state is None:
+        return
+    merged = list(loop_state.get("combined_loader", []))
+    for position, state in zip(taken["positions"], taken["states"]):  # ascending: each lands where it was
+        merged.insert(position, state)
+    loop_state["combined_loader"] = merged

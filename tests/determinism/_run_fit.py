@@ -50,7 +50,42 @@ class _PlainDataset(torch.utils.data.Dataset):
         return self.x[index] + noise, self.y[index]
 
 
-def _plain_module(scheduler: str = "none"):
+def _train_loader(kind: str):
+    """The shuffled 2-worker train loader: a torch ``DataLoader`` or torchdata's ``StatefulDataLoader``."""
+    loader_class = torch.utils.data.DataLoader
+    if kind == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader_class = StatefulDataLoader
+    return loader_class(_PlainDataset(), batch_size=8, shuffle=True, num_workers=2)
+
+
+def _val_loader():
+    return torch.utils.data.DataLoader(_PlainDataset(), batch_size=16, shuffle=False)
+
+
+def _schedulers(optimizer, scheduler: str, total_steps: int):
+    """The step-interval LR scheduler named ``scheduler``, sized by ``total_steps`` optimizer steps."""
+    import math
+
+    warmup = max(1, total_steps // 6)
+    if scheduler == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total_steps)
+    if scheduler == "warmup_cosine":  # linear warm-up, then cosine decay to 0, as one LambdaLR
+
+        def warmup_then_cosine(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total_steps - warmup)))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine)
+    # "warmup_cosine_sequential": the same shape from torch's building blocks
+    linear = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=warmup)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps - warmup)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [linear, cosine], milestones=[warmup])
+
+
+def _plain_module(scheduler: str = "none", loader: str = "dataloader", with_loaders: bool = True):
     import lightning.pytorch as pl
 
     class PlainModule(pl.LightningModule):
@@ -80,17 +115,32 @@ def _plain_module(scheduler: str = "none"):
                 return optimizer
             # Lightning's recommended sizing: reading estimated_stepping_batches here builds the train
             # loader before the checkpoint is restored
-            total_steps = self.trainer.estimated_stepping_batches
-            onecycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total_steps)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": onecycle, "interval": "step"}}
+            total_steps = int(self.trainer.estimated_stepping_batches)
+            lr_scheduler = _schedulers(optimizer, scheduler, total_steps)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": lr_scheduler, "interval": "step"}}
 
+    class PlainModuleWithLoaders(PlainModule):
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(_PlainDataset(), batch_size=8, shuffle=True, num_workers=2)
+            return _train_loader(loader)
 
         def val_dataloader(self):
-            return torch.utils.data.DataLoader(_PlainDataset(), batch_size=16, shuffle=False)
+            return _val_loader()
 
-    return PlainModule()
+    return PlainModuleWithLoaders() if with_loaders else PlainModule()
+
+
+def _plain_datamodule(loader: str):
+    """The same loaders from a LightningDataModule (the module then defines none)."""
+    import lightning.pytorch as pl
+
+    class PlainDataModule(pl.LightningDataModule):
+        def train_dataloader(self):
+            return _train_loader(loader)
+
+        def val_dataloader(self):
+            return _val_loader()
+
+    return PlainDataModule()
 
 
 def _deepep_module(extra_args: str):
@@ -112,17 +162,31 @@ def _deepep_module(extra_args: str):
 
 
 def _stripped_copy(path: str, state_key: str, what: str) -> str:
-    """A copy of the checkpoint at ``path`` without the resume state named by ``what`` (``all`` or ``rng``)."""
+    """A copy of the checkpoint at ``path`` without the resume state named by ``what``.
+
+    ``all``: the RNG states, the logging state and every train-loader position; ``rng``: the RNG
+    states; ``loader``: the train-loader positions; ``gradients``: the gradients of an unfinished
+    accumulation window.
+    """
     checkpoint = torch.load(path, weights_only=False)
     state = checkpoint["callbacks"][state_key]
-    state.pop("rng")
     state.pop("digest")  # an edit on purpose: without the digest the state is taken as it is
+    if what in ("all", "rng"):
+        state.pop("rng")
     if what == "all":
         state.pop("logged")
-        checkpoint["loops"]["fit_loop"]["state_dict"].pop("combined_loader")
+    if what in ("all", "loader"):
+        assert state.pop("train_loaders", None) or checkpoint["loops"]["fit_loop"]["state_dict"].get("combined_loader")
+        checkpoint["loops"]["fit_loop"]["state_dict"].pop("combined_loader", None)
+    if what == "gradients":
+        assert state.pop("accumulated_gradients"), "the checkpoint holds no unfinished accumulation window"
     stripped = path + ".stripped"
     torch.save(checkpoint, stripped)
     return stripped
+
+
+def _val_check_interval(value: str) -> int | float:
+    return float(value) if "." in value else int(value)
 
 
 def main() -> None:
@@ -132,20 +196,31 @@ def main() -> None:
     parser.add_argument("--tb", required=True)
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--max-epochs", type=int, default=None, help="with --max-steps -1: an epoch-sized run")
-    parser.add_argument("--scheduler", choices=["none", "onecycle"], default="none")
+    parser.add_argument(
+        "--scheduler", choices=["none", "onecycle", "warmup_cosine", "warmup_cosine_sequential"], default="none"
+    )
+    parser.add_argument("--loader", choices=["dataloader", "stateful"], default="dataloader", help="train loader class")
+    parser.add_argument("--datamodule", action="store_true", help="the loaders come from a LightningDataModule")
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...)")
+    parser.add_argument("--val-check-interval", type=_val_check_interval, default=None, help="int or float")
     parser.add_argument(
         "--skip-pending-loader-states",
         action="store_true",
         help="negative control: leave the loader states Lightning drops when the loader is built early",
     )
-    parser.add_argument("--ckpt-every", type=int, default=3)
+    parser.add_argument("--no-seekable-data", action="store_true", help="DeterminismCallback(seekable_data=False)")
+    parser.add_argument("--unit", choices=["step", "batch"], default="step", help="what --ckpt-every/--kill-at count")
+    parser.add_argument("--ckpt-every", type=int, default=3, help="0: no checkpoints from this script")
+    parser.add_argument(
+        "--model-checkpoint", action="store_true", help="Lightning's ModelCheckpoint(save_last=True) also saves"
+    )
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
     parser.add_argument(
         "--strip-resume-state",
-        choices=["all", "rng"],
+        choices=["all", "rng", "loader", "gradients"],
         default=None,
-        help="negative control: resume without the loader position and callback state (all) or the RNG state (rng)",
+        help="negative control: resume without that part of the resume state (see _stripped_copy)",
     )
     parser.add_argument("--no-reseed", action="store_true", help="rely on checkpointed RNG state only")
     parser.add_argument("--accelerator", default="cpu")
@@ -155,22 +230,28 @@ def main() -> None:
     configure(SEED, cublas_workspace_config=":4096:8")  # first thing: before CUDA starts
 
     import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
+
+    def position(trainer: pl.Trainer) -> int:
+        """Optimizer steps, or batches, done before the current batch (what --kill-at and --ckpt-every count)."""
+        return trainer.global_step if args.unit == "step" else trainer.fit_loop.total_batch_idx
 
     class CheckpointThenKill(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step % args.ckpt_every == 0:
+            done = trainer.global_step if args.unit == "step" else trainer.fit_loop.total_batch_idx + 1
+            if args.ckpt_every > 0 and done % args.ckpt_every == 0:
                 path = os.path.join(args.out, "last.ckpt")
                 trainer.save_checkpoint(path + ".tmp")
                 os.replace(path + ".tmp", path)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if args.kill_at is not None and trainer.global_step == args.kill_at:
+            if args.kill_at is not None and position(trainer) == args.kill_at:
                 for logger in trainer.loggers:
                     logger.experiment.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    callback = DeterminismCallback(SEED, reseed_every_step=not args.no_reseed)
+    callback = DeterminismCallback(SEED, reseed_every_step=not args.no_reseed, seekable_data=not args.no_seekable_data)
     resume = args.resume
     if resume is not None and args.strip_resume_state is not None:
         resume = _stripped_copy(resume, callback.state_key, args.strip_resume_state)
@@ -179,7 +260,20 @@ def main() -> None:
 
         _lightning_compat.load_pending_loader_states = lambda trainer: False
     configure(SEED)  # before the model is built (and before CUDA starts): its initial weights are seeded
-    model = _plain_module(args.scheduler) if args.module == "plain" else _deepep_module(args.deepep_args)
+    if args.module == "plain":
+        model = _plain_module(args.scheduler, args.loader, with_loaders=not args.datamodule)
+    else:
+        model = _deepep_module(args.deepep_args)
+    datamodule = _plain_datamodule(args.loader) if args.datamodule else None
+    callbacks: list[pl.Callback] = [callback, CheckpointThenKill()]
+    if args.scheduler != "none":
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if args.model_checkpoint:  # saves last.ckpt at every validation end, mid-epoch ones included
+        callbacks.append(ModelCheckpoint(dirpath=args.out, save_last=True))
+    if args.val_check_interval is not None:
+        val_check_interval = args.val_check_interval
+    else:
+        val_check_interval = 4 if args.module == "plain" else 1.0
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=1,
@@ -187,15 +281,16 @@ def main() -> None:
         max_epochs=args.max_epochs,
         logger=TensorBoardLogger(args.tb, name="", version=""),
         log_every_n_steps=1,
-        val_check_interval=4 if args.module == "plain" else 1.0,
+        val_check_interval=val_check_interval,
         num_sanity_val_steps=2 if args.module == "plain" else 0,
         limit_val_batches=2,
-        callbacks=[callback, CheckpointThenKill()],
+        accumulate_grad_batches=args.accumulate,
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
+        enable_checkpointing=args.model_checkpoint,
     )
-    trainer.fit(model, ckpt_path=resume)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
     optimizer_state = trainer.optimizers[0].state_dict()["state"]
     flat_optimizer = {f"opt.{i}.{k}": v for i, s in optimizer_state.items() for k, v in s.items()}
     torch.save({"model": model.state_dict(), "optimizer": flat_optimizer}, os.path.join(args.out, "final.pt"))
