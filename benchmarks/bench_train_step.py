@@ -1,9 +1,17 @@
-"""DeepEP train-step time at B=256, T=256, H=256: eager vs one CUDA graph vs torch.compile, side by side.
+"""DeepEP train-step time: eager, one CUDA graph, compiled timestep, compiled timestep in the graph, side by side.
 
-    python benchmarks/bench_train_step.py --out DIR      # writes DIR/train_step.json
+    python benchmarks/bench_train_step.py --out DIR             # GPU: writes DIR/train_step.json
+    python benchmarks/bench_train_step.py --out DIR --quick     # CPU smoke test: tiny shapes, no graph variants
 
-One process, same model and shapes for every variant; each step is the whole training step
-(rollout of T timesteps, loss, backward, Adam step). Medians of ``--repeats`` steps after warm-up.
+One process, the same model and shapes for every variant. A step is the whole training step
+(``DeepEPModule._whole_step``: rollout of T timesteps, loss, backward, gradient norm, Adam step).
+Variants: ``eager`` (op by op), ``graph`` (the step captured as one CUDA graph), ``compiled_eager``
+(``compile_step=True``: the timestep fused by inductor, the step run eagerly) and ``compiled_graph``
+(the compiled timestep inside the CUDA graph). Per shape (``--horizons``, default 256 and
+``configs/gpu.yaml``'s 32): medians of ``--repeats`` steps after warm-up, the set-up time of each
+variant (compile, warm-up, capture), a kernel census per timestep (torch.profiler: CUDA kernels of one
+step / T, of a graph replay and of the same step run uncaptured) and the achieved FLOP/s against the
+fp32 peak, from FLOPs counted analytically from the shapes (:func:`flops_per_step`).
 """
 
 from __future__ import annotations
@@ -19,97 +27,185 @@ if "--deterministic" in sys.argv:  # configure() must run before anything touche
 
 import torch
 from _timing import median_ms, write_json
+from torch._dynamo.utils import counters
 
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 
+VARIANTS = ("eager", "graph", "compiled_eager", "compiled_graph")
+GRAPH_BAR_MS = 30.0  # issue 18's bar for the graph step at B=256, T=256, H=256
+H200_FP32_PEAK_TFLOPS = 67.0  # H200 SXM datasheet, fp32 without tensor cores (TF32 matmul is off)
 
-def build(args, **overrides):
-    kwargs = dict(
-        num_envs=args.batch, rollout_length=args.horizon, hidden_size=args.hidden, seed=0, fused_value_head=True
+
+def flops_per_step(batch: int, horizon: int, hidden: int, value_hidden: int, obs_dim: int, actions: int) -> int:
+    """Matmul FLOPs of one training step: 3x the forward GEMMs of each timestep (forward, input and weight
+    gradients) plus the forward of the bootstrap evaluation at s_T. Elementwise work is not counted."""
+    features = obs_dim + hidden
+    policy = 2 * batch * features * hidden + 2 * batch * hidden * actions
+    value = 2 * batch * features * value_hidden + 2 * batch * actions * value_hidden  # W1, then w2 per action
+    gru = 2 * batch * (obs_dim + actions + 1) * 3 * hidden + 2 * batch * hidden * 3 * hidden
+    return 3 * horizon * (policy + value + gru) + policy + value
+
+
+class _Variant:
+    """One variant's model, optimizer and step function (one call = one training step)."""
+
+    def __init__(self, name: str, args: argparse.Namespace, horizon: int) -> None:
+        graph, compiled = name.endswith("graph"), name.startswith("compiled")
+        self.model = DeepEPModule(
+            num_envs=args.batch,
+            rollout_length=horizon,
+            hidden_size=args.hidden,
+            seed=0,
+            fused_value_head=not args.reference_head,
+            cuda_graph=graph,
+            compile_step=compiled,
+        ).to(args.device)
+        self.model._ensure_rollout_state()
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4, capturable=graph)
+        assert self.model._generator is not None
+        self.graphed = (
+            GraphedTrainStep(lambda: self.model._whole_step(self.optimizer), self.model._generator) if graph else None
+        )
+
+    def step(self) -> None:
+        self.model._seed_rollout()
+        if self.graphed is not None:
+            self.graphed()
+        else:
+            self.model._whole_step(self.optimizer)
+        self.model._rollout_step += 1
+
+    def uncaptured_step(self) -> None:
+        """The same step, op by op on the current stream (what the graph captured)."""
+        self.model._seed_rollout()
+        self.model._whole_step(self.optimizer)
+        self.model._rollout_step += 1
+
+    def compile_fallback(self) -> str | None:
+        timestep = self.model._compiled_timestep
+        return timestep.unavailable_reason if timestep is not None else None
+
+
+def _kernels_of(fn) -> int:
+    """CUDA kernels (not memcpy/memset) that one call of ``fn`` runs, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")))
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_shape(args: argparse.Namespace, horizon: int) -> dict:
+    medians, samples, setup_s, census, fallback = {}, {}, {}, {}, {}
+    for name in args.variants:
+        graphs_before = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        variant = _Variant(name, args, horizon)
+        # first calls: compile (compiled_*), warm-up and capture (graph*); each is a real training step
+        for _ in range(variant.graphed.warmup_steps + 1 if variant.graphed is not None else 1):
+            variant.step()
+        _sync(args.device)
+        setup_s[name] = time.perf_counter() - t0
+        if name.startswith("compiled"):
+            fallback[name] = variant.compile_fallback()
+            setup_s[f"{name}_new_dynamo_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
+        repeats = args.repeats * (3 if variant.graphed is not None else 1)
+        medians[name], samples[name] = median_ms(variant.step, repeats, warmup=1, device=args.device)
+        if args.device == "cuda" and not args.no_census:
+            census[name] = {
+                "per_step": _kernels_of(variant.step),
+                "per_step_uncaptured": _kernels_of(variant.uncaptured_step),
+            }
+            census[name].update({k.replace("per_step", "per_timestep"): v / horizon for k, v in census[name].items()})
+        print(f"T={horizon} {name}: {medians[name]:.2f} ms (set-up {setup_s[name]:.1f} s)", flush=True)
+        del variant
+    probe = DeepEPModule(num_envs=args.batch, rollout_length=horizon, hidden_size=args.hidden, fused_value_head=False)
+    agent = probe.agent
+    flops = flops_per_step(
+        args.batch, horizon, args.hidden, agent.value_head.output_weight.numel(), agent.obs_dim, agent.num_actions
     )
-    kwargs.update(overrides)
-    model = DeepEPModule(**kwargs).cuda()
-    model._ensure_rollout_state()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, capturable=kwargs.get("cuda_graph", False))
-    return model, optimizer
-
-
-def eager_step(model, optimizer):
-    def step():
-        model._seed_rollout()
-        optimizer.zero_grad(set_to_none=True)
-        _, terms = model._rollout_and_loss()
-        terms.loss.backward()
-        optimizer.step()
-        model._rollout_step += 1
-
-    return step
+    tflops = {k: flops / (ms * 1e-3) / 1e12 for k, ms in medians.items()}
+    return {
+        "batch": args.batch,
+        "horizon": horizon,
+        "hidden": args.hidden,
+        "median_ms_per_step": medians,
+        "samples_ms": samples,
+        "setup_s": setup_s,
+        "compile_fallback_reason": fallback,
+        "kernels": census or None,
+        "flops_per_step": flops,
+        "flops_convention": "3x forward GEMM FLOPs per timestep + bootstrap forward; elementwise not counted",
+        "achieved_tflops": tflops,
+        "fraction_of_fp32_peak": {k: v / args.fp32_peak_tflops for k, v in tflops.items()},
+        "speedup_vs_eager": {k: medians["eager"] / ms for k, ms in medians.items() if "eager" in medians},
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--horizon", type=int, default=256)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--skip-compile", action="store_true")
-    parser.add_argument("--graph-only", action="store_true", help="only the CUDA-graph step")
+    parser.add_argument("--horizons", type=int, nargs="+", default=[256, 32])
+    parser.add_argument("--horizon", type=int, help="a single horizon (same as --horizons N)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed steps per variant (x3 for graph variants)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--graph-only", action="store_true", help="only the CUDA-graph step (same as --variants graph)")
+    parser.add_argument("--reference-head", action="store_true", help="the pure-PyTorch value head, not the fused op")
+    parser.add_argument("--no-census", action="store_true", help="skip the torch.profiler kernel census")
+    parser.add_argument("--fp32-peak-tflops", type=float, default=H200_FP32_PEAK_TFLOPS)
+    parser.add_argument("--quick", action="store_true", help="CPU smoke test: B=8, H=16, T=4, 2 repeats")
     parser.add_argument(
         "--deterministic",
         action="store_true",
         help="run under deepep_lightning.configure(0) (DeterminismCallback's defaults)",
     )
-    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--tag", default=None, help="suffix of the JSON file name (--quick: _quick)")
     args = parser.parse_args()
-    results = {}
+    args.device = "cuda" if torch.cuda.is_available() and not args.quick else "cpu"
+    if args.horizon is not None:
+        args.horizons = [args.horizon]
+    if args.graph_only:
+        args.variants = ["graph"]
+    if args.quick:
+        args.batch, args.hidden, args.horizons, args.repeats = 8, 16, [4], 2
+        args.tag = "_quick" if args.tag is None else args.tag
+        torch.set_num_threads(1)  # tiny ops: more threads only spin
+    if args.device == "cpu":
+        args.variants = [v for v in args.variants if not v.endswith("graph")]  # CUDA graphs need a GPU
+    if not args.variants:
+        parser.error("no variant left to run on this device (the graph variants need CUDA)")
 
-    eager_variants = () if args.graph_only else (("eager_fused", {}), ("eager_reference", {"fused_value_head": False}))
-    for name, overrides in eager_variants:
-        model, optimizer = build(args, **overrides)
-        results[name] = median_ms(eager_step(model, optimizer), args.repeats)[0]
-
-    model, optimizer = build(args, cuda_graph=True)
-    graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator)
-
-    def graph_step():
-        model._seed_rollout()
-        graphed()
-        model._rollout_step += 1
-
-    t0 = time.perf_counter()
-    for _ in range(graphed.warmup_steps + 1):
-        graph_step()
-    torch.cuda.synchronize()
-    results["cuda_graph_warmup_and_capture_s"] = time.perf_counter() - t0
-    results["cuda_graph"] = median_ms(graph_step, args.repeats * 3)[0]
-
-    if not args.skip_compile and not args.graph_only:
-        model, optimizer = build(args, compile_step=True)
-        step = eager_step(model, optimizer)
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        results["compile_first_step_s"] = time.perf_counter() - t0
-        results["torch_compile_step"] = median_ms(step, args.repeats)[0]
-
-    ratios = {
-        f"eager_fused_over_{k}": results["eager_fused"] / results[k]
-        for k in ("cuda_graph", "torch_compile_step")
-        if k in results and "eager_fused" in results
-    }
-    results["deterministic_algorithms"] = torch.are_deterministic_algorithms_enabled()
+    shapes = [bench_shape(args, horizon) for horizon in args.horizons]
+    main_shape = next((s for s in shapes if (s["batch"], s["horizon"], s["hidden"]) == (256, 256, 256)), None)
+    graph_ms = {k: v for k, v in (main_shape or {}).get("median_ms_per_step", {}).items() if k.endswith("graph")}
+    best = min(graph_ms, key=graph_ms.__getitem__) if graph_ms else None
     write_json(
-        f"{args.out}/train_step{args.tag}.json",
+        f"{args.out}/train_step{args.tag or ''}.json",
         {
             "config": vars(args),
-            "median_ms_per_step": results,
-            "speedup_vs_eager": ratios,
-            "target": {"cuda_graph_ms_max": 90, "met": results["cuda_graph"] <= 90},
+            "shapes": shapes,
+            "bar": {
+                "graph_ms_max": GRAPH_BAR_MS,
+                "shape": "B=256 T=256 H=256",
+                "best_graph_variant": best,
+                "best_graph_ms": graph_ms.get(best) if best else None,
+                "met": graph_ms[best] <= GRAPH_BAR_MS if best else None,
+            },
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "inductor_deterministic_global": bool(torch._inductor.config.deterministic),
         },
     )
-    print(results, ratios)
 
 
 if __name__ == "__main__":
