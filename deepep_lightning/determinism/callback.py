@@ -114,8 +114,9 @@ class DeterminismCallback(Callback):
             re-read the variable on every cuBLAS call, which costs host time per GEMM (GPU time and
             bits unchanged; figures in ``BENCHMARKS.md``). Only a value :func:`configure` set is
             removed; the fingerprint still records it.
-        seekable_data: rebuild plain map-style train DataLoaders as seekable ones (order = pure
-            function of (seed, epoch, rank); per-sample streams from (seed, epoch, index)).
+        seekable_data: rebuild plain map-style train loaders (torch ``DataLoader``, torchdata
+            ``StatefulDataLoader``) as seekable ones (order = pure function of (seed, epoch, rank);
+            per-sample streams from (seed, epoch, index)). ``False`` leaves every loader as it is.
         reseed_every_step: reseed the global RNGs from the batch position before every batch.
         isolate_evaluation: validation and sanity checks run on their own stream and never shift
             the training stream (matters when ``reseed_every_step=False``).

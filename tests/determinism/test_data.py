@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from deepep_lightning.determinism.data import SeededDataset, SeekableDataLoader, make_seekable
+from deepep_lightning.determinism.data import (
+    SeededDataset,
+    SeekableDataLoader,
+    make_seekable,
+    put_back_loader_states,
+    take_loader_states,
+)
 from deepep_lightning.determinism.sampler import SampleKey, SeekableSampler
 
 
@@ -73,3 +80,58 @@ def test_batch_size_none_loader_like_deepep() -> None:
     loader, reason = make_seekable(DataLoader(list(range(5)), batch_size=None, shuffle=False), seed=0)
     assert reason is None
     assert [int(x) for x in loader] == [0, 1, 2, 3, 4]
+
+
+def test_stateful_dataloader_is_rebuilt_as_seekable() -> None:
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+    original = stateful_dataloader.StatefulDataLoader(_Noisy(), batch_size=3, shuffle=True)
+    loader, reason = make_seekable(original, seed=5)
+    assert reason is None and isinstance(loader, SeekableDataLoader)
+    plain, _ = make_seekable(DataLoader(_Noisy(), batch_size=3, shuffle=True), seed=5)
+    assert torch.equal(_epoch(loader), _epoch(plain)), "the same order and per-sample streams as a DataLoader"
+    sequential, _ = make_seekable(stateful_dataloader.StatefulDataLoader(_Noisy(), batch_size=3), seed=5)
+    assert _epoch(sequential)[:, 0].tolist() == [float(i) for i in range(12)]
+
+
+def test_stateful_dataloader_over_a_stateful_dataset_keeps_its_own_state() -> None:
+    stateful_dataloader = pytest.importorskip("torchdata.stateful_dataloader")
+
+    class WithState(_Noisy):
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    original = stateful_dataloader.StatefulDataLoader(WithState(), batch_size=3, shuffle=True)
+    same, reason = make_seekable(original, seed=5)
+    assert same is original and "state_dict of its own" in reason
+
+
+def test_own_loader_states_move_out_of_lightnings_list_and_back() -> None:
+    class Stateful:
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    own, foreign = Stateful(), Stateful()
+    loaders = [foreign, [1, 2], own]  # the list (not stateful) holds no state in Lightning's list
+    states = [{"foreign": 1}, {"own": 2}]
+    checkpoint = {"loops": {"fit_loop": {"state_dict": {"combined_loader": list(states)}}}}
+    taken = take_loader_states(checkpoint, loaders, lambda loader: loader is own)
+    assert taken == {"positions": [1], "states": [{"own": 2}]}
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"foreign": 1}]
+    put_back_loader_states(checkpoint, taken)
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] == states
+    # states that do not line up with the loaders are left where they are
+    mismatched = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"a": 1}]}}}}
+    assert take_loader_states(mismatched, loaders, lambda loader: loader is own) is None
+    assert mismatched["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"a": 1}]
+    only_own = {"loops": {"fit_loop": {"state_dict": {"combined_loader": [{"own": 2}]}}}}
+    assert take_loader_states(only_own, [own], lambda loader: loader is own) == {
+        "positions": [0],
+        "states": [{"own": 2}],
+    }
+    assert only_own["loops"]["fit_loop"]["state_dict"] == {}, "no empty list left behind, as Lightning writes it"

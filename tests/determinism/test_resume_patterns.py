@@ -242,3 +242,30 @@ def test_load_from_checkpoint_without_the_plugin(tmp_path: Path, boring_module, 
     assert all(torch.equal(saved[key], value) for key, value in loaded.state_dict().items())
     fresh = module_class(dropout=0.5)  # negative control: the weights do come from the file
     assert not all(torch.equal(saved[key], value) for key, value in fresh.state_dict().items())
+
+
+@_NEEDS_TORCHDATA
+def test_a_stateful_dataloader_it_cannot_rebuild_keeps_its_own_state_and_says_so(monkeypatch) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class DatasetWithState(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.tensor([float(index)])
+
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, state: dict) -> None:
+            pass
+
+    loader = StatefulDataLoader(DatasetWithState(), batch_size=2, shuffle=True)
+    callback = DeterminismCallback(0)  # strict: a loader it cannot rebuild and that has no state raises
+    said: list[str] = []
+    monkeypatch.setattr("deepep_lightning.determinism.callback.rank_zero_info", said.append)
+    assert callback._make_seekable(loader) is loader
+    assert len(said) == 1 and "StatefulDataLoader" in said[0] and "checkpoints its own state_dict" in said[0]
+    rebuilt = callback._make_seekable(StatefulDataLoader(list(range(4)), batch_size=2, shuffle=True))
+    assert isinstance(rebuilt, SeekableDataLoader) and len(said) == 1  # negative control: the plain case, silently
