@@ -14,24 +14,18 @@ state are copied into the live tensors, never replaced, because a captured CUDA
 graph (e.g. a module whose step is one graph) keeps raw pointers to them and would
 otherwise go on reading freed memory.
 
-On disk a snapshot is ``MAGIC | payload length | sha256 | torch.save payload``,
-written to a temporary file, fsynced and renamed, so a file is either complete
-or absent; a truncated or corrupted file fails verification with
-:class:`CorruptSnapshotError`, is deleted, and the ring falls back to the previous one. The payload is
-tensors and plain values, read with ``torch.load(weights_only=True)``. Each file carries the id of
-the run that wrote it (in its name and its payload): a ring refuses a file of another run (two runs
-sharing one ``snapshot_dir``), and removes the temporary files of writes whose process died.
+On disk a snapshot is an atomic, checksummed file (:mod:`deepep_lightning.health.snapshot_file`):
+a truncated or corrupted file fails verification with :class:`CorruptSnapshotError`, is deleted,
+and the ring falls back to the previous one. Each file carries the id of the run that wrote it (in
+its name and its payload): a ring refuses a file of another run (two runs sharing one
+``snapshot_dir``), and removes the temporary files of writes whose process died.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
-import io
 import os
-import pickle
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +37,12 @@ from torch import Tensor
 from deepep_lightning._lightning_compat import optimizer_step_progress
 from deepep_lightning._metric_state import capture_metric_states, restore_metric_states
 from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state
+from deepep_lightning.health.snapshot_file import (
+    CorruptSnapshotError,
+    read_snapshot_payload,
+    remove_dead_temporary_files,
+    write_snapshot_payload,
+)
 from deepep_lightning.protocols import RolloutStateful
 
 __all__ = [
@@ -56,13 +56,7 @@ __all__ = [
     "save_snapshot_file",
 ]
 
-_MAGIC = b"DEEPEPSNAP1\n"
-_HEADER = struct.Struct("<Q32s")
 _LEAF = "__snapshot_tensor__"
-
-
-class CorruptSnapshotError(RuntimeError):
-    """An on-disk snapshot is truncated, corrupted or not a snapshot."""
 
 
 def _to_host(tree: Any, events: list[torch.device]) -> Any:
@@ -305,15 +299,7 @@ class Snapshot:
 
 def save_snapshot_file(snapshot: Snapshot, path: str) -> None:
     """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename) with a sha256 checksum."""
-    buffer = io.BytesIO()
-    torch.save(snapshot.payload(), buffer)
-    data = buffer.getvalue()
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as handle:
-        handle.write(_MAGIC + _HEADER.pack(len(data), hashlib.sha256(data).digest()) + data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    write_snapshot_payload(snapshot.payload(), path)
 
 
 def load_snapshot_file(path: str, run_id: str | None = None) -> Snapshot:
@@ -322,22 +308,7 @@ def load_snapshot_file(path: str, run_id: str | None = None) -> Snapshot:
     Raises:
         CorruptSnapshotError: missing magic, truncated payload, checksum mismatch, or another run's file.
     """
-    with open(path, "rb") as handle:
-        raw = handle.read()
-    head = len(_MAGIC) + _HEADER.size
-    if not raw.startswith(_MAGIC) or len(raw) < head:
-        raise CorruptSnapshotError(f"{path!r} is not a deepep_lightning snapshot (bad header)")
-    length, digest = _HEADER.unpack(raw[len(_MAGIC) : head])
-    data = raw[head:]
-    if len(data) != length:
-        raise CorruptSnapshotError(f"{path!r} is truncated: {len(data)} of {length} payload bytes")
-    if hashlib.sha256(data).digest() != digest:
-        raise CorruptSnapshotError(f"{path!r} is corrupted: sha256 checksum mismatch")
-    try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        # a state_dict holding a Python object (e.g. a custom LR scheduler's); the file passed its checksum
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    payload = read_snapshot_payload(path)
     snapshot = Snapshot(**payload)
     if run_id is not None and snapshot.run_id != run_id:
         raise CorruptSnapshotError(
@@ -345,34 +316,6 @@ def load_snapshot_file(path: str, run_id: str | None = None) -> Snapshot:
             "the snapshot directory. HINT: give each run its own `snapshot_dir`."
         )
     return snapshot
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def remove_dead_temporary_files(directory: str) -> list[str]:
-    """Delete ``*.tmp.<pid>`` files of snapshot writes whose process is gone; returns their paths."""
-    removed: list[str] = []
-    if not os.path.isdir(directory):
-        return removed
-    for name in sorted(os.listdir(directory)):
-        stem, _, pid = name.rpartition(".tmp.")
-        if not stem or not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            os.remove(path)
-        except OSError:
-            continue
-        removed.append(path)
-    return removed
 
 
 class SnapshotRing:

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepep_lightning.health import NumericalHealthCallback
-from deepep_lightning.health import snapshot as snapshot_module
+from deepep_lightning.health import NumericalHealthCallback, snapshot_file
 from deepep_lightning.health.snapshot import (
     CorruptSnapshotError,
     Snapshot,
@@ -78,7 +77,7 @@ def test_disk_round_trip(trained, tmp_path):
     save_snapshot_file(snapshot, path)
     loaded = load_snapshot_file(path)
     assert loaded.step == snapshot.step and loaded.lr_scale == 0.5
-    payload = Path(path).read_bytes()[len(snapshot_module._MAGIC) + snapshot_module._HEADER.size :]
+    payload = Path(path).read_bytes()[len(snapshot_file._MAGIC) + snapshot_file._HEADER.size :]
     torch.load(io.BytesIO(payload), weights_only=True)  # tensors and plain values only (RNG states too)
     _mutate(trainer, module)
     loaded.restore(trainer, module)

@@ -1,0 +1,96 @@
+"""The snapshot file format: atomic, checksummed files that are either complete or absent.
+
+A file is ``MAGIC | payload length | sha256 | torch.save payload``, written to a temporary file,
+fsynced and renamed, so a crash mid-write leaves no partial file under the final name; a truncated
+or corrupted file fails verification with :class:`CorruptSnapshotError`. The payload is tensors
+and plain values, read with ``torch.load(weights_only=True)``. A write whose process died leaves
+its ``*.tmp.<pid>`` file behind: :func:`remove_dead_temporary_files` removes those.
+:mod:`deepep_lightning.health.snapshot` turns a payload into a
+:class:`~deepep_lightning.health.snapshot.Snapshot` and back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import pickle
+import struct
+from typing import Any
+
+import torch
+
+__all__ = ["CorruptSnapshotError", "read_snapshot_payload", "remove_dead_temporary_files", "write_snapshot_payload"]
+
+_MAGIC = b"DEEPEPSNAP1\n"
+_HEADER = struct.Struct("<Q32s")
+
+
+class CorruptSnapshotError(RuntimeError):
+    """An on-disk snapshot is truncated, corrupted or not a snapshot."""
+
+
+def write_snapshot_payload(payload: dict[str, Any], path: str) -> None:
+    """Write ``payload`` to ``path`` atomically (temporary file, fsync, rename) with a sha256 checksum."""
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    data = buffer.getvalue()
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as handle:
+        handle.write(_MAGIC + _HEADER.pack(len(data), hashlib.sha256(data).digest()) + data)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def read_snapshot_payload(path: str) -> dict[str, Any]:
+    """Read and verify the payload of a snapshot file.
+
+    Raises:
+        CorruptSnapshotError: missing magic, truncated payload or checksum mismatch.
+    """
+    with open(path, "rb") as handle:
+        raw = handle.read()
+    head = len(_MAGIC) + _HEADER.size
+    if not raw.startswith(_MAGIC) or len(raw) < head:
+        raise CorruptSnapshotError(f"{path!r} is not a deepep_lightning snapshot (bad header)")
+    length, digest = _HEADER.unpack(raw[len(_MAGIC) : head])
+    data = raw[head:]
+    if len(data) != length:
+        raise CorruptSnapshotError(f"{path!r} is truncated: {len(data)} of {length} payload bytes")
+    if hashlib.sha256(data).digest() != digest:
+        raise CorruptSnapshotError(f"{path!r} is corrupted: sha256 checksum mismatch")
+    try:
+        payload: dict[str, Any] = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        # a state_dict holding a Python object (e.g. a custom LR scheduler's); the file passed its checksum
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
+    return payload
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_dead_temporary_files(directory: str) -> list[str]:
+    """Delete ``*.tmp.<pid>`` files of snapshot writes whose process is gone; returns their paths."""
+    removed: list[str] = []
+    if not os.path.isdir(directory):
+        return removed
+    for name in sorted(os.listdir(directory)):
+        stem, _, pid = name.rpartition(".tmp.")
+        if not stem or not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            os.remove(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
