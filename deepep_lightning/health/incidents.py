@@ -115,7 +115,7 @@ class _IncidentHandling:
 
     # ---------------------------------------------------------------- failed checks
     def _handle_failure(self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: HealthVerdict) -> None:
-        """Roll back and replay until a replay is clean or the policy gives up (see the class docstring)."""
+        """Roll back and replay until a replay is clean or the policy gives up (see NaNRollbackCallback)."""
         assert self._health is not None
         assert verdict.bad_step is not None  # every unhealthy verdict names its step
         end = trainer.global_step
