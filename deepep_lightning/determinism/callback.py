@@ -21,7 +21,8 @@ What it does, in hook order:
 * ``state_dict``: every RNG state (torch CPU, each CUDA device, numpy, python) as
   ``weights_only``-loadable values, plus the stack fingerprint.
 * ``on_after_backward`` / ``on_before_optimizer_step``: track whether an accumulation window is
-  open (``accumulate_grad_batches > 1``, a backward since the last optimizer step).
+  open (a backward since the last optimizer step: ``accumulate_grad_batches > 1``, or a manually
+  optimised module that steps every few batches).
 * ``on_save_checkpoint``: moves the positions of the loaders it built out of Lightning's
   ``combined_loader`` list into its own state, so that plain Lightning (no DeterminismCallback)
   resumes the checkpoint without "CombinedLoader has 0 stateful loaders" and
@@ -328,9 +329,8 @@ class DeterminismCallback(Callback):
             elif reason is not None:
                 message = (
                     f"DeterminismCallback: the train loader cannot be made seekable because {reason};"
-                    " a mid-epoch resume will not be exact. HINT: use a plain DataLoader (or torchdata"
-                    " StatefulDataLoader) over a map-style dataset, or a `SeekableSampler`, or pass"
-                    " seekable_data=False to silence this."
+                    " a mid-epoch resume will not be exact. HINT: use a plain DataLoader over a map-style"
+                    " dataset, or a `SeekableSampler`, or pass seekable_data=False to silence this."
                 )
                 if self.strict:
                     raise MisconfigurationException(message)
@@ -464,7 +464,7 @@ class DeterminismCallback(Callback):
                 taken = take_loader_states(checkpoint, flattened, lambda loader: loader in self._own_loaders)
                 if taken is not None:
                     state["train_loaders"] = taken
-            if self._window_open and trainer.accumulate_grad_batches > 1:
+            if self._window_open:
                 self._save_window_gradients(trainer, pl_module, state)
             state["digest"] = {
                 "state": digest({k: v for k, v in state.items() if k != "digest"}),

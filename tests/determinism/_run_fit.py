@@ -2,16 +2,27 @@
 
 Usage (from the tests)::
 
-    python _run_fit.py --module plain --out DIR --tb DIR [--kill-at STEP] [--resume CKPT [--strip-resume-state W]]
+    python _run_fit.py --module plain --out DIR --tb DIR [--kill-at N] [--resume CKPT [--strip-resume-state W]]
 
 Writes ``DIR/final.pt`` (model and optimizer state) when ``fit`` returns. Checkpoints go to
 ``DIR/last.ckpt`` every ``--ckpt-every`` steps (atomically: written to a temp name, then renamed).
-With ``--kill-at S`` the process SIGKILLs itself at the start of the batch after global step ``S``
-(loggers flushed first, so the logged scalars up to step ``S`` are on disk), i.e. mid-epoch and
-``S - last checkpoint`` steps after the last checkpoint: the resumed run replays those steps.
-``--strip-resume-state`` (negative controls) resumes from a copy of the checkpoint without the
-state an exact resume needs: ``all`` drops the loader position and the DeterminismCallback's RNG and
-logging state, ``rng`` only its RNG state.
+With ``--kill-at N`` the process SIGKILLs itself at the start of the batch after global step ``N``
+(loggers flushed first, so the logged scalars up to step ``N`` are on disk), i.e. mid-epoch and
+``N - last checkpoint`` steps after the last checkpoint: the resumed run replays those steps.
+``--unit batch`` makes both count batches instead of optimizer steps (with ``--accumulate``, a
+checkpoint or a kill inside an accumulation window). ``--model-checkpoint`` adds Lightning's
+``ModelCheckpoint(save_last=True)``, which writes ``DIR/last.ckpt`` at every validation end.
+
+The plain module's patterns: ``--loader stateful`` (torchdata's ``StatefulDataLoader``),
+``--datamodule`` (the loaders come from a ``LightningDataModule``), ``--accumulate N``,
+``--val-check-interval`` (an int or a float), ``--scheduler`` (``onecycle``, ``warmup_cosine`` as one
+``LambdaLR``, ``warmup_cosine_sequential`` as ``SequentialLR``; all ``interval="step"`` and sized by
+``trainer.estimated_stepping_batches``).
+
+Negative controls: ``--strip-resume-state`` resumes from a copy of the checkpoint without part of
+the state an exact resume needs (see :func:`_stripped_copy`); ``--skip-pending-loader-states``
+leaves the loader states Lightning drops when the loader is built before the restore;
+``--no-seekable-data`` leaves the train loader as it is (a ``StatefulDataLoader`` keeps its own state).
 """
 
 from __future__ import annotations
