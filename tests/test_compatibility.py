@@ -37,6 +37,12 @@ def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+@pytest.fixture(autouse=True)
+def _run_in_tmp_path(tmp_path, monkeypatch):
+    """Trainers without a logger write their health event logs into the working directory: make it the test's."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _fit(quiet_trainer, model: pl.LightningModule, callbacks: list, **trainer_kwargs) -> pl.Trainer:
     trainer = quiet_trainer(callbacks=callbacks, **{"max_steps": 8, **trainer_kwargs})
     with warnings.catch_warnings():
@@ -188,7 +194,12 @@ def test_sixteen_mixed_with_a_grad_scaler_runs_bitwise_and_rolls_back_on_gpu(tmp
     script.write_text(_SIXTEEN_MIXED_GPU)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     result = subprocess.run(
-        [sys.executable, str(script), str(REPO / "tests")], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(script), str(REPO / "tests")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "RUN_TO_RUN True" in result.stdout and "ROLLBACK True" in result.stdout
