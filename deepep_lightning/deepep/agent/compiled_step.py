@@ -14,7 +14,9 @@ What stays outside the compiled region, and why:
 - random numbers: the action's uniform and the env's noise (:meth:`BatchedEnv.draw_step_noise`) are drawn
   from the rollout's generator before the call and passed in, in the order :func:`eager_timestep` draws them,
   so both paths see the same numbers and the compiled code holds no RNG;
-- an env without :meth:`BatchedEnv.step_with_noise` steps eagerly after the compiled agent step.
+- an env without :meth:`BatchedEnv.step_with_noise` steps eagerly after the compiled agent step;
+- under a ``TorchDispatchMode`` (which dynamo does not trace) the whole timestep runs eagerly, so the mode
+  sees every op.
 
 Determinism: the compiled code is built with inductor's ``deterministic`` option, which keeps inductor from
 choosing kernel configurations by timing them where the choice changes the numerics (a reduction's block
@@ -146,7 +148,9 @@ class CompiledTimestep:
         self, obs: torch.Tensor, hidden: torch.Tensor, generator: torch.Generator
     ) -> tuple[AgentStep, StepResult, torch.Tensor]:
         """``(obs [B, obs_dim], hidden [B, H], generator)`` to the agent's step, the env's step and ``h_{t+1}``."""
-        if not self.compiled:
+        # Dynamo does not trace under a TorchDispatchMode (NaNRollbackCallback's non-finite locator is one):
+        # there the eager ops, which the mode is there to see, are the timestep.
+        if not self.compiled or torch._C._len_torch_dispatch_stack() > 0:
             return eager_timestep(self.agent, self.env, obs, hidden, generator)
         uniform = torch.rand(self.env.num_envs, device=obs.device, generator=generator)  # [B]
         if torch.is_grad_enabled() and not hidden.requires_grad:

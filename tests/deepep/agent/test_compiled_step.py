@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch._inductor import config as inductor_config
 from torch._inductor import utils as inductor_utils
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent import DeepEPAgent, compiled_step
@@ -28,6 +29,8 @@ from deepep_lightning.deepep.envs import BatchedCartPole, BatchedEnv, CueRecall
 REPO = Path(__file__).resolve().parents[3]
 B, H = 4, 8  # tiny: compile time, not arithmetic, is the cost here
 MODULE_SIZES = dict(num_envs=B, rollout_length=3, hidden_size=H, seed=3, fused_value_head=False)
+# inductor compiles (so its code is captured) in a fresh cache; torch < 2.8 calls it fresh_inductor_cache
+fresh_cache = getattr(inductor_utils, "fresh_cache", None) or inductor_utils.fresh_inductor_cache
 RTOL, ATOL = 1e-5, 1e-6  # fp32 rounding of a few chained ops; a planted 1e-3 change is far outside
 
 
@@ -70,7 +73,7 @@ def compiled():
     agent, env = _agent(), _env()
     timestep = CompiledTimestep(agent, env)
     assert timestep.compiled and timestep.includes_env
-    with inductor_utils.fresh_cache():  # code is captured only when inductor really compiles
+    with fresh_cache():
         result, code = inductor_utils.run_and_get_code(_one_timestep, timestep, agent, env)
     return agent, result, code
 
@@ -141,7 +144,7 @@ def test_the_atomics_scan_sees_an_atomic_kernel():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # one thread needs no atomics; two, without the aten fallback, do
     try:
-        with inductor_utils.fresh_cache(), inductor_config.patch({"cpp.fallback_scatter_reduce_sum": False}):
+        with fresh_cache(), inductor_config.patch({"cpp.fallback_scatter_reduce_sum": False}):
             compiled_fn = torch.compile(index_add, fullgraph=True)
             result, code = inductor_utils.run_and_get_code(compiled_fn, x, index, source)
     finally:
@@ -204,6 +207,22 @@ def test_an_env_without_a_split_step_steps_eagerly_after_the_compiled_agent(comp
     assert timestep.compiled and not timestep.includes_env
     # env.step (eager) with the same numbers in the same order: the same timestep
     _assert_outputs_close(_one_timestep(timestep, agent, env), result)
+
+
+def test_under_a_dispatch_mode_the_timestep_runs_eagerly_and_the_mode_sees_its_ops(compiled):
+    agent, result, _ = compiled
+    seen = []
+
+    class RecordOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    env = _env()
+    with RecordOps():
+        recorded = _one_timestep(CompiledTimestep(agent, env), agent, env)
+    assert any(name.startswith("addmm") for name in seen) and any(name.startswith("tanh") for name in seen)
+    _assert_outputs_close(recorded, result)
 
 
 def test_unavailable_compile_falls_back_to_eager_with_one_warning(monkeypatch):
