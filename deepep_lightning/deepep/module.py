@@ -87,6 +87,10 @@ class DeepEPModule(pl.LightningModule):
         policy_learning_rate: the policy network's learning rate (None: ``learning_rate``). A
             slower actor than critic (two time-scale actor-critic) keeps the all-action gradient from
             chasing the critic's errors on actions it has stopped taking.
+        recurrent_learning_rate: the recurrent cell's learning rate (None: ``learning_rate``). The policy
+            reads the recurrent state as a feature, and the critic trains the cell: at the critic's rate a
+            change of the value level (the first failures after a long run of full-length episodes) moves
+            the policy's inputs, and so its actions, within a few steps however slow its own rate is.
         optimizer: ``"adam"`` (default) or ``"sgd"`` (plain SGD; with a large learning rate it really
             diverges to Inf/NaN, which ``configs/nan_demo.yaml`` uses to show detection and recovery).
         gamma: discount.
@@ -176,6 +180,7 @@ class DeepEPModule(pl.LightningModule):
         seed: int = 0,
         learning_rate: float = 3e-3,
         policy_learning_rate: float | None = 1e-4,
+        recurrent_learning_rate: float | None = None,
         optimizer: str = "adam",
         gamma: float = 0.99,
         reward_scale: float = 0.05,
@@ -225,6 +230,10 @@ class DeepEPModule(pl.LightningModule):
             raise MisconfigurationException(
                 f"`DeepEPModule(policy_learning_rate=...)` must be > 0 or None, got {policy_learning_rate!r}"
             )
+        _checks.number(
+            "DeepEPModule", "recurrent_learning_rate", recurrent_learning_rate, minimum=0, exclusive_minimum=True,
+            finite=True, allow_none=True,
+        )  # fmt: skip
         if optimizer not in ("adam", "sgd"):
             raise MisconfigurationException(f"`DeepEPModule(optimizer=...)` must be 'adam' or 'sgd', got {optimizer!r}")
         if optimizer == "sgd" and cuda_graph:
@@ -417,11 +426,16 @@ class DeepEPModule(pl.LightningModule):
         hp = self.hparams
         policy_params = list(self.agent.policy_net.parameters())
         policy_ids = {id(p) for p in policy_params}
-        other_params = [p for p in self.parameters() if id(p) not in policy_ids and p.requires_grad]
+        # the recurrent cell is a group of its own (the third) only with its own rate, so the default groups stay
+        recurrent_params = list(self.agent.rnn_cell.parameters()) if hp.recurrent_learning_rate is not None else []
+        own_ids = policy_ids | {id(p) for p in recurrent_params}
+        other_params = [p for p in self.parameters() if id(p) not in own_ids and p.requires_grad]
         groups = [
             {"params": other_params, "lr": hp.learning_rate},
             {"params": policy_params, "lr": hp.policy_learning_rate or hp.learning_rate},
         ]
+        if recurrent_params:
+            groups.append({"params": recurrent_params, "lr": hp.recurrent_learning_rate})
         if hp.policy_adam_eps is not None:
             groups[1]["eps"] = hp.policy_adam_eps
         if hp.optimizer == "sgd":

@@ -313,9 +313,36 @@ def test_policy_adam_eps_bounds_the_policy_step_under_a_tiny_biased_gradient():
     assert strong.min().item() > 0.95 * lr * steps
 
 
+def test_recurrent_learning_rate_moves_the_recurrent_cell_at_its_own_rate():
+    def first_step_sizes(**kwargs):
+        model = DeepEPModule(**{**TINY, **kwargs})
+        optimizer = model.configure_optimizers()
+        modules = {"cell": model.agent.rnn_cell, "head": model.agent.value_head, "policy": model.agent.policy_net}
+        start = {name: [p.detach().clone() for p in module.parameters()] for name, module in modules.items()}
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()  # Adam's first step moves every element by its group's lr
+        sizes = {}
+        for name, module in modules.items():
+            change = torch.cat([(p.detach() - s).abs().flatten() for p, s in zip(module.parameters(), start[name])])
+            sizes[name] = change.max().item()
+        grouped = sorted(id(p) for group in optimizer.param_groups for p in group["params"])
+        assert grouped == sorted(id(p) for p in model.parameters() if p.requires_grad)  # each parameter once
+        return sizes, optimizer
+
+    default, optimizer = first_step_sizes(learning_rate=3e-3, policy_learning_rate=1e-4)
+    assert len(optimizer.param_groups) == 2  # negative control: the cell trains at the critic's rate
+    assert default["cell"] == pytest.approx(3e-3, rel=1e-3)
+    slow, optimizer = first_step_sizes(learning_rate=3e-3, policy_learning_rate=1e-4, recurrent_learning_rate=3e-4)
+    assert [group["lr"] for group in optimizer.param_groups] == [3e-3, 1e-4, 3e-4]
+    assert slow["cell"] == pytest.approx(3e-4, rel=1e-3)
+    assert slow["head"] == pytest.approx(3e-3, rel=1e-3) and slow["policy"] == pytest.approx(1e-4, rel=1e-3)
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
+        ({"recurrent_learning_rate": 0}, r"recurrent_learning_rate=.*must be a finite number > 0 or None, got 0"),
         ({"policy_adam_eps": 0.0}, r"policy_adam_eps=.*must be a finite number > 0 or None, got 0.0"),
         ({"policy_adam_eps": float("inf")}, r"policy_adam_eps=.*got inf"),
         ({"policy_adam_eps": 1e-3, "optimizer": "sgd"}, r"policy_adam_eps=.*None with optimizer='sgd', got 0.001"),
@@ -329,7 +356,7 @@ def test_bad_policy_step_arguments_fail_before_training(kwargs, message):
 
 
 def test_policy_step_options_train_bitwise_repeatably_and_change_the_run():
-    options = dict(policy_adam_eps=1e-5, logit_bound=3.0)
+    options = dict(policy_adam_eps=1e-5, logit_bound=3.0, recurrent_learning_rate=3e-4)
     a, _ = _fit(4, seed=2, **options)
     b, _ = _fit(4, seed=2, **options)
     plain, _ = _fit(4, seed=2)
