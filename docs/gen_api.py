@@ -134,16 +134,18 @@ def render_type(hint: Any) -> str:
     if hint is typing.Any:
         return "Any"
     if isinstance(hint, type):
+        name = hint.__name__
         if hint.__module__.split(".")[0] == "torch":  # the public path: torch.nn.Module, not torch.nn.modules...
             for public in ("torch", "torch.nn", "torch.utils.data", "torch.optim"):
-                if getattr(importlib.import_module(public), hint.__name__, None) is hint:
-                    return f"{public}.{hint.__name__}"
-        return hint.__name__
+                if getattr(importlib.import_module(public), name, None) is hint:
+                    return f"{public}.{name}"
+        return name
     return str(hint).replace("typing.", "")
 
 
 def _hints(obj: Any) -> dict[str, Any]:
-    target = obj.__init__ if isinstance(obj, type) and not dataclasses.is_dataclass(obj) else obj
+    # a class's hints are its __init__'s; a dataclass's are its fields'
+    target = obj.__init__ if isinstance(obj, type) and not dataclasses.is_dataclass(obj) else obj  # type: ignore[misc]
     try:
         return typing.get_type_hints(target)
     except Exception:  # an annotation that names a TYPE_CHECKING-only import: keep the strings
@@ -156,7 +158,7 @@ def render_default(parameter: inspect.Parameter, obj: Any) -> str:
     fields = {f.name: f for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else {}
     field = fields.get(parameter.name)
     if field is not None and field.default_factory is not dataclasses.MISSING:
-        return f"`{field.default_factory.__name__}()`"  # type: ignore[union-attr]
+        return f"`{getattr(field.default_factory, '__name__', 'factory')}()`"
     if parameter.default is inspect.Parameter.empty:
         return "required"
     default = parameter.default
