@@ -17,6 +17,7 @@ fp32 peak, from FLOPs counted analytically from the shapes (:func:`flops_per_ste
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
 
@@ -87,8 +88,8 @@ class _Variant:
         return timestep.unavailable_reason if timestep is not None else None
 
 
-def _kernels_of(fn) -> int:
-    """CUDA kernels (not memcpy/memset) that one call of ``fn`` runs, from torch.profiler."""
+def _kernels_of(fn) -> collections.Counter:
+    """The CUDA kernels (not memcpy/memset) that one call of ``fn`` runs, by name, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -96,7 +97,7 @@ def _kernels_of(fn) -> int:
         fn()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(1 for n in names if not n.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")))
+    return collections.Counter(n for n in names if not n.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")))
 
 
 def _sync(device: str) -> None:
@@ -121,11 +122,15 @@ def bench_shape(args: argparse.Namespace, horizon: int) -> dict:
         repeats = args.repeats * (3 if variant.graphed is not None else 1)
         medians[name], samples[name] = median_ms(variant.step, repeats, warmup=1, device=args.device)
         if args.device == "cuda" and not args.no_census:
+            replay, uncaptured = _kernels_of(variant.step), _kernels_of(variant.uncaptured_step)
             census[name] = {
-                "per_step": _kernels_of(variant.step),
-                "per_step_uncaptured": _kernels_of(variant.uncaptured_step),
+                "per_step": replay.total(),
+                "per_timestep": replay.total() / horizon,
+                "per_step_uncaptured": uncaptured.total(),
+                "per_timestep_uncaptured": uncaptured.total() / horizon,
+                # what a timestep still launches, most frequent first (kernel name: launches per timestep)
+                "top_uncaptured_per_timestep": {k: n / horizon for k, n in uncaptured.most_common(args.top_kernels)},
             }
-            census[name].update({k.replace("per_step", "per_timestep"): v / horizon for k, v in census[name].items()})
         print(f"T={horizon} {name}: {medians[name]:.2f} ms (set-up {setup_s[name]:.1f} s)", flush=True)
         del variant
     probe = DeepEPModule(num_envs=args.batch, rollout_length=horizon, hidden_size=args.hidden, fused_value_head=False)
@@ -163,6 +168,7 @@ def main() -> None:
     parser.add_argument("--graph-only", action="store_true", help="only the CUDA-graph step (same as --variants graph)")
     parser.add_argument("--reference-head", action="store_true", help="the pure-PyTorch value head, not the fused op")
     parser.add_argument("--no-census", action="store_true", help="skip the torch.profiler kernel census")
+    parser.add_argument("--top-kernels", type=int, default=30, help="kernel names listed per variant in the census")
     parser.add_argument("--fp32-peak-tflops", type=float, default=H200_FP32_PEAK_TFLOPS)
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: B=8, H=16, T=4, 2 repeats")
     parser.add_argument(
