@@ -1,13 +1,13 @@
 """The DeepEP timestep as one ``torch.compile``'d function: agent step, env step and state reset, forward and backward.
 
-Eagerly a timestep is ~130 kernels of a few µs each (forward and backward), and a CUDA graph of the whole
-training step replays them one by one: the step is bound by kernel count, not arithmetic. Inductor fuses
-the timestep's elementwise work (the policy's tanh, the inverse-CDF sample, the one-hot, the value feedback,
-the GRU gates, CartPole's physics and auto-reset) into a few kernels around the GEMMs, and AOTAutograd
-does the same for the backward. The compiled code runs on the current stream without host syncs, so the
-CUDA graph of :class:`~deepep_lightning.deepep.agent.graphed_step.GraphedTrainStep` captures the generated
-kernels: its warm-up calls compile (forward at the first timestep, backward at the first ``backward()``)
-before the capture.
+Eagerly every op of a timestep, forward and backward, is a kernel of its own on tensors of B x H, and a CUDA
+graph of the whole training step replays them one by one: the step is bound by kernel count, not arithmetic
+(``benchmarks/bench_train_step.py`` counts them). Inductor fuses the timestep's elementwise work (the
+policy's tanh, the inverse-CDF sample, the one-hot, the value feedback, the GRU gates, CartPole's physics
+and auto-reset) into a few kernels around the GEMMs, and AOTAutograd does the same for the backward. The
+compiled code runs on the current stream without host syncs, so the CUDA graph of
+:class:`~deepep_lightning.deepep.agent.graphed_step.GraphedTrainStep` captures the generated kernels: its
+warm-up calls compile (forward at the first timestep, backward at the first ``backward()``) before the capture.
 
 What stays outside the compiled region, and why:
 
