@@ -27,7 +27,8 @@ What it does, in hook order:
   ``combined_loader`` list into its own state, so that plain Lightning (no DeterminismCallback)
   resumes the checkpoint without "CombinedLoader has 0 stateful loaders" and
   ``load_from_checkpoint`` needs nothing from the plugin; stores the gradients of an open
-  accumulation window (:mod:`~deepep_lightning.determinism.accumulation`; single process only);
+  accumulation window (:mod:`~deepep_lightning.determinism.accumulation`; one process, or a
+  strategy that keeps every rank's callback state);
   then SHA-256 digests of its own state and of the model's ``state_dict``.
 * ``on_load_checkpoint``: verifies those digests (a mismatch raises
   :class:`~deepep_lightning.determinism.checkpoint_integrity.CheckpointIntegrityError` naming the file)
@@ -208,6 +209,7 @@ class DeterminismCallback(Callback):
         self._wrapped_loader_of: Any = None
         self._rank = 0
         self._world_size = 1
+        self._num_nodes = 1
 
     def _resolve_seed(self) -> tuple[int, str]:
         """The seed to use and where it comes from (the ``seed`` argument, Lightning, ``configure``, default)."""
@@ -262,6 +264,7 @@ class DeterminismCallback(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        self._num_nodes = trainer.num_nodes
         self._settle_seed()
         self._check_seeded_before_model()
         flags = _deterministic_flags()
@@ -356,7 +359,7 @@ class DeterminismCallback(Callback):
             prime_cublas_and_release_env(pl_module.device)
         if not (self.log_fingerprint and trainer.is_global_zero):
             return
-        text = format_fingerprint(collect_fingerprint(trainer.world_size))
+        text = format_fingerprint(collect_fingerprint(trainer.world_size, trainer.num_nodes))
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("determinism/fingerprint", text, global_step=trainer.global_step)
@@ -445,7 +448,7 @@ class DeterminismCallback(Callback):
             "version": _STATE_VERSION,
             "seed": self.seed,
             "rng": capture_rng_state(),
-            "fingerprint": collect_fingerprint(self._world_size),
+            "fingerprint": collect_fingerprint(self._world_size, self._num_nodes),
             "reseed_every_step": self.reseed_every_step,
             "logged": {},  # filled by on_save_checkpoint, which sees the trainer
         }
@@ -538,7 +541,7 @@ class DeterminismCallback(Callback):
             rank_zero_warn(message)
         saved_fingerprint = state_dict.get("fingerprint")
         if saved_fingerprint:
-            differences = diff_fingerprints(saved_fingerprint, collect_fingerprint(self._world_size))
+            differences = diff_fingerprints(saved_fingerprint, collect_fingerprint(self._world_size, self._num_nodes))
             if differences:
                 detail = "; ".join(f"{key}: {old!r} -> {new!r}" for key, old, new in _rows(differences))
                 message = (
