@@ -3,6 +3,11 @@
 Bitwise equality is promised only on the same stack (another PyTorch, CUDA, cuDNN, driver or GPU
 may pick other kernels or reduction orders): the fingerprint records that stack in every checkpoint
 and in TensorBoard, and a resume compares it field by field.
+
+The node layout (``num_nodes``, ``node_layout``, and ``gpu_count``, the GPUs one machine shows) is
+recorded but not compared: the world size is, and a resume on another layout of the same world
+size is the strategy's to judge (``DeterministicDDPStrategy.check_resume``), since seeds, shards and
+per-rank state follow the global rank and its ordered gradient sum does not depend on the layout.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["DETERMINISM_ENV_VARS", "collect_fingerprint", "diff_fingerprints", "format_fingerprint"]
+__all__ = ["DETERMINISM_ENV_VARS", "collect_fingerprint", "describe_layout", "diff_fingerprints", "format_fingerprint"]
 
 #: Environment variables that change numerics or kernel choice; all recorded in the fingerprint.
 DETERMINISM_ENV_VARS = (
@@ -32,8 +37,15 @@ DETERMINISM_ENV_VARS = (
     "NVIDIA_TF32_OVERRIDE",
 )
 
-#: Fields that may differ between two runs on the same stack (compared only for information).
-_VOLATILE_FIELDS = frozenset({"hostname"})
+#: Fields that may differ between two runs on the same stack, or between node layouts of one world size.
+_VOLATILE_FIELDS = frozenset({"hostname", "gpu_count", "num_nodes", "node_layout"})
+
+
+def describe_layout(num_nodes: int, processes_per_node: int) -> str:
+    """``"2 nodes x 2 processes"``: a world size as laid out over machines."""
+    nodes = f"{num_nodes} node" + ("s" if num_nodes != 1 else "")
+    processes = f"{processes_per_node} process" + ("es" if processes_per_node != 1 else "")
+    return f"{nodes} x {processes}"
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,15 +64,34 @@ def _driver_version() -> str:
     return lines[0].strip() if out.returncode == 0 and lines else "none"
 
 
-def collect_fingerprint(world_size: int = 1) -> dict[str, str]:
-    """Describe the stack: versions, GPUs, driver, determinism flags and env vars, world size.
+def collect_fingerprint(world_size: int = 1, num_nodes: int = 1) -> dict[str, str]:
+    """Describe the stack: versions, GPUs, driver, determinism flags and env vars, world size, node layout.
 
     Values are strings so the record is plain, stable and ``weights_only``-loadable. Reading the
     GPU name initialises CUDA when a GPU is present: call it after :func:`configure`.
 
     Args:
         world_size: number of processes of the run (``trainer.world_size``).
+        num_nodes: number of machines they run on (``trainer.num_nodes``); ``node_layout`` reads
+            ``"2 nodes x 2 processes"``.
+
+    Raises:
+        ValueError: ``world_size`` or ``num_nodes`` is not a positive integer, or ``num_nodes``
+            does not divide ``world_size``.
+
+    Example::
+
+        collect_fingerprint(trainer.world_size, trainer.num_nodes)["node_layout"]
     """
+    for name, value in (("world_size", world_size), ("num_nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+    if world_size % num_nodes:
+        raise ValueError(
+            f"`num_nodes` must divide `world_size` (every node runs as many processes), got num_nodes={num_nodes!r}"
+            f" and world_size={world_size!r}"
+        )
+
     from deepep_lightning._version import __version__
 
     try:
@@ -89,6 +120,8 @@ def collect_fingerprint(world_size: int = 1) -> dict[str, str]:
         "gpu_count": str(gpu_count),
         "driver": _driver_version() if cuda else "none",
         "world_size": str(int(world_size)),
+        "num_nodes": str(int(num_nodes)),
+        "node_layout": describe_layout(num_nodes, world_size // num_nodes),
         "deterministic_algorithms": str(torch.are_deterministic_algorithms_enabled()),
         "deterministic_warn_only": str(torch.is_deterministic_algorithms_warn_only_enabled()),
         "fill_uninitialized_memory": str(bool(torch.utils.deterministic.fill_uninitialized_memory)),  # type: ignore[attr-defined]

@@ -17,6 +17,16 @@ What it adds to Lightning's ``DDPStrategy``:
   step's randomness is then a pure function of its position, in rollback replays and resumes too.
   A module may also draw from its own streams (DeepEP's rollouts use
   ``derive_seed(seed, "rollout", rank, step)``).
+* **Gradient sums in a fixed order** (``gradient_reduction="ordered"``, the default from three
+  ranks on): DDP's all-reduce is replaced by :func:`~deepep_lightning.strategies.ordered_reduction.ordered_mean_hook`,
+  which adds the ranks' gradients in rank order. A ring all-reduce of three or more ranks sums an
+  element in an order set by its offset in DDP's bucket, and DDP reduces the first step after it
+  wraps the model (after every start and resume) with another bucket layout than later steps, so
+  without it a resumed run of 3+ ranks differs from the uninterrupted one from its first step. With
+  it the bits depend on neither the bucket layout nor the ring, hence not on the node layout either.
+* **Multi-node**: seeds, shards, virtual ranks and the per-rank checkpoint entries are keyed by
+  the *global* rank, so 2 nodes x 2 processes and 1 node x 4 processes are the same run; the
+  fingerprint and the checkpoint record the node layout (``ddp.num_nodes``, ``ddp.node_layout``).
 * **World-size invariance** (``virtual_world_size=2``): a fixed micro-batch partition over virtual
   ranks; 1 process accumulating 2 micro-batches and 2 processes give bitwise-equal weights
   (:mod:`~deepep_lightning.strategies.virtual_shards`). On 2 processes it is the default layout, so
@@ -26,10 +36,12 @@ What it adds to Lightning's ``DDPStrategy``:
   (``per_rank_checkpoint_keys``: callback states and the module's rollout state under
   :data:`~deepep_lightning.protocols.ROLLOUT_STATE_KEY`), which Lightning would
   otherwise take from rank 0 alone (:mod:`~deepep_lightning.strategies.rank_state`). A resume with
-  a different world size is refused.
+  a different world size is refused with a message naming both node layouts; a resume on another
+  layout of the same world size (2 nodes x 2 -> 1 node x 4) continues the same run.
 
 Scope of the promise: same stack, same hardware, same world size (or 1 vs 2 processes with
-``virtual_world_size=2``); never across GPU models, NCCL/PyTorch versions or topologies.
+``virtual_world_size=2``); across node layouts of one world size with ``gradient_reduction="ordered"``
+(or with two ranks); never across GPU models or NCCL/PyTorch versions.
 
 Health and rollback decisions are agreed across ranks by the health callbacks through
 :meth:`reduce_boolean_decision` and an all-reduce of the earliest bad step, so a NaN on one rank
@@ -41,16 +53,18 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from deepep_lightning import _checks, _lightning_compat
+from deepep_lightning.determinism.fingerprint import describe_layout
 from deepep_lightning.determinism.nccl_profile import (
     ALLOWED_ALGORITHMS,
     ALLOWED_PROTOCOLS,
@@ -61,6 +75,7 @@ from deepep_lightning.determinism.nccl_profile import (
 from deepep_lightning.determinism.rng import seed_everything_from
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY
+from deepep_lightning.strategies.ordered_reduction import ordered_mean_hook
 from deepep_lightning.strategies.rank_state import (
     CHECKPOINT_KEY,
     apply_rank_state,
@@ -70,13 +85,17 @@ from deepep_lightning.strategies.rank_state import (
 )
 from deepep_lightning.strategies.virtual_shards import VirtualShardSampler, sampler_seed
 
-__all__ = ["DESCRIPTION", "STRATEGY_NAME", "DeterministicDDPStrategy"]
+__all__ = ["DESCRIPTION", "GRADIENT_REDUCTIONS", "STRATEGY_NAME", "DeterministicDDPStrategy"]
 
 #: Name and description of the registry entry.
 STRATEGY_NAME = "ddp_deterministic"
 DESCRIPTION = "DDP with pinned NCCL profile, seeded shards and per-rank seeds (deepep_lightning)"
 
 log = logging.getLogger(__name__)
+
+GradientReduction = Literal["auto", "ordered", "allreduce"]
+#: Values of ``gradient_reduction``.
+GRADIENT_REDUCTIONS: tuple[str, ...] = ("auto", "ordered", "allreduce")
 
 
 class DeterministicDDPStrategy(DDPStrategy):
@@ -99,6 +118,12 @@ class DeterministicDDPStrategy(DDPStrategy):
         reseed_every_step: before every training step (micro-batch), reseed torch/numpy/random from
             ``derive_seed(seed, "micro", virtual_rank, global_step)``: the step's randomness is a
             pure function of its position, also in rollback replays and after a resume.
+        gradient_reduction: how DDP averages the gradients. ``"ordered"``: gather every rank's
+            bucket and add them in rank order (bits independent of the bucket layout, restarts and
+            the node layout; ``world_size / 2`` times the all-reduce traffic). ``"allreduce"``:
+            DDP's own all-reduce (exact across restarts only up to two ranks). ``"auto"``:
+            ``"ordered"`` from three ranks on, ``"allreduce"`` below (where both are exact), or
+            the ``ddp_comm_hook`` you pass.
         virtual_world_size: world-size-invariant mode (``None``: off). The data is split over this
             many virtual ranks whatever the number of processes ``W``; each process accumulates
             ``virtual_world_size / W`` micro-batches (set ``accumulate_grad_batches`` to that). With
@@ -131,6 +156,7 @@ class DeterministicDDPStrategy(DDPStrategy):
         allow_world_size_change: bool = False,
         per_rank_checkpoint_keys: Sequence[str] = ("callbacks", ROLLOUT_STATE_KEY),
         reseed_every_step: bool = True,
+        gradient_reduction: GradientReduction = "auto",
         virtual_world_size: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -145,6 +171,13 @@ class DeterministicDDPStrategy(DDPStrategy):
             hint="NVLS and CollNet reduce inside the switch in an unspecified order",
         )
         _checks.choice(owner, "nccl_protocol", nccl_protocol, ALLOWED_PROTOCOLS)
+        _checks.choice(owner, "gradient_reduction", gradient_reduction, GRADIENT_REDUCTIONS)
+        if gradient_reduction == "ordered" and kwargs.get("ddp_comm_hook") is not None:
+            raise MisconfigurationException(
+                f"`DeterministicDDPStrategy(gradient_reduction='ordered')` registers its own DDP communication hook,"
+                f" so it cannot take `ddp_comm_hook={kwargs['ddp_comm_hook']!r}` too. HINT: pass"
+                " gradient_reduction='auto' to use your hook."
+            )
         keys = _checks.str_sequence(owner, "per_rank_checkpoint_keys", per_rank_checkpoint_keys)
         _checks.positive_int(owner, "virtual_world_size", virtual_world_size, allow_none=True)
         for name, flag in (
@@ -169,6 +202,7 @@ class DeterministicDDPStrategy(DDPStrategy):
         self.per_rank_checkpoint_keys = keys
         self.reseed_every_step = reseed_every_step
         self.virtual_world_size = virtual_world_size
+        self.gradient_reduction: GradientReduction = gradient_reduction
         self.seed: int | None = seed
         self.rank_seed: int | None = None
         self.nccl_env: dict[str, str] = {}
@@ -199,6 +233,26 @@ class DeterministicDDPStrategy(DDPStrategy):
         """The seed of every rank (a pure function of the run seed and the rank)."""
         seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
         return [derive_seed(seed, "rank", rank) for rank in range(self.world_size)]
+
+    @property
+    def node_layout(self) -> str:
+        """``"<nodes> node(s) x <processes> process(es)"``: how the world size is laid out over machines."""
+        return describe_layout(self.num_nodes, self.num_processes)
+
+    @property
+    def resolved_gradient_reduction(self) -> str:
+        """``gradient_reduction`` with ``"auto"`` decided: ``"ordered"``, ``"allreduce"`` or ``"ddp_comm_hook"``."""
+        if self.gradient_reduction != "auto":
+            return self.gradient_reduction
+        if _lightning_compat.ddp_comm_hook(self) is not None:
+            return "ddp_comm_hook"
+        return "ordered" if self.world_size > 2 else "allreduce"
+
+    @override
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # Lightning registers a ddp_comm_hook on CUDA only
+        if self.resolved_gradient_reduction == "ordered" and isinstance(self.model, DistributedDataParallel):
+            self.model.register_comm_hook(None, ordered_mean_hook)
 
     @property
     def sampler_seed(self) -> int:
@@ -338,6 +392,10 @@ class DeterministicDDPStrategy(DDPStrategy):
             "ddp.strategy": type(self).__name__,
             "ddp.backend": str(_lightning_compat.process_group_backend(self) or "<not started>"),
             "ddp.world_size": str(self.world_size),
+            "ddp.num_nodes": str(self.num_nodes),
+            "ddp.node_layout": self.node_layout,
+            "ddp.cluster_environment": type(self.cluster_environment).__name__,
+            "ddp.gradient_reduction": self.resolved_gradient_reduction,
             "ddp.bucket_cap_mb": str(kwargs.get("bucket_cap_mb")),
             "ddp.gradient_as_bucket_view": str(kwargs.get("gradient_as_bucket_view")),
             "ddp.static_graph": str(kwargs.get("static_graph")),
@@ -380,6 +438,9 @@ class DeterministicDDPStrategy(DDPStrategy):
             checkpoint,
             self.per_rank_checkpoint_keys,
             self.world_size,
+            num_nodes=self.num_nodes,
+            processes_per_node=self.num_processes,
+            gradient_reduction=self.resolved_gradient_reduction,
             seed=self.seed,
             sampler_seed=self.sampler_seed,
             rank_seeds=self.rank_seeds,
@@ -390,10 +451,28 @@ class DeterministicDDPStrategy(DDPStrategy):
     def check_resume(self, state: dict[str, Any]) -> None:
         """Refuse (or, with ``allow_world_size_change``, warn about) a checkpoint of another world size.
 
+        Another node layout of the same world size resumes the same run (seeds, shards and per-rank
+        state are keyed by the global rank); only NCCL's own all-reduce (``gradient_reduction=
+        "allreduce"`` from three ranks on) may then sum in another ring order, which is said in a warning.
+
         Raises:
             WorldSizeMismatchError: the saved world size differs from this run's.
         """
-        check_world_size(state, self.world_size, self.allow_world_size_change)
+        check_world_size(state, self.world_size, self.allow_world_size_change, num_nodes=self.num_nodes)
+        saved_nodes = state.get("num_nodes")
+        same_size = int(state.get("world_size", 0)) == self.world_size
+        if saved_nodes is None or int(saved_nodes) == self.num_nodes or not same_size:
+            return
+        saved_layout = describe_layout(int(saved_nodes), self.world_size // int(saved_nodes))
+        message = f"DeterministicDDPStrategy: resuming a run of {saved_layout} on {self.node_layout}"
+        ring_dependent = self.resolved_gradient_reduction != "ordered" and self.world_size > 2
+        if ring_dependent and "nccl" in str(_lightning_compat.process_group_backend(self)):
+            rank_zero_warn(
+                message + ": NCCL's all-reduce may build another ring on another topology, so the gradients' bits"
+                " may differ from the uninterrupted run. HINT: `gradient_reduction='ordered'` sums in rank order."
+            )
+        else:
+            rank_zero_info(message + " (same world size: the same run continues)")
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

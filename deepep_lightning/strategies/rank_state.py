@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from deepep_lightning.determinism.configuration import last_configure_record
+from deepep_lightning.determinism.fingerprint import describe_layout
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -69,8 +70,13 @@ def build_rank_state(
     return {"version": _STATE_VERSION, "world_size": int(world_size), **record, "per_rank": _gather(local, world_size)}
 
 
-def check_world_size(state: Mapping[str, Any], world_size: int, allow_change: bool = False) -> None:
+def check_world_size(
+    state: Mapping[str, Any], world_size: int, allow_change: bool = False, num_nodes: int | None = None
+) -> None:
     """Refuse a checkpoint written with another world size (warn instead when ``allow_change``).
+
+    The message names both node layouts when the checkpoint records its own (``num_nodes`` and
+    ``processes_per_node``) and ``num_nodes`` (this run's) is given.
 
     Raises:
         WorldSizeMismatchError: the sizes differ and ``allow_change`` is False.
@@ -78,11 +84,16 @@ def check_world_size(state: Mapping[str, Any], world_size: int, allow_change: bo
     saved = int(state.get("world_size", world_size))
     if saved == world_size:
         return
+    saved_layout = current_layout = ""
+    if state.get("num_nodes") and state.get("processes_per_node"):
+        saved_layout = f" ({describe_layout(int(state['num_nodes']), int(state['processes_per_node']))})"
+    if num_nodes:
+        current_layout = f" ({describe_layout(num_nodes, world_size // num_nodes)})"
     message = (
-        f"DeterministicDDPStrategy: the checkpoint was written with world_size={saved}, this run has"
-        f" world_size={world_size}. Data shards, per-rank seeds, rollout streams and the all-reduce"
+        f"DeterministicDDPStrategy: the checkpoint was written with world_size={saved}{saved_layout}, this run has"
+        f" world_size={world_size}{current_layout}. Data shards, per-rank seeds, rollout streams and the all-reduce"
         " order are functions of the world size, so the resumed run would not continue the same run."
-        f" HINT: resume with devices x num_nodes = {saved}, or pass"
+        f" HINT: resume with devices x num_nodes = {saved} (any node layout of that size), or pass"
         " `DeterministicDDPStrategy(allow_world_size_change=True)` to accept a non-reproducible resume."
     )
     if not allow_change:

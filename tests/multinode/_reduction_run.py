@@ -1,0 +1,86 @@
+"""Test helper: DDP gradient averaging on 4 gloo processes, DDP's all-reduce vs the ordered hook.
+
+Usage: ``python _reduction_run.py OUT.json``. Each rank runs the same forward/backward twice on
+the same weights and inputs: the first backward reduces DDP's initial bucket (every parameter, in
+definition order), the second the buckets rebuilt in gradient-ready order, as after any start or
+resume. Rank 0 writes, per mode (``allreduce`` and ``ordered``), whether the two gradients are
+bitwise equal, and whether the ordered hook's result equals the rank-ordered sum of the
+gathered local gradients divided by 4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+WORLD_SIZE = 4
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+
+
+def _inputs(rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    scale = 10.0 ** torch.randint(-3, 4, (16, 1), generator=generator)  # magnitudes that make the order matter
+    return torch.randn(16, 32, generator=generator) * scale
+
+
+def _grads(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1).clone() for p in model.parameters()])
+
+
+def _step(ddp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    ddp.zero_grad(set_to_none=False)
+    ddp(x).pow(2).sum().backward()
+    return _grads(ddp.module)
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    from deepep_lightning.strategies.ordered_reduction import ordered_mean_hook, ordered_sum
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    x = _inputs(rank)
+    local = _model()
+    local(x).pow(2).sum().backward()
+    gathered = [torch.empty_like(_grads(local)) for _ in range(WORLD_SIZE)]
+    dist.all_gather(gathered, _grads(local))
+    expected = ordered_sum(torch.stack(gathered)).div_(WORLD_SIZE)
+    result = {}
+    for mode in ("allreduce", "ordered"):
+        # small buckets: the rebuilt layout (two buckets, reversed order) differs from the initial one
+        ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.004)
+        if mode == "ordered":
+            ddp.register_comm_hook(None, ordered_mean_hook)
+        first, second = _step(ddp, x), _step(ddp, x)
+        result[mode] = {
+            "restart_equal": bool(torch.equal(first, second)),
+            "ordered_sum_equal": bool(torch.equal(first, expected)),
+            "mean_close": bool(torch.allclose(first, expected, rtol=1e-5, atol=1e-6)),
+        }
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(result, handle)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    torch.multiprocessing.spawn(_worker, args=(port, sys.argv[1]), nprocs=WORLD_SIZE)
+
+
+if __name__ == "__main__":
+    main()
