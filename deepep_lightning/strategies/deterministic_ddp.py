@@ -318,6 +318,7 @@ class DeterministicDDPStrategy(DDPStrategy):
         sampler = getattr(dataloader, "sampler", None)
         if self._needs_virtual_shards(dataloader):
             return super().process_dataloader(self._virtual_shard_loader(dataloader))
+        self._check_virtual_sampler(sampler)
         if isinstance(sampler, torch.utils.data.DistributedSampler) and self.world_size > 1:
             if sampler.num_replicas != self.world_size or sampler.rank != self.global_rank:
                 raise MisconfigurationException(
@@ -327,6 +328,25 @@ class DeterministicDDPStrategy(DDPStrategy):
                     " `trainer.strategy.distributed_sampler_kwargs`."
                 )
         return super().process_dataloader(dataloader)
+
+    def _check_virtual_sampler(self, sampler: Any) -> None:
+        """World-size-invariant mode splits only Lightning's own ``DistributedSampler`` over the virtual ranks.
+
+        Another sampler (e.g. the ``SeekableSampler`` of ``DeterminismCallback(seekable_data=True)``)
+        would be split over the processes instead, so the global batch would change with their number.
+        """
+        trainer = _lightning_compat.attached_trainer(self.lightning_module)
+        if self.virtual_world_size is None or trainer is None or not trainer.training or sampler is None:
+            return
+        if isinstance(sampler, VirtualShardSampler) or type(sampler) is torch.utils.data.DistributedSampler:
+            return
+        raise MisconfigurationException(
+            f"`DeterministicDDPStrategy(virtual_world_size={self.virtual_world_size!r})` splits the train data over"
+            f" virtual ranks through Lightning's DistributedSampler, but the train loader's sampler is a"
+            f" {type(sampler).__name__}, whose shards would follow the {self.world_size} process(es) instead."
+            " HINT: return a plain DataLoader (Lightning adds the sampler); with DeterminismCallback, pass"
+            " seekable_data=False."
+        )
 
     def _needs_virtual_shards(self, dataloader: Any) -> bool:
         trainer = _lightning_compat.attached_trainer(self.lightning_module)

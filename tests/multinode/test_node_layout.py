@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, describe_layout, diff_fingerprints
@@ -82,3 +83,21 @@ def test_bad_gradient_reduction_is_refused():
         DeterministicDDPStrategy(gradient_reduction="sum")  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationException, match=r"gradient_reduction='ordered'.*ddp_comm_hook=.*HINT"):
         DeterministicDDPStrategy(gradient_reduction="ordered", ddp_comm_hook=lambda state, bucket: None)
+
+
+def test_world_size_invariant_mode_refuses_a_sampler_it_cannot_split(quiet_trainer, boring_module):
+    from deepep_lightning.determinism.sampler import SeekableSampler
+    from deepep_lightning.strategies.virtual_shards import VirtualShardSampler
+
+    trainer = quiet_trainer(strategy=DeterministicDDPStrategy(virtual_world_size=2), accumulate_grad_batches=2)
+    strategy, module = trainer.strategy, boring_module()
+    strategy.connect(module)
+    module.trainer = trainer
+    trainer.training = True
+    data = range(16)
+    strategy._check_virtual_sampler(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0))  # Lightning's
+    strategy._check_virtual_sampler(
+        VirtualShardSampler(data, virtual_world_size=2, num_replicas=1, rank=0, batch_size=4, seed=0)
+    )
+    with pytest.raises(MisconfigurationException, match=r"virtual_world_size=2.*SeekableSampler.*seekable_data=False"):
+        strategy._check_virtual_sampler(SeekableSampler(data, seed=0))
