@@ -321,19 +321,18 @@ class NaNRollbackCallback(_IncidentHandling, Callback):
     ) -> None:
         if not verdict.healthy and self._rolls_back(verdict):
             self._handle_failure(trainer, pl_module, verdict)
-        elif not verdict.healthy:
+            return
+        if not verdict.healthy:
             assert verdict.bad_step is not None  # every unhealthy verdict names its step
             self._emit(trainer, EventKind.SPIKE_IGNORED, verdict.bad_step, details=verdict.details)
-        else:
-            metric = self._monitored(trainer) if self.regression is not None else None
-            if (
-                metric is not None
-                and self.regression is not None
-                and self.regression.update(metric, trainer.global_step)
-            ):
-                self._handle_regression(trainer, pl_module, metric)
-            elif is_last or trainer.global_step - (self._last_snapshot_step or 0) >= self.snapshot_every_n_steps:
-                self._snapshot(trainer, pl_module, metric)
+        # an ignored loss spike still has a metric to judge: a collapse often moves the loss as well
+        metric = self._monitored(trainer) if self.regression is not None else None
+        if metric is not None and self.regression is not None and self.regression.update(metric, trainer.global_step):
+            self._handle_regression(trainer, pl_module, metric)
+        elif verdict.healthy and (
+            is_last or trainer.global_step - (self._last_snapshot_step or 0) >= self.snapshot_every_n_steps
+        ):
+            self._snapshot(trainer, pl_module, metric)  # never a snapshot of a spiking state
 
     # ---------------------------------------------------------------- state
     @override

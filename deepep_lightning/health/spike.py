@@ -2,8 +2,12 @@
 
 A spike is confirmed when ``persistence`` consecutive losses each lie more than
 ``z_threshold`` standard deviations above the window mean, after ``warmup``
-losses have been seen. Spiking losses never enter the window, so a spike does
-not raise the bar for the next one. All state is plain Python, in ``state_dict``.
+losses have been seen. Spiking losses do not enter the window, so a spike does
+not raise the bar for the next one — until a run of them outlasts the window:
+``window`` spiking losses in a row are a new level of the loss (a policy that
+collapsed, a new phase of training), not a spike, and the window restarts from
+them, so the detector does not flag every later step against a level that is
+gone. All state is plain Python, in ``state_dict``.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class LossSpikeDetector:
         self._history: deque[float] = deque(maxlen=window)
         self._seen = 0
         self._run: list[int] = []  # steps of the current run of spiking losses
+        self._run_losses: list[float] = []  # their losses (the new level, if the run outlasts the window)
         self.last_z: float | None = None
 
     @property
@@ -76,15 +81,26 @@ class LossSpikeDetector:
         self._seen += 1
         if z is not None and z > self.z_threshold:
             self._run.append(int(step))
+            self._run_losses.append(float(loss))
+            if len(self._run) >= self.window:  # a new level, not a spike: judge against it from now on
+                self._history = deque(self._run_losses, maxlen=self.window)
+                self._run, self._run_losses = [], []
+                return False
             return len(self._run) >= self.persistence
-        self._run = []
+        self._run, self._run_losses = [], []
         self._history.append(float(loss))
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self._history), "seen": self._seen, "run": list(self._run)}
+        return {
+            "history": list(self._history),
+            "seen": self._seen,
+            "run": list(self._run),
+            "run_losses": list(self._run_losses),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._history = deque(state.get("history", []), maxlen=self.window)
         self._seen = int(state.get("seen", len(self._history)))
         self._run = list(state.get("run", []))
+        self._run_losses = [float(x) for x in state.get("run_losses", [])]

@@ -51,8 +51,8 @@ def _score(module):
         return float(-torch.nn.functional.mse_loss(module.inner(module.eval_x), module.eval_y))
 
 
-def _run(tmp_path, trigger, policy="lower_lr", collapse=True, **kwargs):
-    health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
+def _run(tmp_path, trigger, policy="lower_lr", collapse=True, spike_detection=False, **kwargs):
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=spike_detection, spike_warmup=4)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy=policy, regression=trigger, **kwargs)
     callbacks = ([Collapse(20)] if collapse else []) + [health, rollback]
     trainer, module = fit(tmp_path, callbacks, max_steps=MAX_STEPS, module=ScoredModule)
@@ -77,6 +77,18 @@ def test_collapse_restores_the_best_snapshot_and_recovers(tmp_path):
     assert trainer.global_step == MAX_STEPS and rollback.state_dict()["lr_scale"] == 0.5
     assert _score(module) > 2 * _score(clean)  # recovered: near the clean run (scores are negative)
     assert _score(module) > 100 * _score(collapsed)
+
+
+def test_collapse_that_also_spikes_the_loss_is_rolled_back_when_spikes_are_ignored(tmp_path):
+    """The collapse makes every later loss a spike; with rollback_on_spike=False the trigger still judges the metric."""
+    trainer, module, health, rollback = _run(
+        tmp_path, _trigger(), spike_detection=True, rollback_on_spike=False, policy="lower_lr"
+    )
+    kinds = [e["kind"] for e in health.events.events]
+    assert kinds[0] == "spike_ignored" and kinds.count("regression") == 1  # the loss spikes at the collapse's checks
+    assert kinds[kinds.index("regression") :][:3] == ["regression", "rollback", "policy"]
+    assert rollback.incidents[0]["reason"] == "regression" and rollback.incidents[0]["best_step"] == 20
+    assert trainer.global_step == MAX_STEPS and _score(module) > -1.0  # recovered (the collapsed score is far lower)
 
 
 def test_stop_policy_stops_at_the_best_weights(tmp_path):

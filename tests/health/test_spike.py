@@ -42,6 +42,17 @@ def test_spiking_losses_do_not_enter_window():
     assert 100.0 not in det.state_dict()["history"]
 
 
+def test_a_run_longer_than_the_window_becomes_the_new_level():
+    det = LossSpikeDetector(window=10, z_threshold=5.0, warmup=5, persistence=2)
+    for step, loss in enumerate(_noisy(10)):
+        det.update(step, loss)
+    shifted = [det.update(10 + i, loss) for i, loss in enumerate(_noisy(25, base=50.0))]
+    assert shifted[0] is False and all(shifted[1:9])  # confirmed, then flagged while shorter than the window
+    assert not any(shifted[9:])  # the tenth spiking loss in a row makes 50 the level: no flag against 1.0 forever
+    assert min(det.state_dict()["history"]) > 40.0
+    assert det.update(35, 5000.0) is False and det.update(36, 5000.0) is True  # still catches a spike on top of it
+
+
 def test_state_dict_round_trip_gives_same_decisions():
     a = LossSpikeDetector(window=10, z_threshold=4.0, warmup=5, persistence=2)
     for step, loss in enumerate(_noisy(12)):
