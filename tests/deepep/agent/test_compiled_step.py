@@ -39,19 +39,19 @@ def _agent() -> DeepEPAgent:
     return DeepEPAgent(BatchedCartPole.obs_dim, BatchedCartPole.num_actions, H)
 
 
-def _env() -> BatchedCartPole:
-    env = BatchedCartPole(B)
-    env.reset(torch.Generator().manual_seed(1))
+def _env(device: str = "cpu") -> BatchedCartPole:
+    env = BatchedCartPole(B, device)
+    env.reset(torch.Generator(device).manual_seed(1))
     return env
 
 
 def _one_timestep(timestep_fn, agent, env):
     """One timestep from a fixed state and generator, then backward of a scalar of every output."""
     agent.zero_grad(set_to_none=True)
-    hidden = torch.linspace(-1, 1, B * H).reshape(B, H).requires_grad_()
-    generator = torch.Generator().manual_seed(7)
+    hidden = torch.linspace(-1, 1, B * H, device=env.device).reshape(B, H).requires_grad_()
+    generator = torch.Generator(env.device).manual_seed(7)
     step, result, next_hidden = timestep_fn(env.observe(), hidden, generator)
-    scalar = step.logits.sin().sum() + step.q.cos().sum() + (next_hidden * torch.arange(H)).sum()
+    scalar = step.logits.sin().sum() + step.q.cos().sum() + (next_hidden * torch.arange(H, device=env.device)).sum()
     scalar.backward()
     grads = {name: p.grad.clone() for name, p in agent.named_parameters() if p.grad is not None}
     outputs = {
@@ -144,7 +144,13 @@ def test_the_atomics_scan_sees_an_atomic_kernel():
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # one thread needs no atomics; two, without the aten fallback, do
     try:
-        with fresh_cache(), inductor_config.patch({"cpp.fallback_scatter_reduce_sum": False}):
+        # without inductor's aten fallback for a parallel scatter-add (an option of newer torch)
+        no_fallback = (
+            {"cpp.fallback_scatter_reduce_sum": False}
+            if hasattr(inductor_config.cpp, "fallback_scatter_reduce_sum")
+            else {}
+        )
+        with fresh_cache(), inductor_config.patch(no_fallback):
             compiled_fn = torch.compile(index_add, fullgraph=True)
             result, code = inductor_utils.run_and_get_code(compiled_fn, x, index, source)
     finally:
@@ -303,6 +309,17 @@ def _train_gpu(steps, graph, compile_step, seed=5):
     torch.cuda.synchronize()
     assert graphed is None or graphed.captures == 1
     return model.state_dict(), torch.stack(losses)
+
+
+@pytest.mark.gpu
+def test_generated_cuda_code_has_no_atomic_adds_and_equals_eager():
+    agent, env = _agent().cuda(), _env("cuda")
+    with fresh_cache():
+        result, code = inductor_utils.run_and_get_code(_one_timestep, CompiledTimestep(agent, env), agent, env)
+    assert len(code) >= 2 and all("triton" in source for source in code)
+    assert _atomic_adds(code) == []
+    env = _env("cuda")
+    _assert_outputs_close(result, _one_timestep(lambda *args: eager_timestep(agent, env, *args), agent, env))
 
 
 @pytest.mark.gpu
