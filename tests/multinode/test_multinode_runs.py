@@ -1,0 +1,233 @@
+"""Multi-node runs simulated with real processes: gloo over loopback, one launch per simulated node.
+
+Every run is ``_multinode_run.py`` (4 processes in all) under a hard timeout that kills the whole
+session. The reference is one node with 4 processes; the others lay the same world size out as 2
+nodes x 2 processes, launched by Lightning (``NODE_RANK``, node-local directories) or by
+``torchrun`` (``TorchElasticEnvironment``, one shared directory). Runs start on first use and are
+shared by the tests of this module.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepep_lightning.determinism.streams import derive_seed
+from deepep_lightning.strategies import CHECKPOINT_KEY
+
+SCRIPT = Path(__file__).with_name("_multinode_run.py")
+TIMEOUT_S = 420  # one 4-process run takes 20-40 s on the 2-core CI machine, minutes when it is loaded
+SEED, NUM_SAMPLES, MAX_STEPS = 4321, 64, 12  # as in _multinode_run.py; 4 steps per epoch
+KILL_AT, CKPT_EVERY = 7, 3  # killed at step 7 of epoch 1; resumed from the mid-epoch checkpoint of step 6
+FAULT_RANK, FAULT_STEP, CORRUPT_RANK = 2, 5, 3  # both on the second node
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class Runs:
+    """Launches a run the first time a test asks for it; ``dirs[name][node]`` is that node's directory."""
+
+    def __init__(self, root: Path, fit_process) -> None:
+        self.root, self.fit_process = root, fit_process
+        self.dirs: dict[str, list[Path]] = {}
+        self.codes: dict[str, list[int]] = {}
+
+    def launch(self, name: str, *args: str, nodes: int = 1, node_local: bool = False, expect: int = 0) -> list[Path]:
+        if name in self.dirs:
+            return self.dirs[name]
+        port = str(_free_port())
+        dirs = [self.root / name / (f"node{n}" if node_local else "") for n in range(nodes)]
+        processes = [
+            self.fit_process(
+                SCRIPT,
+                ["--out", str(out), "--num-nodes", str(nodes), "--node-rank", str(n)]
+                + ["--devices", str(4 // nodes), "--port", port, *args],
+                log_path=self.root / name / f"node{n}.log",
+                cwd=self.root,
+            )
+            for n, out in enumerate(dirs)
+        ]
+        self.codes[name] = [process.wait(timeout_s=TIMEOUT_S) for process in processes]
+        for process, code in zip(processes, self.codes[name]):
+            assert code == expect, process.output_tail()
+        self.dirs[name] = dirs
+        return dirs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, fit_process) -> Runs:
+    return Runs(tmp_path_factory.mktemp("multinode"), fit_process)
+
+
+def _node_of(dirs: list[Path], rank: int) -> Path:
+    return dirs[0] if len(dirs) == 1 else dirs[rank // 2]
+
+
+def _record(dirs: list[Path], rank: int) -> dict:
+    return json.loads((_node_of(dirs, rank) / f"rank{rank}.json").read_text())
+
+
+def _weights(dirs: list[Path], rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(_node_of(dirs, rank) / f"weights_rank{rank}.pt", weights_only=True)
+
+
+def _trace(dirs: list[Path], rank: int) -> list[list]:
+    """Rows ``[step, input sum, stream draw, parameter sum, loss, logged loss]``, one per step of the loop."""
+    return [json.loads(line) for line in (_node_of(dirs, rank) / f"trace.rank{rank}.jsonl").read_text().splitlines()]
+
+
+def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _reference(runs: Runs) -> list[Path]:
+    return runs.launch("1x4")
+
+
+def _two_nodes(runs: Runs) -> list[Path]:
+    return runs.launch("2x2", nodes=2, node_local=True)
+
+
+def test_comparison_detects_one_ulp():
+    # negative control for the bitwise assertions below
+    a, b = {"w": torch.ones(3)}, {"w": torch.ones(3)}
+    b["w"][1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))
+    assert not _bitwise_equal(a, b)
+
+
+def test_two_nodes_of_two_equal_one_node_of_four(runs):
+    one, two = _reference(runs), _two_nodes(runs)
+    for rank in range(4):
+        assert _bitwise_equal(_weights(two, rank), _weights(one, rank))
+        assert _trace(two, rank) == _trace(one, rank)  # losses, logged scalars, inputs, streams, step by step
+        assert len(_trace(one, rank)) == MAX_STEPS
+    assert _bitwise_equal(_weights(one, 0), _weights(one, 3))  # DDP keeps the ranks equal
+    logged = {row[5] for rank in range(4) for row in _trace(one, rank)[:1]}
+    assert len(logged) == 1  # the logged scalar is the rank average: one value on every rank
+
+
+def test_global_rank_decides_seeds_shards_and_layout_records(runs):
+    one, two = _reference(runs), _two_nodes(runs)
+    records = [_record(two, rank) for rank in range(4)]
+    assert [(r["global_rank"], r["node_rank"], r["local_rank"]) for r in records] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (3, 1, 1),
+    ]
+    assert [r["rank_seed"] for r in records] == [derive_seed(SEED, "rank", rank) for rank in range(4)]
+    for epoch in ("0", "1", "2"):
+        seen = [records[rank]["seen"][epoch] for rank in range(4)]
+        assert sorted(sum(seen, [])) == list(range(NUM_SAMPLES))  # disjoint shards covering the data
+        assert seen == [_record(one, rank)["seen"][epoch] for rank in range(4)]
+    # global rank 2 is local rank 0 of node 1: keyed by the local rank it would repeat rank 0's streams
+    draws = [r["first_dropout_draw"] for r in records]
+    assert len(set(draws)) == 4 and draws == [_record(one, rank)["first_dropout_draw"] for rank in range(4)]
+    fingerprint = records[3]["fingerprint"]
+    assert fingerprint["ddp.num_nodes"] == "2" and fingerprint["ddp.node_layout"] == "2 nodes x 2 processes"
+    assert fingerprint["ddp.cluster_environment"] == "LightningEnvironment"
+    assert fingerprint["ddp.gradient_reduction"] == "ordered"
+    assert _record(one, 0)["fingerprint"]["ddp.node_layout"] == "1 node x 4 processes"
+
+
+def test_snapshots_on_node_local_and_shared_directories(runs):
+    one, two = _reference(runs), _two_nodes(runs)
+    for node, directory in enumerate(two):  # node-local: each node holds the snapshots of its own ranks
+        assert sorted(p.name for p in (directory / "snapshots").iterdir()) == [f"rank{2 * node}", f"rank{2 * node + 1}"]
+    assert sorted(p.name for p in (one[0] / "snapshots").iterdir()) == [f"rank{r}" for r in range(4)]
+    for dirs in (one, two):
+        for rank in range(4):
+            record = _record(dirs, rank)
+            assert Path(record["snapshot_dir"]) == _node_of(dirs, rank) / "snapshots" / f"rank{rank}"
+            # keep_snapshots=3 of every 2 steps, all of this run (one run id, broadcast from rank 0)
+            assert [name.rsplit("-", 1)[1] for name in record["snapshot_files"]] == [
+                "step000000008.pt",
+                "step000000010.pt",
+                "step000000012.pt",
+            ]
+            assert record["snapshot_files"][0].split("-")[1] == _record(dirs, 0)["snapshot_files"][0].split("-")[1]
+
+
+def test_negative_control_streams_keyed_by_the_local_rank_break_the_equality(runs):
+    # a planted bug: the per-step streams keyed by the local rank, 2 nodes x 2, one step
+    broken = runs.launch("local-rank-bug", "--seed-by-local-rank", "--max-steps", "1", nodes=2, node_local=True)
+    one = _reference(runs)
+    rows = [_trace(broken, rank)[0] for rank in range(4)]
+    assert rows[2][2] == rows[0][2] and rows[3][2] == rows[1][2]  # node 1 repeats node 0's streams
+    assert rows[2][2] != _trace(one, 2)[0][2]
+    assert rows[2][4] != _trace(one, 2)[0][4]  # rank 2's loss: the masks differ
+    # node 0 is unaffected (its own loss; the logged average takes node 1's in): the bug, not the launch
+    assert rows[0][:5] == _trace(one, 0)[0][:5] and rows[0][5] != _trace(one, 0)[0][5]
+
+
+def test_torchrun_environment_gives_the_same_run(runs):
+    elastic = runs.launch("torchrun-2x2", "--launcher", "torchrun", nodes=2)  # one shared directory
+    one = _reference(runs)
+    for rank in range(4):
+        record = _record(elastic, rank)
+        assert record["cluster_environment"] == "TorchElasticEnvironment"
+        assert (record["node_rank"], record["local_rank"]) == divmod(rank, 2)
+        assert _bitwise_equal(_weights(elastic, rank), _weights(one, rank))
+        assert _trace(elastic, rank) == _trace(one, rank)
+    assert sorted(p.name for p in (elastic[0] / "snapshots").iterdir()) == [f"rank{r}" for r in range(4)]
+
+
+def test_sigkill_on_two_nodes_resumes_bitwise_on_one(runs):
+    shared = runs.root / "checkpoints"
+    killed = runs.launch(
+        "killed-2x2",
+        *("--ckpt-dir", str(shared), "--ckpt-every", str(CKPT_EVERY), "--kill-at", str(KILL_AT)),
+        nodes=2,
+        node_local=True,
+        expect=-9,
+    )
+    checkpoint = torch.load(shared / "last.ckpt", weights_only=False)
+    state = checkpoint[CHECKPOINT_KEY]
+    assert checkpoint["global_step"] == 6 and (state["num_nodes"], state["processes_per_node"]) == (2, 2)
+    assert len(state["per_rank"]) == 4
+    resumed = runs.launch("resumed-1x4", "--resume", str(shared / "last.ckpt"))
+    one = _reference(runs)
+    for rank in range(4):
+        before, after = _trace(killed, rank), _trace(resumed, rank)
+        assert [row[0] for row in before] == list(range(KILL_AT)) and after[0][0] == 6  # mid-epoch, replayed
+        assert before == _trace(one, rank)[:KILL_AT] and after == _trace(one, rank)[6:]
+        assert _bitwise_equal(_weights(resumed, rank), _weights(one, rank))
+    assert (
+        "resuming a run of 2 nodes x 2 processes on 1 node x 4 processes"
+        in (runs.root / "resumed-1x4" / "node0.log").read_text()
+    )
+
+
+def test_nan_on_the_second_node_and_a_corrupt_snapshot_there_roll_back_every_rank(runs):
+    # rank 2 (node 1) gets an infinite loss at step 5; rank 3 (node 1) cannot read its newest snapshot (step 4)
+    faulty = runs.launch(
+        "fault-2x2",
+        *("--fault-rank", str(FAULT_RANK), "--fault-step", str(FAULT_STEP), "--corrupt-rank", str(CORRUPT_RANK)),
+        nodes=2,
+        node_local=True,
+    )
+    one = _reference(runs)
+    for rank in range(4):
+        events = [tuple(event) for event in _record(faulty, rank)["events"]]
+        corrupt = [("corrupt_snapshot", FAULT_STEP + 1)] if rank == CORRUPT_RANK else []
+        # all four agree on the older snapshot (step 2) because rank 3 cannot load the newest (step 4)
+        assert events == [("detected", FAULT_STEP), *corrupt, ("rollback", 2), ("transient", FAULT_STEP)]
+        assert _trace(faulty, rank) == _trace(one, rank)  # every step as in the clean run
+        assert _bitwise_equal(_weights(faulty, rank), _weights(one, rank))
+    # the agreed events go to the job's log, written by global rank 0 on its node; node 1 writes none
+    log_lines = (faulty[0] / "health_events.jsonl").read_text().splitlines()
+    assert [json.loads(line)["kind"] for line in log_lines][:1] == ["detected"]
+    assert not (faulty[1] / "health_events.jsonl").exists()
