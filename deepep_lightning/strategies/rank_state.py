@@ -84,14 +84,15 @@ def check_world_size(
     saved = int(state.get("world_size", world_size))
     if saved == world_size:
         return
-    saved_layout = current_layout = ""
+    layouts = []
     if state.get("num_nodes") and state.get("processes_per_node"):
-        saved_layout = f" ({describe_layout(int(state['num_nodes']), int(state['processes_per_node']))})"
+        layouts.append(f"the checkpoint's {describe_layout(int(state['num_nodes']), int(state['processes_per_node']))}")
     if num_nodes:
-        current_layout = f" ({describe_layout(num_nodes, world_size // num_nodes)})"
+        layouts.append(f"this run's {describe_layout(num_nodes, world_size // num_nodes)}")
+    layout = f" ({' vs '.join(layouts)})" if layouts else ""
     message = (
-        f"DeterministicDDPStrategy: the checkpoint was written with world_size={saved}{saved_layout}, this run has"
-        f" world_size={world_size}{current_layout}. Data shards, per-rank seeds, rollout streams and the all-reduce"
+        f"DeterministicDDPStrategy: the checkpoint was written with world_size={saved}, this run has"
+        f" world_size={world_size}{layout}. Data shards, per-rank seeds, rollout streams and the all-reduce"
         " order are functions of the world size, so the resumed run would not continue the same run."
         f" HINT: resume with devices x num_nodes = {saved} (any node layout of that size), or pass"
         " `DeterministicDDPStrategy(allow_world_size_change=True)` to accept a non-reproducible resume."
