@@ -259,8 +259,11 @@ class DeepEPModule(pl.LightningModule):
         )
         _checks.number("DeepEPModule", "kl_coef", kl_coef, minimum=0.0, finite=True)
         _checks.number("DeepEPModule", "expected_value_coef", expected_value_coef, minimum=0.0, finite=True)
-        for name, value in (("policy_adam_eps", policy_adam_eps), ("logit_bound", logit_bound)):
-            _checks.number("DeepEPModule", name, value, minimum=0, exclusive_minimum=True, finite=True, allow_none=True)
+        for optional_name, optional_value in (("policy_adam_eps", policy_adam_eps), ("logit_bound", logit_bound)):
+            _checks.number(
+                "DeepEPModule", optional_name, optional_value, minimum=0, exclusive_minimum=True, finite=True,
+                allow_none=True,
+            )  # fmt: skip
         if policy_adam_eps is not None and optimizer != "adam":
             raise MisconfigurationException(
                 f"`DeepEPModule(policy_adam_eps=...)` must be None with optimizer={optimizer!r}, got"
