@@ -17,8 +17,10 @@ Every rank appends one JSON line per step of the loop to ``DIR/trace.rank{g}.jso
 input sum, a draw of its random stream, its parameter sum, its own loss and the logged, rank-averaged
 ``train/loss``, all as ``float.hex``), and at the end writes
 ``DIR/rank{g}.json`` (layout, seeds, samples seen, health events, fingerprints, snapshot files) and
-``DIR/weights_rank{g}.pt``. ``--kill-at S`` SIGKILLs every process at the start of step ``S``;
-checkpoints go to ``--ckpt-dir`` every ``--ckpt-every`` steps (atomically).
+``DIR/weights_rank{g}.pt``. ``--module deepep`` trains a small DeepEP agent instead (CartPole rollouts,
+no loader data: its trace rows are ``[step, loss, logged loss, parameter sum]``). ``--kill-at S``
+SIGKILLs every process at the start of step ``S``; checkpoints go to ``--ckpt-dir`` every
+``--ckpt-every`` steps (atomically).
 """
 
 from __future__ import annotations
@@ -101,6 +103,22 @@ def _module(trace_path: str):
     return TinyModule()
 
 
+def _deepep_module(trace_path: str):
+    """A small DeepEP agent (rollouts keyed by the global rank), tracing ``[step, loss, logged, parameter sum]``."""
+    from deepep_lightning.deepep import DeepEPModule
+
+    class TracedDeepEP(DeepEPModule):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            logged = self.trainer.callback_metrics["train/loss"]
+            params = float(sum(p.detach().double().sum() for p in self.parameters()))
+            row = [int(self.global_step) - 1, float(outputs["loss"]).hex(), float(logged).hex(), params.hex()]
+            with open(trace_path, "a") as handle:
+                handle.write(json.dumps(row) + "\n")
+
+    sizes = {"num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch": 4}
+    return TracedDeepEP(env="cartpole", seed=SEED, fused_value_head=False, **sizes)
+
+
 def _strategy(args):
     from deepep_lightning.strategies import DeterministicDDPStrategy
 
@@ -154,6 +172,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fault-step", type=int, default=5)
     parser.add_argument("--corrupt-rank", type=int, default=-1, help="global rank whose newest snapshot is cut")
     parser.add_argument("--seed-by-local-rank", action="store_true", help="negative control: a planted bug")
+    parser.add_argument("--module", choices=["tiny", "deepep"], default="tiny")
     parser.add_argument("--strategy-kwargs", default="{}", help="JSON arguments of DeterministicDDPStrategy")
     args = parser.parse_args(argv)
 
@@ -212,7 +231,8 @@ def main(argv: list[str]) -> None:
         callbacks.insert(0, CutNewestSnapshot())
     os.makedirs(args.out, exist_ok=True)
     global_rank = int(os.environ.get("RANK", args.node_rank * args.devices + int(os.environ.get("LOCAL_RANK", "0"))))
-    model = _module(os.path.join(args.out, f"trace.rank{global_rank}.jsonl"))
+    trace_path = os.path.join(args.out, f"trace.rank{global_rank}.jsonl")
+    model = _module(trace_path) if args.module == "tiny" else _deepep_module(trace_path)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -239,8 +259,8 @@ def main(argv: list[str]) -> None:
         "cluster_environment": type(strategy.cluster_environment).__name__,
         "rank_seed": strategy.rank_seed,
         "sampler_seed": strategy.sampler_seed,
-        "seen": {str(epoch): indices for epoch, indices in model.seen.items()},
-        "first_dropout_draw": model.first_dropout_draw,
+        "seen": {str(epoch): indices for epoch, indices in getattr(model, "seen", {}).items()},
+        "first_dropout_draw": getattr(model, "first_dropout_draw", None),
         "global_step": trainer.global_step,
         "events": [[e["kind"], e["step"]] for e in health.events.events],
         "events_file": health.events.path,

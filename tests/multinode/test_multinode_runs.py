@@ -4,7 +4,8 @@ Every run is ``_multinode_run.py`` (4 processes in all) under a hard timeout tha
 session. The reference is one node with 4 processes; the others lay the same world size out as 2
 nodes x 2 processes, launched by Lightning (``NODE_RANK``, node-local directories) or by
 ``torchrun`` (``TorchElasticEnvironment``, one shared directory). Runs start on first use and are
-shared by the tests of this module.
+shared by the tests of this module. The plain module is a small MLP with dropout and a shuffled
+loader with a worker; the DeepEP agent is the reference workload in miniature.
 """
 
 from __future__ import annotations
@@ -171,6 +172,17 @@ def test_negative_control_streams_keyed_by_the_local_rank_break_the_equality(run
     assert rows[2][4] != _trace(one, 2)[0][4]  # rank 2's loss: the masks differ
     # node 0 is unaffected (its own loss; the logged average takes node 1's in): the bug, not the launch
     assert rows[0][:5] == _trace(one, 0)[0][:5] and rows[0][5] != _trace(one, 0)[0][5]
+
+
+def test_deepep_on_two_nodes_equals_one_node(runs):
+    one = runs.launch("deepep-1x4", "--module", "deepep")
+    two = runs.launch("deepep-2x2", "--module", "deepep", nodes=2, node_local=True)
+    for rank in range(4):
+        assert _bitwise_equal(_weights(two, rank), _weights(one, rank))
+        assert _trace(two, rank) == _trace(one, rank) and len(_trace(one, rank)) == MAX_STEPS
+    # rollouts follow the global rank: rank 2 (local rank 0 of node 1) does not repeat rank 0's episodes
+    losses = [[row[1] for row in _trace(two, rank)] for rank in range(4)]
+    assert len({tuple(rank_losses) for rank_losses in losses}) == 4
 
 
 def test_torchrun_environment_gives_the_same_run(runs):
