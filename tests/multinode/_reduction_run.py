@@ -1,36 +1,34 @@
 """Test helper: DDP gradient averaging on 4 gloo processes, DDP's all-reduce vs the ordered hook.
 
-Usage: ``python _reduction_run.py OUT.json``. Each rank runs the same forward/backward twice on
+Usage: ``python _reduction_run.py OUT.json [--backend nccl --world-size 2]`` (gloo on CPU with 4
+processes by default; NCCL puts rank ``r`` on ``cuda:r``). Each rank runs the same forward/backward twice on
 the same weights and inputs: the first backward reduces DDP's initial bucket (every parameter, in
 definition order), the second the buckets rebuilt in gradient-ready order, as after any start or
 resume. Rank 0 writes, per mode (``allreduce`` and ``ordered``), whether the two gradients are
-bitwise equal, and whether the ordered hook's result equals the rank-ordered sum of the
-gathered local gradients divided by 4.
+bitwise equal, and whether they equal the rank-ordered sum of the gathered local gradients
+divided by the world size.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-WORLD_SIZE = 4
 
-
-def _model() -> torch.nn.Module:
+def _model(device: torch.device) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32)).to(device)
 
 
-def _inputs(rank: int) -> torch.Tensor:
+def _inputs(rank: int, device: torch.device) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 + rank)
     scale = 10.0 ** torch.randint(-3, 4, (16, 1), generator=generator)  # magnitudes that make the order matter
-    return torch.randn(16, 32, generator=generator) * scale
+    return (torch.randn(16, 32, generator=generator) * scale).to(device)
 
 
 def _grads(model: torch.nn.Module) -> torch.Tensor:
@@ -43,21 +41,24 @@ def _step(ddp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _grads(ddp.module)
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, port: int, out: str, backend: str, world_size: int) -> None:
     from deepep_lightning.strategies.ordered_reduction import ordered_mean_hook, ordered_sum
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    x = _inputs(rank)
-    local = _model()
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    x = _inputs(rank, device)
+    local = _model(device)
     local(x).pow(2).sum().backward()
-    gathered = [torch.empty_like(_grads(local)) for _ in range(WORLD_SIZE)]
+    gathered = [torch.empty_like(_grads(local)) for _ in range(world_size)]
     dist.all_gather(gathered, _grads(local))
-    expected = ordered_sum(torch.stack(gathered)).div_(WORLD_SIZE)
+    expected = ordered_sum(torch.stack(gathered)).div_(world_size)
     result = {}
     for mode in ("allreduce", "ordered"):
         # small buckets: the rebuilt layout (two buckets, reversed order) differs from the initial one
-        ddp = torch.nn.parallel.DistributedDataParallel(_model(), bucket_cap_mb=0.004)
+        ddp = torch.nn.parallel.DistributedDataParallel(_model(device), bucket_cap_mb=0.004)
         if mode == "ordered":
             ddp.register_comm_hook(None, ordered_mean_hook)
         first, second = _step(ddp, x), _step(ddp, x)
@@ -74,12 +75,19 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def main() -> None:
+    import argparse
     import socket
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
+    parser.add_argument("--world-size", type=int, default=4)
+    args = parser.parse_args()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    torch.multiprocessing.spawn(_worker, args=(port, sys.argv[1]), nprocs=WORLD_SIZE)
+    worker_args = (port, args.out, args.backend, args.world_size)
+    torch.multiprocessing.spawn(_worker, args=worker_args, nprocs=args.world_size)
 
 
 if __name__ == "__main__":

@@ -31,3 +31,16 @@ def test_ordered_hook_is_independent_of_the_bucket_layout(tmp_path, fit_process)
     assert result["allreduce"] == {"restart_equal": False, "ordered_sum_equal": False, "mean_close": True}
     # the ordered hook: the same bits in both layouts, exactly the rank-ordered sum over 4
     assert result["ordered"] == {"restart_equal": True, "ordered_sum_equal": True, "mean_close": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_ordered_hook_on_two_gpus_with_nccl(tmp_path, fit_process):
+    # NCCL with two ranks: each element is one addition, so both modes repeat across the bucket rebuild
+    out = tmp_path / "reduction.json"
+    args = [str(out), "--backend", "nccl", "--world-size", "2"]
+    process = fit_process(SCRIPT, args, log_path=tmp_path / "log.txt", cwd=tmp_path)
+    assert process.wait(timeout_s=300) == 0, process.output_tail()
+    result = json.loads(out.read_text())
+    assert result["ordered"] == {"restart_equal": True, "ordered_sum_equal": True, "mean_close": True}
+    assert result["allreduce"]["restart_equal"] and result["allreduce"]["mean_close"]
