@@ -127,6 +127,10 @@ class DeepEPModule(pl.LightningModule):
         logit_bound: squash the policy logits to ``c·tanh(z / c)``, ``c = logit_bound``: every action keeps
             a probability of at least ``1 / (1 + (A − 1)·e^{2c})``, so it keeps being tried and its Q trained
             (``agent.network.DeepEPAgent``). None: unbounded logits.
+        policy_reads_hidden: the policy reads ``[obs; h]`` (True) or the observation alone (False, for fully
+            observed environments such as ``"cartpole"``): the recurrent state is the critic's, trained at its
+            faster rate, and its changes move a policy that reads it. The critic, the value feedback and the
+            recurrent cell are the same either way.
         chrono_horizon: chrono initialisation of the GRU's update gate for memory over up to this many
             steps (``>= 2``); None: PyTorch's default initialisation.
         max_grad_norm: clip the gradients' global norm to this (None: no clipping). Works on both
@@ -195,6 +199,7 @@ class DeepEPModule(pl.LightningModule):
         expected_value_coef: float = 0.0,
         policy_adam_eps: float | None = None,
         logit_bound: float | None = None,
+        policy_reads_hidden: bool = True,
         chrono_horizon: int | None = None,
         max_grad_norm: float | None = None,
         detach_feedback: bool = True,
@@ -279,6 +284,7 @@ class DeepEPModule(pl.LightningModule):
         if max_grad_norm is not None:
             _require_in_range("max_grad_norm", max_grad_norm, 1e-12, float("inf"))
         _checks.strict_bool("DeepEPModule", "log_throughput", log_throughput)
+        _checks.strict_bool("DeepEPModule", "policy_reads_hidden", policy_reads_hidden)
         _checks.strict_bool("DeepEPModule", "compile_step", compile_step)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {seed!r}")
@@ -324,6 +330,7 @@ class DeepEPModule(pl.LightningModule):
                 target_policy=kl_coef > 0,
                 chrono_horizon=chrono_horizon,
                 logit_bound=logit_bound,
+                policy_reads_hidden=policy_reads_hidden,
             )
         # log α of the adaptive entropy coefficient: a buffer, so checkpoints and rollbacks carry it.
         self.register_buffer("log_entropy_coef", torch.tensor(math.log(entropy_coef) if entropy_coef > 0 else 0.0))

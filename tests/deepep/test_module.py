@@ -348,6 +348,7 @@ def test_recurrent_learning_rate_moves_the_recurrent_cell_at_its_own_rate():
         ({"policy_adam_eps": 1e-3, "optimizer": "sgd"}, r"policy_adam_eps=.*None with optimizer='sgd', got 0.001"),
         ({"logit_bound": -2.0}, r"logit_bound=.*must be a finite number > 0 or None, got -2.0"),
         ({"logit_bound": "3"}, r"logit_bound=.*got '3'"),
+        ({"policy_reads_hidden": 0}, r"policy_reads_hidden=.*must be a bool, got 0"),
     ],
 )
 def test_bad_policy_step_arguments_fail_before_training(kwargs, message):
@@ -356,7 +357,7 @@ def test_bad_policy_step_arguments_fail_before_training(kwargs, message):
 
 
 def test_policy_step_options_train_bitwise_repeatably_and_change_the_run():
-    options = dict(policy_adam_eps=1e-5, logit_bound=3.0, recurrent_learning_rate=3e-4)
+    options = dict(policy_adam_eps=1e-5, logit_bound=3.0, recurrent_learning_rate=3e-4, policy_reads_hidden=False)
     a, _ = _fit(4, seed=2, **options)
     b, _ = _fit(4, seed=2, **options)
     plain, _ = _fit(4, seed=2)

@@ -57,6 +57,10 @@ class DeepEPAgent(nn.Module):
             ``1 / (1 + (A − 1)·e^{2c})`` and the softmax cannot saturate onto one action, where the
             all-action gradient ``π(Q − V)`` of the actions it stops taking vanishes. The target policy is
             squashed the same way. None: unbounded logits.
+        policy_reads_hidden: the policy's input is ``[obs_t; h_t]`` (True) or ``obs_t`` alone (False, for
+            fully observed tasks such as CartPole). The critic trains the recurrent cell at its own, faster
+            rate, so a policy that reads ``h_t`` changes its actions whenever the critic's features move,
+            however slowly its own weights move.
     """
 
     def __init__(
@@ -72,15 +76,19 @@ class DeepEPAgent(nn.Module):
         target_policy: bool = False,
         chrono_horizon: int | None = None,
         logit_bound: float | None = None,
+        policy_reads_hidden: bool = True,
     ) -> None:
         super().__init__()
         if logit_bound is not None and not logit_bound > 0:
             raise ValueError(f"DeepEPAgent: logit_bound must be > 0 or None, got {logit_bound!r}")
         self.logit_bound = logit_bound
+        self.policy_reads_hidden = policy_reads_hidden
         self.obs_dim, self.num_actions, self.hidden_size = obs_dim, num_actions, hidden_size
         self.detach_feedback = detach_feedback
         self.policy_net = nn.Sequential(
-            nn.Linear(obs_dim + hidden_size, hidden_size), nn.Tanh(), nn.Linear(hidden_size, num_actions)
+            nn.Linear(obs_dim + (hidden_size if policy_reads_hidden else 0), hidden_size),
+            nn.Tanh(),
+            nn.Linear(hidden_size, num_actions),
         )
         self.value_head = AllActionValueHead(
             obs_dim + hidden_size,
@@ -120,7 +128,11 @@ class DeepEPAgent(nn.Module):
         if self.target_policy_net is None:
             raise RuntimeError("DeepEPAgent.target_logits needs target_policy=True")
         with torch.no_grad():
-            return self._bounded(self.target_policy_net(features))
+            return self._bounded(self.target_policy_net(self._policy_input(features)))
+
+    def _policy_input(self, features: torch.Tensor) -> torch.Tensor:
+        """The policy's part of ``features`` ``[..., obs_dim + H]``: all of it, or the observation alone."""
+        return features if self.policy_reads_hidden else features[..., : self.obs_dim]
 
     def _bounded(self, logits: torch.Tensor) -> torch.Tensor:
         """``c·tanh(z / c)`` with ``c = logit_bound`` (identity without a bound)."""
@@ -143,7 +155,7 @@ class DeepEPAgent(nn.Module):
 
     def _evaluate(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = torch.cat((obs, hidden), dim=-1)  # [B, obs_dim + H]
-        policy_input = torch.cat((obs, hidden.detach()), dim=-1)
+        policy_input = self._policy_input(torch.cat((obs, hidden.detach()), dim=-1))
         return self._bounded(self.policy_net(policy_input)), self.value_head(x), x.detach()
 
     def target_q(self, features: torch.Tensor) -> torch.Tensor:

@@ -151,3 +151,19 @@ def test_logit_bound_keeps_every_action_probable_and_lets_gradients_through():
 def test_logit_bound_must_be_positive(bound):
     with pytest.raises(ValueError, match=rf"logit_bound must be > 0 or None, got {bound!r}"):
         DeepEPAgent(4, 2, 16, logit_bound=bound)
+
+
+def test_a_policy_that_does_not_read_the_hidden_state_ignores_the_critics_features():
+    torch.manual_seed(0)
+    obs, hidden, moved = torch.randn(8, 4), torch.randn(8, 16), torch.randn(8, 16)
+    reader, observer = DeepEPAgent(4, 2, 16), DeepEPAgent(4, 2, 16, policy_reads_hidden=False, target_policy=True)
+    assert observer.policy_net[0].in_features == 4 and reader.policy_net[0].in_features == 20
+    logits, q = observer.evaluate(obs, hidden)
+    moved_logits, moved_q = observer.evaluate(obs, moved)
+    assert torch.equal(logits, moved_logits)
+    assert not torch.equal(q, moved_q)  # the critic still reads the recurrent state
+    # negative control: the default policy's actions move with the recurrent state
+    assert not torch.equal(reader.evaluate(obs, hidden)[0], reader.evaluate(obs, moved)[0])
+    torch.testing.assert_close(observer.target_logits(torch.cat((obs, hidden), -1)), logits.detach())
+    step = observer.step(obs, hidden, torch.rand(8))
+    assert step.features.shape == (8, 20) and step.hidden.shape == (8, 16)
