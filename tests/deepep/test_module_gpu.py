@@ -168,3 +168,37 @@ def test_graph_fit_with_progress_bar_health_and_lr_monitor_syncs_no_host_between
     assert trainer.global_step == 12 and model._graphed is not None
     # during the fit the rolling return stays on the GPU (Lightning moves callback_metrics to the CPU at teardown)
     assert window.return_device == "cuda"
+
+
+POLICY_STEP = dict(
+    policy_adam_eps=1e-4, logit_bound=3.0, recurrent_learning_rate=3e-4, policy_reads_hidden=False, target_entropy=0.4
+)
+
+
+def _train_configured(steps, graph, **kwargs):
+    """As ``_train``, with the module's own optimizer (its param groups carry the policy-step options)."""
+    model = DeepEPModule(**SIZES, cuda_graph=graph, fused_value_head=True, **kwargs).cuda()
+    model._ensure_rollout_state()
+    optimizer = model.configure_optimizers()  # Adam(capturable=True) on the graph path
+    graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator) if graph else None
+    losses = []
+    for _ in range(steps):
+        model._seed_rollout()
+        outputs = graphed() if graphed is not None else model._whole_step(optimizer)
+        losses.append(outputs["loss"].clone())
+        model._rollout_step += 1
+    torch.cuda.synchronize()
+    return model.state_dict(), torch.stack(losses), optimizer
+
+
+def test_graph_path_with_the_policy_step_options_equals_eager_and_is_bitwise_reproducible():
+    eager_state, eager_losses, optimizer = _train_configured(8, graph=False, **POLICY_STEP)
+    assert [group["lr"] for group in optimizer.param_groups] == [3e-3, 1e-4, 3e-4]
+    assert optimizer.param_groups[1]["eps"] == 1e-4
+    state_a, losses_a, _ = _train_configured(8, graph=True, **POLICY_STEP)
+    state_b, losses_b, _ = _train_configured(8, graph=True, **POLICY_STEP)
+    torch.testing.assert_close(losses_a, eager_losses, rtol=1e-4, atol=1e-5)
+    assert torch.equal(losses_a, losses_b)
+    assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+    plain_state, _, _ = _train_configured(8, graph=True)
+    assert any(not torch.equal(state_a[k], plain_state[k]) for k in plain_state)  # negative control
