@@ -27,10 +27,12 @@ What it adds to Lightning's ``DDPStrategy``:
 * **Multi-node**: seeds, shards, virtual ranks and the per-rank checkpoint entries are keyed by
   the *global* rank, so 2 nodes x 2 processes and 1 node x 4 processes are the same run; the
   fingerprint and the checkpoint record the node layout (``ddp.num_nodes``, ``ddp.node_layout``).
-* **World-size invariance** (``virtual_world_size=2``): a fixed micro-batch partition over virtual
-  ranks; 1 process accumulating 2 micro-batches and 2 processes give bitwise-equal weights
-  (:mod:`~deepep_lightning.strategies.virtual_shards`). On 2 processes it is the default layout, so
-  it costs nothing there; the single process pays only the second micro-batch.
+* **World-size invariance** (``virtual_world_size=K``, a power of two): a fixed micro-batch
+  partition over virtual ranks, and the micro-batch gradients added in virtual-rank order; 1, 2, ...,
+  ``K`` processes give bitwise-equal weights (:mod:`~deepep_lightning.strategies.virtual_shards`).
+  With ``K`` processes it is the default layout; fewer processes pay the extra micro-batches and,
+  when they accumulate, a flat copy of the gradients per micro-batch
+  (:mod:`~deepep_lightning.strategies.micro_batch_gradients`).
 * **Checkpoints**: world size, seeds and the fingerprint are stored with the data state under
   ``checkpoint["deterministic_ddp"]``, together with every rank's own copy of the rank-local keys
   (``per_rank_checkpoint_keys``: callback states and the module's rollout state under
@@ -39,8 +41,8 @@ What it adds to Lightning's ``DDPStrategy``:
   a different world size is refused with a message naming both node layouts; a resume on another
   layout of the same world size (2 nodes x 2 -> 1 node x 4) continues the same run.
 
-Scope of the promise: same stack, same hardware, same world size (or 1 vs 2 processes with
-``virtual_world_size=2``); across node layouts of one world size with ``gradient_reduction="ordered"``
+Scope of the promise: same stack, same hardware, same world size (or any world size dividing
+``virtual_world_size``); across node layouts of one world size with ``gradient_reduction="ordered"``
 (or with two ranks); never across GPU models or NCCL/PyTorch versions.
 
 Health and rollback decisions are agreed across ranks by the health callbacks through
@@ -75,6 +77,7 @@ from deepep_lightning.determinism.nccl_profile import (
 from deepep_lightning.determinism.rng import seed_everything_from
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY
+from deepep_lightning.strategies.micro_batch_gradients import MicroBatchGradients
 from deepep_lightning.strategies.ordered_reduction import ordered_mean_hook
 from deepep_lightning.strategies.rank_state import (
     CHECKPOINT_KEY,
@@ -127,8 +130,8 @@ class DeterministicDDPStrategy(DDPStrategy):
         virtual_world_size: world-size-invariant mode (``None``: off). The data is split over this
             many virtual ranks whatever the number of processes ``W``; each process accumulates
             ``virtual_world_size / W`` micro-batches (set ``accumulate_grad_batches`` to that). With
-            ``virtual_world_size=2``, 1 and 2 processes give bitwise-equal weights (see
-            :mod:`~deepep_lightning.strategies.virtual_shards` for why, and why only 1 vs 2).
+            ``virtual_world_size=4``, 1, 2 and 4 processes give bitwise-equal weights (a plain module
+            under automatic optimisation; see :mod:`~deepep_lightning.strategies.virtual_shards`).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and DDP).
 
     Raises:
@@ -206,6 +209,8 @@ class DeterministicDDPStrategy(DDPStrategy):
         self.seed: int | None = seed
         self.rank_seed: int | None = None
         self.nccl_env: dict[str, str] = {}
+        self._micro_gradients: MicroBatchGradients | None = None
+        self._micro_index = 0
 
     # ---------------------------------------------------------------- registration
     @classmethod
@@ -251,8 +256,27 @@ class DeterministicDDPStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()  # Lightning registers a ddp_comm_hook on CUDA only
-        if self.resolved_gradient_reduction == "ordered" and isinstance(self.model, DistributedDataParallel):
+        if not isinstance(self.model, DistributedDataParallel):
+            return
+        module = self.lightning_module
+        if self.micro_batches_per_step > 1 and module is not None and module.automatic_optimization:
+            # world-size-invariant accumulation: the micro-batches are added in virtual-rank order by
+            # MicroBatchGradients, so DDP's own all-reduce stays off (no_sync restores this flag)
+            self._micro_gradients = MicroBatchGradients(
+                list(module.parameters()), self.micro_batches_per_step, self.world_size
+            )
+            self.model.require_backward_grad_sync = False
+        elif self.resolved_gradient_reduction == "ordered":
             self.model.register_comm_hook(None, ordered_mean_hook)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self._micro_gradients is None:
+            return
+        self._micro_gradients.keep(self._micro_index)
+        if self._micro_index == self.micro_batches_per_step - 1:
+            self._micro_gradients.reduce_into_grads()
 
     @property
     def sampler_seed(self) -> int:
@@ -301,10 +325,10 @@ class DeterministicDDPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = _lightning_compat.attached_trainer(self.lightning_module)
+        batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("batch_idx", 0)
+        self._micro_index = batch_idx % self.micro_batches_per_step
         if self.reseed_every_step and trainer is not None:
-            batch_idx = args[1] if len(args) > 1 and isinstance(args[1], int) else kwargs.get("batch_idx", 0)
-            step = trainer.global_step
-            seed_everything_from(self.seed or 0, "micro", self.virtual_rank(batch_idx), step)
+            seed_everything_from(self.seed or 0, "micro", self.virtual_rank(batch_idx), trainer.global_step)
         return super().training_step(*args, **kwargs)
 
     # ---------------------------------------------------------------- data

@@ -1,4 +1,4 @@
-"""Virtual ranks: a fixed micro-batch partition, so 1 and 2 processes train on the same global batch.
+"""Virtual ranks: a fixed micro-batch partition, so 1, 2, ..., K processes train on the same global batch.
 
 With ``virtual_world_size=K`` the data is always split as if ``K`` ranks trained: virtual rank
 ``v`` gets the ``DistributedSampler`` shard ``(seed, epoch, v, K)``. A run with ``W`` processes
@@ -6,13 +6,15 @@ With ``virtual_world_size=K`` the data is always split as if ``K`` ranks trained
 (``accumulate_grad_batches = K / W``); :class:`VirtualShardSampler` yields them interleaved batch
 by batch, so optimizer step ``s`` of every run sees micro-batch ``s`` of every virtual rank.
 
-Why 1 and 2 processes then agree bit for bit (same hardware and kernels): each micro-batch's
-gradient is the same bits in both (same weights, same inputs, same per-micro-batch random stream);
-Lightning scales the loss by ``1 / (K / W)`` and DDP the gradient by ``1 / W``, both powers of two
-for ``K = 2``, which commute exactly with rounding; and the sum of the two halves is one IEEE
-addition, which is commutative, whether ``AccumulateGrad`` does it (1 process) or the all-reduce
-(2 processes). For ``K > 2`` the association differs (``(a+b)+c`` vs ``a+(b+c)``), so the
-guarantee is 1 vs 2 processes only.
+Why every ``W`` then agrees bit for bit (same hardware and kernels, ``K`` a power of two): each
+micro-batch's gradient is the same bits in all of them (same weights, same inputs, same
+per-micro-batch random stream); the ``K`` gradients are added in virtual-rank order,
+``((g0 + g1) + g2) + ...``, whatever ``W``: by ``AccumulateGrad`` in one process, by
+:class:`~deepep_lightning.strategies.micro_batch_gradients.MicroBatchGradients` when a process of
+several accumulates (it keeps the micro-batches apart and adds the gathered rows), by the ordered
+hook (:mod:`~deepep_lightning.strategies.ordered_reduction`) when each process has one; and the
+scalings (Lightning's ``1 / (K / W)`` of the loss, the ``1 / W`` of the average) are powers of two,
+which commute exactly with rounding. With ``K`` not a power of two the scalings round.
 """
 
 from __future__ import annotations
