@@ -163,10 +163,10 @@ _SIXTEEN_MIXED_GPU = textwrap.dedent(
     from conftest import BoringModule
     import lightning.pytorch as pl
 
-    def run(fault_at, seed=3):
-        torch.manual_seed(1)
+    def run(fault_at, init=1):
+        torch.manual_seed(init)
         model = BoringModule(dropout=0.5)
-        callbacks = [dl.DeterminismCallback(seed, log_fingerprint=False),
+        callbacks = [dl.DeterminismCallback(3, log_fingerprint=False),
                      dl.NumericalHealthCallback(check_every_n_steps=1),
                      dl.NaNRollbackCallback(snapshot_every_n_steps=2)]
         if fault_at is not None:
@@ -182,14 +182,15 @@ _SIXTEEN_MIXED_GPU = textwrap.dedent(
     clean = run(None)
     print("RUN_TO_RUN", equal(clean, run(None)))
     print("ROLLBACK", equal(clean, run(5)))
-    print("OTHER_SEED", equal(clean, run(None, seed=4)))
+    # another seed in the same process would re-configure after CUDA started (strict refuses): other weights instead
+    print("OTHER_INIT", equal(clean, run(None, init=2)))
     """
 )
 
 
 @pytest.mark.gpu
 def test_sixteen_mixed_with_a_grad_scaler_runs_bitwise_and_rolls_back_on_gpu(tmp_path):
-    """16-mixed on CUDA (GradScaler): two runs and a rolled-back transient fault equal; another seed differs."""
+    """16-mixed on CUDA (GradScaler): two runs and a rolled-back transient fault equal; other initial weights differ."""
     script = tmp_path / "sixteen_mixed.py"
     script.write_text(_SIXTEEN_MIXED_GPU)
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -203,7 +204,7 @@ def test_sixteen_mixed_with_a_grad_scaler_runs_bitwise_and_rolls_back_on_gpu(tmp
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "RUN_TO_RUN True" in result.stdout and "ROLLBACK True" in result.stdout
-    assert "OTHER_SEED False" in result.stdout
+    assert "OTHER_INIT False" in result.stdout
 
 
 # ---------------------------------------------------------------- torch.compile

@@ -125,8 +125,12 @@ def test_the_uniform_is_an_input_of_the_compiled_sampler(compiled):
 
 
 def _atomic_adds(code):
-    """Atomic accumulations in inductor's code: ``atomic_add``/``atomic_add_vec`` (C++), ``tl.atomic_add`` (triton)."""
-    return [match for source in code for match in re.findall(r"\batomic_add\w*", source)]
+    """Atomic accumulations in inductor's code: ``atomic_add(``/``atomic_add_vec<...>(`` (C++),
+    ``tl.atomic_add(`` (triton), and a triton kernel's ``'atomic_add_found': True`` metadata. Every
+    triton kernel's metadata carries the key ``atomic_add_found`` (False without atomics): the key
+    alone is no atomic."""
+    pattern = r"\batomic_add(?:_vec)?\s*(?:<[^>]*>)?\s*\(|['\"]atomic_add_found['\"]\s*:\s*True"
+    return [match for source in code for match in re.findall(pattern, source)]
 
 
 def test_generated_code_has_no_atomic_adds(compiled):
