@@ -8,6 +8,7 @@
 #   train_step        bench_train_step.py         all_action_q      bench_all_action_q.py
 #   sanitize          CSAN + memcheck runs        determinism_tax   bench_determinism_tax.py + graph tax
 #   learning          bench_learning.py           health_overhead   bench_health_overhead.py (CUDA graph)
+#   collapse_recovery bench_collapse_recovery.py (train.py fit with and without the RegressionTrigger)
 #   audit             audit_gpu.py                refused_ops       bench_refused_ops.py, twice
 #   refused_ops_list  list_refused_ops.py         ddp, ddp_ablation bench_ddp.py, ddp_ablation.py (2 GPUs)
 #   gpu-tests         every test marked gpu and not multigpu; gpu-tests-multi: the multigpu tests (2 GPUs)
@@ -17,7 +18,7 @@
 # $OUT/results.tar.gz after every run: one file comes back from the device machine, and a call stopped at its
 # time limit still returns every run that finished.
 set -u
-SECTIONS="setup train_step all_action_q sanitize determinism_tax learning health_overhead audit refused_ops"
+SECTIONS="setup train_step all_action_q sanitize determinism_tax learning collapse_recovery health_overhead audit refused_ops"
 SECTIONS+=" refused_ops_list ddp ddp_ablation gpu-tests gpu-tests-multi"
 for section in "$@"; do
   case " $SECTIONS " in
@@ -199,7 +200,11 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
         done
       done ;;
     learning)
-      run bench_learning 560 python3 benchmarks/bench_learning.py --out "$RESULTS/learning" ;;
+      run bench_learning 560 python3 benchmarks/bench_learning.py --out "$RESULTS/learning" \
+        --seeds 0 1 2 3 4 5 6 7 8 9 --parallel 10 ;;
+    collapse_recovery)
+      run bench_collapse_recovery 560 python3 benchmarks/bench_collapse_recovery.py \
+        --out "$RESULTS/collapse_recovery" --seeds 1 3 ;;
     health_overhead)
       run bench_health_overhead 200 python3 benchmarks/bench_health_overhead.py --out "$RESULTS/health_overhead" \
         --num-envs 256 --rollout-length 32 --hidden-size 256 --fused-value-head --cuda-graph \
