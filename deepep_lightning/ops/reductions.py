@@ -1,4 +1,4 @@
-"""Deterministic indexed reductions: ``index_reduce`` ("prod", "mean"), ``scatter_reduce`` ("prod") and
+"""Deterministic indexed reductions: ``index_reduce`` (every reduction), ``scatter_reduce`` ("prod") and
 ``put_(accumulate=True)``, built from sorts, gathers and the fixed-order sums of
 :func:`~deepep_lightning.ops.scatter.segment_scatter_add`.
 
@@ -8,20 +8,22 @@ every output element is reduced in one fixed order, independent of thread schedu
 
 * sums (``"mean"``, ``put_``) are one sorted, fixed-order :func:`segment_scatter_add` (floating dtypes;
   integer sums are exact in any order and use PyTorch's own ``index_add``/``index_put_``);
-* products (:func:`segment_prod`) sort the keys stably and run a segmented inclusive scan
-  (Hillis-Steele: ``ceil(log2(n))`` elementwise steps with a fixed pairing), then gather each segment's
-  last element. No logarithms, so zeros, signs and integer wrap-around are those of plain products;
-  floats differ from PyTorch's sequential CPU product only by rounding (integers are equal exactly).
+* products, maxima and minima (:func:`segment_reduce`) sort the keys stably and run a segmented inclusive
+  scan (Hillis-Steele: ``ceil(log2(n))`` elementwise steps with a fixed pairing), then gather each
+  segment's last element. No logarithms, so zeros, signs and integer wrap-around are those of plain
+  products; float products differ from PyTorch's sequential CPU product only by rounding (integers, maxima
+  and minima are equal exactly; NaN propagates, as in PyTorch's ``"amax"``/``"amin"``).
 
 ``include_self`` follows PyTorch: ``True`` combines the entries with ``self``; ``False`` starts every
 row that an index reaches from the reduction's identity, and rows that no index reaches keep ``self``.
 ``"mean"`` divides by the entry count (plus one with ``include_self``), floor division for integers.
 
 Routed at the dispatcher's CUDA key (:mod:`deepep_lightning.ops._routes`) in deterministic mode:
-``index_reduce`` / ``index_reduce_`` / ``index_reduce.out`` ("prod", "mean"),
-``scatter_reduce.two`` / ``scatter_reduce_.two`` / ``scatter_reduce.two_out`` ("prod"), ``put_``
-(``accumulate=True``). ``"amax"``/``"amin"`` and every other case run PyTorch's kernel unchanged. An index
-out of range is a device-side assert on CUDA (a ``RuntimeError`` on CPU), as in PyTorch's kernels.
+``index_reduce`` / ``index_reduce_`` / ``index_reduce.out`` ("prod", "mean", "amax", "amin": PyTorch's
+CUDA kernel refuses all four), ``scatter_reduce.two`` / ``scatter_reduce_.two`` / ``scatter_reduce.two_out``
+("prod"), ``put_`` (``accumulate=True``). ``scatter_reduce``'s other reductions (deterministic in
+PyTorch) and every other case run PyTorch's kernel unchanged. An index out of range is a device-side
+assert on CUDA (a ``RuntimeError`` on CPU), as in PyTorch's kernels.
 """
 
 import torch
@@ -31,12 +33,13 @@ from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
 from deepep_lightning.ops._routes import Route, register_route
 from deepep_lightning.ops.scatter import _index_put, _index_put_covers, _write_out, segment_scatter_add
 
-__all__ = ["index_reduce", "put_accumulate", "scatter_reduce_prod", "segment_prod"]
+__all__ = ["index_reduce", "put_accumulate", "scatter_reduce_prod", "segment_reduce"]
 
 #: Dtypes the reductions take: PyTorch's CUDA ``index_reduce``/``scatter_reduce`` dtypes without bool.
 REDUCTION_DTYPES = (*FLOAT_DTYPES, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _INDEX_DTYPES = (torch.int64, torch.int32)
-_INDEX_REDUCTIONS = ("prod", "mean")
+_INDEX_REDUCTIONS = ("prod", "mean", "amax", "amin")
+_SEGMENT_COMBINE = {"prod": torch.mul, "amax": torch.maximum, "amin": torch.minimum}
 
 
 def _assert_in_range(index: Tensor, low: int, high: int, op: str) -> None:
@@ -59,53 +62,57 @@ def sorted_segments(keys: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
     return order, starts, ends - starts
 
 
-def segment_prod(values: Tensor, keys: Tensor, size: int) -> tuple[Tensor, Tensor]:
-    """Product of the rows of ``values`` that share a key: ``out[r] = prod(values[i] for keys[i] == r)``.
+def segment_reduce(values: Tensor, keys: Tensor, size: int, reduce: str = "prod") -> tuple[Tensor, Tensor]:
+    """Reduce the rows of ``values`` that share a key: ``out[r] = reduce(values[i] for keys[i] == r)``.
 
     Args:
         values: ``[n, *inner]`` tensor of one of :data:`REDUCTION_DTYPES`.
         keys: ``[n]`` int32/int64 keys in ``[0, size)``.
         size: number of output rows.
+        reduce: ``"prod"`` (default), ``"amax"`` or ``"amin"`` (NaN propagates, as ``torch.maximum``).
 
     Returns:
-        ``(products, counts)``: ``products`` ``[size, *inner]`` (1 where a key has no entry), ``counts``
-        ``[size]`` int64 entries per key. The pairing of the factors depends only on the sorted keys, so
-        the result is bitwise reproducible.
+        ``(reduced, counts)``: ``reduced`` ``[size, *inner]`` (1 for ``"prod"``, 0 otherwise where a key has
+        no entry), ``counts`` ``[size]`` int64 entries per key. The pairing of the operands depends only on
+        the sorted keys, so the result is bitwise reproducible.
 
     Raises:
-        ValueError: ``values``/``keys`` shapes, dtypes or devices that do not fit (named in the message).
+        ValueError: ``reduce`` unknown, or ``values``/``keys`` shapes, dtypes or devices that do not fit.
 
     Example::
 
-        >>> segment_prod(torch.tensor([2.0, 3.0, 5.0]), torch.tensor([1, 0, 1]), 3)[0]
+        >>> segment_reduce(torch.tensor([2.0, 3.0, 5.0]), torch.tensor([1, 0, 1]), 3)[0]
         tensor([ 3., 10.,  1.])
     """
+    if reduce not in _SEGMENT_COMBINE:
+        raise ValueError(f"segment_reduce: reduce must be one of {tuple(_SEGMENT_COMBINE)}, got {reduce!r}")
     if values.dim() == 0 or keys.dim() != 1 or keys.shape[0] != values.shape[0] or keys.dtype not in _INDEX_DTYPES:
         raise ValueError(
-            f"segment_prod: keys must be 1-D int32/int64 with one key per row of values, got keys "
+            f"segment_reduce: keys must be 1-D int32/int64 with one key per row of values, got keys "
             f"{keys.dtype} {tuple(keys.shape)} for values {tuple(values.shape)}"
         )
     if values.dtype not in REDUCTION_DTYPES or keys.device != values.device:
         raise ValueError(
-            f"segment_prod: values must be one of {list(REDUCTION_DTYPES)} on keys' device {keys.device}, "
+            f"segment_reduce: values must be one of {list(REDUCTION_DTYPES)} on keys' device {keys.device}, "
             f"got {values.dtype} on {values.device}"
         )
-    _assert_in_range(keys, 0, size, "segment_prod")
+    _assert_in_range(keys, 0, size, "segment_reduce")
+    combine = _SEGMENT_COMBINE[reduce]
     order, starts, counts = sorted_segments(keys, size)
-    products = torch.ones((size, *values.shape[1:]), dtype=values.dtype, device=values.device)
+    empty = torch.full((size, *values.shape[1:]), int(reduce == "prod"), dtype=values.dtype, device=values.device)
     n = values.shape[0]
     if n == 0:
-        return products, counts
+        return empty, counts
     scan = values.index_select(0, order)  # [n, *inner] in key order
     sorted_keys = keys.to(torch.int64).index_select(0, order)
     step = 1
-    while step < n:  # after this step, scan[i] is the product of its segment's entries in (i - 2 * step, i]
+    while step < n:  # after this step, scan[i] reduces its segment's entries in (i - 2 * step, i]
         same = (sorted_keys[step:] == sorted_keys[:-step]).view((n - step,) + (1,) * (values.dim() - 1))
-        scan = torch.cat([scan[:step], torch.where(same, scan[step:] * scan[:-step], scan[step:])])
+        scan = torch.cat([scan[:step], torch.where(same, combine(scan[:-step], scan[step:]), scan[step:])])
         step *= 2
     last = (starts + counts - 1).clamp(min=0)
     hit = (counts > 0).view((size,) + (1,) * (values.dim() - 1))
-    return torch.where(hit, scan.index_select(0, last), products), counts
+    return torch.where(hit, scan.index_select(0, last), empty), counts
 
 
 def _along(flat: Tensor, dim: int, ndim: int) -> Tensor:
@@ -119,21 +126,21 @@ def index_reduce(
     self: Tensor, dim: int, index: Tensor, source: Tensor, reduce: str, include_self: bool = True
 ) -> Tensor:
     """Deterministic ``self.index_reduce(dim, index, source, reduce, include_self=include_self)`` for
-    ``reduce`` in ``("prod", "mean")``.
+    every ``reduce`` (``"prod"``, ``"mean"``, ``"amax"``, ``"amin"``).
 
     Args:
         self: ``[*outer, size, *inner]`` tensor of one of :data:`REDUCTION_DTYPES`.
         dim: the dimension ``index`` runs along (negative counts from the end).
         index: ``[n]`` int32/int64 rows in ``[0, size)``.
         source: ``[*outer, n, *inner]`` tensor of ``self``'s dtype.
-        reduce: ``"prod"`` or ``"mean"``.
+        reduce: ``"prod"``, ``"mean"``, ``"amax"`` or ``"amin"``.
         include_self: combine with ``self`` (default) or start reached rows from the identity.
 
     Returns:
         A new tensor shaped like ``self``.
 
     Raises:
-        ValueError: ``reduce`` not one of ``("prod", "mean")``, or shapes/dtypes that do not fit.
+        ValueError: ``reduce`` not one of those, or shapes/dtypes that do not fit.
 
     Example::
 
@@ -154,10 +161,10 @@ def index_reduce(
         raise ValueError(f"index_reduce: source must have self's dtype {self.dtype}, got {source.dtype}")
     size = self.shape[dim]
     _assert_in_range(index, 0, size, "index_reduce")
-    if reduce == "prod":
-        products, counts = segment_prod(source.movedim(dim, 0), index, size)
-        products = products.movedim(0, dim)
-        combined = self * products if include_self else products
+    if reduce in _SEGMENT_COMBINE:
+        reduced, counts = segment_reduce(source.movedim(dim, 0), index, size, reduce)
+        reduced = reduced.movedim(0, dim)
+        combined = _SEGMENT_COMBINE[reduce](self, reduced) if include_self else reduced
     else:
         _, _, counts = sorted_segments(index, size)
         base = self if include_self else torch.zeros_like(self)
@@ -220,7 +227,7 @@ def scatter_reduce_prod(self: Tensor, dim: int, index: Tensor, src: Tensor, incl
         raise ValueError(f"scatter_reduce_prod: src must have self's dtype {self.dtype}, got {src.dtype}")
     _assert_in_range(index, 0, self.shape[dim], "scatter_reduce")
     values = src[tuple(slice(0, n) for n in index.shape)].reshape(-1)
-    products, counts = segment_prod(values, _scatter_positions(self, dim, index), self.numel())
+    products, counts = segment_reduce(values, _scatter_positions(self, dim, index), self.numel())
     flat_self = self.reshape(-1)
     combined = flat_self * products if include_self else products
     return torch.where(counts > 0, combined, flat_self).view(self.shape)

@@ -16,7 +16,7 @@ from deepep_lightning.ops import reductions as reductions_module
 from deepep_lightning.ops._routes import registered_routes
 from deepep_lightning.ops.histograms import bincount, histc
 from deepep_lightning.ops.median import median_dim
-from deepep_lightning.ops.reductions import index_reduce, put_accumulate, scatter_reduce_prod, segment_prod
+from deepep_lightning.ops.reductions import index_reduce, put_accumulate, scatter_reduce_prod, segment_reduce
 
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
 needs_extension = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
@@ -60,7 +60,7 @@ def _assert_matches(actual, expected):
 
 @needs_extension
 @pytest.mark.parametrize("dtype", FLOATS + INTEGERS)
-@pytest.mark.parametrize("reduce", ["prod", "mean"])
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
 @pytest.mark.parametrize("include_self", [True, False])
 @pytest.mark.parametrize("dim", [0, 1, -1])
 def test_index_reduce_matches_pytorch(dtype, reduce, include_self, dim):
@@ -77,7 +77,7 @@ def test_index_reduce_matches_pytorch(dtype, reduce, include_self, dim):
 
 
 @needs_extension
-@pytest.mark.parametrize("reduce", ["prod", "mean"])
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax"])
 def test_index_reduce_include_self_is_honoured(reduce):
     generator = torch.Generator().manual_seed(1)
     self = _values((5, 3), torch.float64, generator) + 1
@@ -121,6 +121,20 @@ def test_index_reduce_zeros_and_signs_in_products():
     assert torch.equal(expected, torch.tensor([0.0, 3.0, float("inf")]))
 
 
+@pytest.mark.parametrize("reduce", ["amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+def test_index_reduce_extrema_propagate_nan_and_keep_signed_zeros(reduce, include_self):
+    nan = float("nan")
+    self = torch.tensor([1.0, nan, 3.0, -0.0, 0.0])
+    index = torch.tensor([0, 0, 1, 2, 2, 3, 4, 4])
+    source = torch.tensor([nan, 2.0, 5.0, 1.0, nan, 0.0, -0.0, 0.0])
+    ours = index_reduce(self, 0, index, source, reduce, include_self)
+    theirs = self.index_reduce(0, index, source, reduce, include_self=include_self)
+    assert torch.equal(torch.isnan(ours), torch.isnan(theirs)) and torch.isnan(ours[0])
+    assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
+    assert torch.equal(torch.signbit(ours), torch.signbit(theirs))
+
+
 def test_index_reduce_rejects_bad_arguments():
     self, index, source = torch.ones(4, 2), torch.tensor([0, 4]), torch.ones(2, 2)
     with pytest.raises(RuntimeError, match="index out of range"):
@@ -128,7 +142,7 @@ def test_index_reduce_rejects_bad_arguments():
     with pytest.raises(RuntimeError, match="index out of range"):
         index_reduce(self, 0, torch.tensor([-1, 0]), source, "mean")
     with pytest.raises(ValueError, match="reduce must be one of"):
-        index_reduce(self, 0, torch.tensor([0, 1]), source, "amax")
+        index_reduce(self, 0, torch.tensor([0, 1]), source, "sum")
     with pytest.raises(ValueError, match="dim 2"):
         index_reduce(self, 2, torch.tensor([0, 1]), source, "prod")
     with pytest.raises(ValueError, match="source must have self's dtype"):
@@ -301,17 +315,21 @@ def test_median_nan_zero_dim_and_empty():
         median_dim(torch.zeros(2, dtype=torch.bool), 0)
 
 
-# ---- segment_prod, route wrappers and the route table --------------------------------------------------
+# ---- segment_reduce, route wrappers and the route table --------------------------------------------------
 
 
-def test_segment_prod_counts_and_empty_rows():
-    products, counts = segment_prod(torch.tensor([2.0, 3.0, 5.0, 7.0]), torch.tensor([3, 0, 3, 3]), 5)
+def test_segment_reduce_counts_and_empty_rows():
+    products, counts = segment_reduce(torch.tensor([2.0, 3.0, 5.0, 7.0]), torch.tensor([3, 0, 3, 3]), 5)
     assert torch.equal(products, torch.tensor([3.0, 1.0, 1.0, 70.0, 1.0]))
     assert torch.equal(counts, torch.tensor([1, 0, 0, 3, 0]))
-    products, counts = segment_prod(torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64), 2)
+    products, counts = segment_reduce(torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64), 2)
     assert torch.equal(products, torch.ones(2, 2)) and torch.equal(counts, torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="keys must be 1-D"):
-        segment_prod(torch.ones(3), torch.tensor([0, 1]), 2)
+        segment_reduce(torch.ones(3), torch.tensor([0, 1]), 2)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        segment_reduce(torch.ones(2), torch.tensor([0, 1]), 2, "sum")
+    maxima, _ = segment_reduce(torch.tensor([2.0, 3.0, -5.0]), torch.tensor([1, 1, 0]), 2, "amax")
+    assert torch.equal(maxima, torch.tensor([-5.0, 3.0]))
 
 
 @needs_extension
@@ -348,7 +366,8 @@ def test_routes_are_registered_and_leave_other_cases_to_pytorch():
     cpu, index = torch.ones(4, 3), torch.tensor([0, 1])
     assert routes["index_reduce"].covers(cpu, 0, index, torch.ones(2, 3), "prod") is not None  # CPU
     meta = torch.ones(4, 3, device="meta")
-    assert "amax" in routes["index_reduce"].covers(meta, 0, index, meta[:2], "amax")
+    assert "'sum' is left to PyTorch" in routes["index_reduce"].covers(meta, 0, index, meta[:2], "sum")
+    assert "CUDA" in routes["index_reduce"].covers(meta, 0, index, meta[:2], "amax")
     assert "'sum'" in routes["scatter_reduce.two"].covers(meta, 0, index.view(2, 1), meta, "sum")
     assert "accumulate=False" in routes["put_"].covers(meta, index, meta[0, :2], False)
     assert "without weights" in routes["bincount"].covers(torch.tensor([1, 2]))
@@ -366,10 +385,9 @@ def _cuda_cases():
 
     def data(device, *shape, seed=0, positive=True):
         generator = torch.Generator().manual_seed(seed)
-        values = torch.rand(*shape, generator=generator, dtype=torch.float64) + 0.5 if positive else None
-        if not positive:
-            values = torch.randn(*shape, generator=generator, dtype=torch.float64)
-        return values.float().to(device)
+        if positive:  # near 1: long products stay in range
+            return (torch.rand(*shape, generator=generator, dtype=torch.float64) + 0.5).float().to(device)
+        return torch.randn(*shape, generator=generator).to(device)
 
     def index(device, high, *shape, seed=1):
         return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed)).to(device)
@@ -384,6 +402,10 @@ def _cuda_cases():
             lambda d: data(d, 500, 3).index_reduce(
                 0, index(d, 500, 20_000), data(d, 20_000, 3, seed=2), "mean", include_self=False
             ),
+        ),
+        "index_reduce_amin": (
+            "index_reduce",
+            lambda d: data(d, 500, 3).index_reduce(0, index(d, 500, 20_000), data(d, 20_000, 3, seed=2), "amin"),
         ),
         "index_reduce__mean": (
             "index_reduce_",
