@@ -1,4 +1,4 @@
-"""Deterministic ``median`` along a dimension, values and indices.
+"""Deterministic ``median`` and ``nanmedian`` along a dimension, values and indices.
 
 PyTorch's CUDA ``median(dim)`` refuses ``torch.use_deterministic_algorithms(True)`` ("median CUDA with
 indices output") because, when the median value occurs more than once, which of its positions the
@@ -12,12 +12,16 @@ stable order:
   ``k``-th occurrence where ``k`` counts the smaller values;
 * NaN: the first NaN in position order (as PyTorch's CPU kernel returns).
 
+:func:`nanmedian_dim` ranks only the non-NaN values (the element of rank ``(m - 1) // 2`` of the ``m``
+numbers); a slice of NaN alone gives NaN at its first position (PyTorch's CPU kernel names one of the
+NaN positions, not always the first).
+
 PyTorch's CPU kernel (``nth_element``) makes no promise among ties; on the cases the tests try it
 returns the same positions. The sort is ``O(n log n)`` per slice where PyTorch's selection is linear.
 
 Routed at the dispatcher's CUDA key (:mod:`deepep_lightning.ops._routes`) in deterministic mode:
-``median.dim_values``, which the composite ``median.dim`` (``tensor.median(dim)``) calls. A reduced
-dimension of size 0 raises PyTorch's ``IndexError``.
+``median.dim_values`` and ``nanmedian.dim_values``, which the composites ``median.dim`` / ``nanmedian.dim``
+(``tensor.median(dim)``) call. A reduced dimension of size 0 raises PyTorch's ``IndexError``.
 """
 
 import torch
@@ -25,7 +29,7 @@ from torch import Tensor
 
 from deepep_lightning.ops._routes import Route, register_route
 
-__all__ = ["median_dim"]
+__all__ = ["median_dim", "nanmedian_dim"]
 
 _DTYPES = (
     torch.float16,
@@ -62,28 +66,52 @@ def median_dim(self: Tensor, dim: int, keepdim: bool = False) -> tuple[Tensor, T
         values=tensor([1.]),
         indices=tensor([2]))
     """
+    values, indices = _median(self, dim, keepdim, ignore_nan=False, op="median")
+    return torch.return_types.median((values, indices))
+
+
+def nanmedian_dim(self: Tensor, dim: int, keepdim: bool = False) -> tuple[Tensor, Tensor]:
+    """Deterministic ``self.nanmedian(dim, keepdim)``: the lower median of the non-NaN values.
+
+    Args, returns and raises as :func:`median_dim`.
+
+    Example::
+
+        >>> nanmedian_dim(torch.tensor([[3.0, float("nan"), 1.0]]), 1)
+        torch.return_types.nanmedian(
+        values=tensor([1.]),
+        indices=tensor([2]))
+    """
+    values, indices = _median(self, dim, keepdim, ignore_nan=True, op="nanmedian")
+    return torch.return_types.nanmedian((values, indices))
+
+
+def _median(self: Tensor, dim: int, keepdim: bool, ignore_nan: bool, op: str) -> tuple[Tensor, Tensor]:
     if self.dtype not in _DTYPES:
-        raise ValueError(f"median_dim: self must be one of {list(_DTYPES)}, got {self.dtype}")
+        raise ValueError(f"{op}_dim: self must be one of {list(_DTYPES)}, got {self.dtype}")
     ndim = max(self.dim(), 1)
     if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
-        raise IndexError(f"median_dim: dim must be in [{-ndim}, {ndim}), got {dim!r}")
+        raise IndexError(f"{op}_dim: dim must be in [{-ndim}, {ndim}), got {dim!r}")
     dim %= ndim
     if self.dim() == 0:
-        return torch.return_types.median((self.clone(), torch.zeros((), dtype=torch.int64, device=self.device)))
+        return self.clone(), torch.zeros((), dtype=torch.int64, device=self.device)
     n = self.shape[dim]
     if n == 0:
-        raise IndexError(f"median(): Expected reduction dim {dim} to have non-zero size.")
+        raise IndexError(f"{op}(): Expected reduction dim {dim} to have non-zero size.")
     values, order = torch.sort(self, dim=dim, stable=True)  # NaN sorts last, in position order
     shape = list(self.shape)
     shape[dim] = 1
     rank = torch.full(shape, (n - 1) // 2, dtype=torch.int64, device=self.device)
     if self.is_floating_point():
         nans = torch.isnan(self).sum(dim, keepdim=True)
-        rank = torch.where(nans > 0, n - nans, rank)
+        if ignore_nan:  # rank among the non-NaN values; all NaN: the first NaN
+            rank = torch.div(n - nans - 1, 2, rounding_mode="floor").clamp(min=0)
+        else:  # any NaN: the first NaN
+            rank = torch.where(nans > 0, n - nans, rank)
     median_values, median_indices = values.gather(dim, rank), order.gather(dim, rank)
     if not keepdim:
         median_values, median_indices = median_values.squeeze(dim), median_indices.squeeze(dim)
-    return torch.return_types.median((median_values, median_indices))
+    return median_values, median_indices
 
 
 # ---- route ----------------------------------------------------------------------------------------------
@@ -101,13 +129,21 @@ def _covers(self, dim, keepdim=False, *, values, indices) -> str | None:
     return None
 
 
-def _route(self, dim, keepdim=False, *, values, indices):
-    result_values, result_indices = median_dim(self, dim, keepdim)
-    for out, result in ((values, result_values), (indices, result_indices)):
-        if tuple(out.shape) != tuple(result.shape):
-            out.resize_(result.shape)
-        out.copy_(result)
+def _write(values: Tensor, indices: Tensor, result: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    for out, computed in zip((values, indices), result):
+        if tuple(out.shape) != tuple(computed.shape):
+            out.resize_(computed.shape)
+        out.copy_(computed)
     return values, indices
 
 
+def _route(self, dim, keepdim=False, *, values, indices):
+    return _write(values, indices, _median(self, dim, keepdim, ignore_nan=False, op="median"))
+
+
+def _nan_route(self, dim, keepdim=False, *, values, indices):
+    return _write(values, indices, _median(self, dim, keepdim, ignore_nan=True, op="nanmedian"))
+
+
 register_route(Route("median.dim_values", _route, _covers))
+register_route(Route("nanmedian.dim_values", _nan_route, _covers))

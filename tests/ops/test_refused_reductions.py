@@ -15,7 +15,7 @@ from deepep_lightning.ops import median as median_module
 from deepep_lightning.ops import reductions as reductions_module
 from deepep_lightning.ops._routes import registered_routes
 from deepep_lightning.ops.histograms import bincount, histc
-from deepep_lightning.ops.median import median_dim
+from deepep_lightning.ops.median import median_dim, nanmedian_dim
 from deepep_lightning.ops.reductions import index_reduce, put_accumulate, scatter_reduce_prod, segment_reduce
 
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
@@ -32,6 +32,7 @@ ROUTED = {
     "scatter_reduce.two_out",
     "put_",
     "median.dim_values",
+    "nanmedian.dim_values",
     "histc",
     "histc.out",
     "bincount",
@@ -315,6 +316,24 @@ def test_median_nan_zero_dim_and_empty():
         median_dim(torch.zeros(2, dtype=torch.bool), 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16])
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_nanmedian_ranks_the_numbers_and_matches_pytorch(dtype, keepdim):
+    nan = float("nan")
+    generator = torch.Generator().manual_seed(9)
+    values = torch.randperm(8 * 7, generator=generator).view(8, 7).to(dtype)
+    values[torch.rand(8, 7, generator=generator) < 0.4] = nan
+    values[0] = nan  # all NaN: NaN at the first position
+    values[1, :3] = torch.tensor([nan, 2.0, 2.0])  # ties among the numbers
+    ours = nanmedian_dim(values, 1, keepdim)
+    theirs = values.nanmedian(1, keepdim)
+    assert torch.equal(ours.values.nan_to_num(-1), theirs.values.nan_to_num(-1))
+    # All NaN: the first position (PyTorch's CPU kernel names any one of them); other rows as PyTorch.
+    assert ours.indices[0].flatten().tolist() == [0]
+    assert torch.equal(ours.indices[1:], theirs.indices[1:])
+    assert not torch.equal(ours.values.nan_to_num(-1), median_dim(values, 1, keepdim).values.nan_to_num(-1))
+
+
 # ---- segment_reduce, route wrappers and the route table --------------------------------------------------
 
 
@@ -427,6 +446,17 @@ def _cuda_cases():
                 .float()
                 .to(d)
                 .median(1)
+            ),
+        ),
+        "nanmedian_dim": (
+            "nanmedian.dim_values",
+            lambda d: tuple(
+                torch.randperm(300 * 257, generator=torch.Generator().manual_seed(4))
+                .view(300, 257)
+                .float()
+                .where(torch.rand(300, 257, generator=torch.Generator().manual_seed(5)) > 0.3, float("nan"))
+                .to(d)
+                .nanmedian(1)
             ),
         ),
         "median_dim_ties": ("median.dim_values", lambda d: _median_ties(index(d, 7, 300, 257).float())),
