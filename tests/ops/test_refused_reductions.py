@@ -9,11 +9,11 @@ repeats bitwise ×20. Run there: ``python -m pytest tests/ops/test_refused_reduc
 import pytest
 import torch
 
-from deepep_lightning.ops import extension_available, routed_aten_ops
+from deepep_lightning.ops import _routes, extension_available, routed_aten_ops
 from deepep_lightning.ops import histograms as histograms_module
 from deepep_lightning.ops import median as median_module
 from deepep_lightning.ops import reductions as reductions_module
-from deepep_lightning.ops._routes import registered_routes
+from deepep_lightning.ops._routes import Route, registered_routes
 from deepep_lightning.ops.histograms import bincount, histc
 from deepep_lightning.ops.median import median_dim, nanmedian_dim
 from deepep_lightning.ops.reductions import index_reduce, put_accumulate, scatter_reduce_prod, segment_reduce
@@ -394,6 +394,65 @@ def test_routes_are_registered_and_leave_other_cases_to_pytorch():
     assert "CUDA" in routes["median.dim_values"].covers(
         cpu, 0, values=torch.empty(0), indices=torch.empty(0, dtype=torch.int64)
     )
+
+
+def _dispatcher_calls():
+    """aten op -> a call that reaches it through the dispatcher (CPU tensors)."""
+    generator = torch.Generator().manual_seed(10)
+    self = _values((6, 4), torch.float64, generator)
+    index = torch.tensor([5, 0, 5, 2, 5])
+    source = _values((5, 4), torch.float64, generator)
+    scatter_index = index.view(5, 1).expand(5, 4)
+    weights = torch.randn(5, generator=generator, dtype=torch.float64)
+    samples = torch.randn(300, generator=generator)
+    return {
+        "index_reduce": lambda: self.index_reduce(0, index, source, "prod", include_self=False),
+        "index_reduce_": lambda: self.clone().index_reduce_(0, index, source, "mean"),
+        "index_reduce.out": lambda: torch.index_reduce(self, 0, index, source, "amax", out=torch.empty(0).double()),
+        "scatter_reduce.two": lambda: self.scatter_reduce(0, scatter_index, source, "prod", include_self=False),
+        "scatter_reduce_.two": lambda: self.clone().scatter_reduce_(0, scatter_index, source, "prod"),
+        "scatter_reduce.two_out": lambda: torch.scatter_reduce(
+            self, 0, scatter_index, source, "prod", out=torch.empty(0).double()
+        ),
+        "put_": lambda: self.clone().put_(index * 4 - 3, weights, accumulate=True),
+        "median.dim_values": lambda: tuple(self.median(1)),
+        "nanmedian.dim_values": lambda: tuple(self.nanmedian(0, keepdim=True)),
+        "histc": lambda: torch.histc(samples, 10),
+        "histc.out": lambda: torch.histc(samples, 7, -1, 1, out=torch.empty(0)),
+        "bincount": lambda: torch.bincount(index, weights=weights, minlength=8),
+    }
+
+
+@needs_extension
+def test_routes_reached_through_the_dispatcher_equal_pytorch(monkeypatch):
+    """The routes installed at the CPU key (covering CPU here): the dispatcher hands them the aten op's
+    arguments (keyword-only ones included) and their results equal PyTorch's kernels."""
+    calls = _dispatcher_calls()
+    expected = {name: call() for name, call in calls.items()}
+    hits: list[str] = []
+    for name in calls:
+        route = registered_routes()[name]
+
+        def counted(*args, _route=route, **kwargs):
+            hits.append(_route.aten_op)
+            return _route.deterministic(*args, **kwargs)
+
+        monkeypatch.setitem(_routes._routes, name, Route(name, counted, lambda *args, **kwargs: None))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    _routes.enable_routes("CPU")
+    try:
+        for name, call in calls.items():
+            for got, want in zip(_as_tuple(call()), _as_tuple(expected[name])):
+                _assert_matches(got, want)
+            assert hits[-1] == name
+    finally:
+        _routes.disable_routes()
+        torch.use_deterministic_algorithms(was)
+    assert sorted(set(hits)) == sorted(calls)
+    hits.clear()
+    calls["histc"]()  # negative control: routing off, PyTorch's kernel
+    assert hits == []
 
 
 # ---- GPU: the routed aten ops under deterministic mode -------------------------------------------------
