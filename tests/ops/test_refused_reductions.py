@@ -584,7 +584,14 @@ def test_probe_forward_and_backward_cuda_do_not_raise(name, deterministic_routin
 
 
 @pytest.mark.gpu
-def test_outside_deterministic_mode_pytorch_kernels_run_cuda(deterministic_routing):
-    torch.use_deterministic_algorithms(False)
+def test_route_runs_only_in_deterministic_mode_cuda(deterministic_routing, monkeypatch):
+    def planted(*args, **kwargs):
+        raise AssertionError("the deterministic histc ran")
+
+    monkeypatch.setattr(histograms_module, "histc", planted)
     values = torch.randn(1000, device="cuda")
+    torch.use_deterministic_algorithms(False)
     assert torch.equal(torch.histc(values, 10).cpu(), torch.histc(values.cpu(), 10))  # PyTorch's atomic kernel
+    torch.use_deterministic_algorithms(True)
+    with pytest.raises(AssertionError, match="the deterministic histc ran"):  # negative control: routed
+        torch.histc(values, 10)
