@@ -131,7 +131,8 @@ class DeterministicDDPStrategy(DDPStrategy):
             many virtual ranks whatever the number of processes ``W``; each process accumulates
             ``virtual_world_size / W`` micro-batches (set ``accumulate_grad_batches`` to that). With
             ``virtual_world_size=4``, 1, 2 and 4 processes give bitwise-equal weights (a plain module
-            under automatic optimisation; see :mod:`~deepep_lightning.strategies.virtual_shards`).
+            under automatic optimisation; see :mod:`~deepep_lightning.strategies.virtual_shards`; DeepEP
+            runs its rollouts per virtual rank, :mod:`~deepep_lightning.deepep.virtual_ranks`).
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (and DDP).
 
     Raises:

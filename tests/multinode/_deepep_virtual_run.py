@@ -1,0 +1,112 @@
+"""Test helper: one ``fit`` of a tiny DeepEP agent with ``DeterministicDDPStrategy`` (gloo, CPU), in a fresh process.
+
+Usage (from the tests)::
+
+    python _deepep_virtual_run.py --out DIR --devices W [--virtual K] [--max-steps S] [--save-at S] [--resume CKPT]
+
+With ``--virtual K`` the strategy gets ``virtual_world_size=K`` and the trainer accumulates ``K / W``
+micro-batches. Lightning's subprocess launcher re-runs this script for ranks >= 1. Every rank writes
+``DIR/rank{r}.json``: ``micro`` (``[step, virtual rank, loss]`` of every training step call),
+``logged`` (``[step, train/loss, train/episode_return_100, train/grad_norm]`` after every optimizer
+step), ``final_metrics`` (every callback metric after ``fit``, the epoch's ``train/episode_return``
+included), floats as ``float.hex``, the virtual ranks of its rollout state and the fingerprint; and
+``DIR/weights_rank{r}.pt`` (its final ``state_dict``). ``--save-at S`` writes ``DIR/stepS.ckpt`` after
+optimizer step ``S`` (all ranks take part: the strategy gathers every rank's rollout state).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+SEED = 4321
+SIZES = {"num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch": 4}
+
+
+def _module():
+    from deepep_lightning.deepep import DeepEPModule
+
+    class TracedDeepEP(DeepEPModule):
+        def __init__(self, **kwargs) -> None:
+            super().__init__(**kwargs)
+            self.micro: list = []
+            self.logged: list = []
+
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.micro.append([int(self.global_step), self._rank(), float(loss.detach()).hex()])
+            return loss
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if (batch_idx + 1) % self.trainer.accumulate_grad_batches:
+                return  # mid-window: no optimizer step yet
+            metrics = self.trainer.callback_metrics
+            names = ("train/loss", "train/episode_return_100", "train/grad_norm")
+            self.logged.append([int(self.global_step)] + [float(metrics[name]).hex() for name in names])
+
+    return TracedDeepEP(env="cartpole", seed=SEED, fused_value_head=False, **SIZES)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--virtual", type=int, default=None, help="virtual_world_size (default: off)")
+    parser.add_argument("--max-steps", type=int, default=6)
+    parser.add_argument("--save-at", type=int, default=0, help="checkpoint after this optimizer step")
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args(argv)
+
+    import lightning.pytorch as pl
+
+    from deepep_lightning.determinism import configure
+    from deepep_lightning.strategies import DeterministicDDPStrategy
+
+    class SaveAtStep(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            window_end = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+            if args.save_at and trainer.global_step == args.save_at and window_end:
+                trainer.save_checkpoint(os.path.join(args.out, f"step{args.save_at}.ckpt"))  # every rank
+
+    configure(SEED)
+    model = _module()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=DeterministicDDPStrategy(virtual_world_size=args.virtual),
+        accumulate_grad_batches=args.virtual // args.devices if args.virtual else 1,
+        max_steps=args.max_steps,
+        logger=False,
+        default_root_dir=args.out,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        num_sanity_val_steps=0,
+        callbacks=[SaveAtStep()],
+    )
+    trainer.fit(model, ckpt_path=args.resume)
+    record = {
+        "rank": trainer.global_rank,
+        "global_step": trainer.global_step,
+        "micro": model.micro,
+        "logged": model.logged,
+        "final_metrics": {name: float(value).hex() for name, value in sorted(trainer.callback_metrics.items())},
+        "rollout_state_ranks": sorted(model.rollout_state_dict().get("virtual", {})),
+        "fingerprint": trainer.strategy.fingerprint(),
+    }
+    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as handle:
+        json.dump(record, handle, indent=1)
+    weights = {k: v.cpu() for k, v in model.state_dict().items()}
+    torch.save(weights, os.path.join(args.out, f"weights_rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
