@@ -90,7 +90,7 @@ class DeepEPModule(pl.LightningModule):
     ``compile_step`` or ``target_entropy``).
 
     Args:
-        env: ``"cartpole"`` (CartPole-v1) or ``"memory"`` (cue recall, see ``env_kwargs``).
+        env: ``"cartpole"`` (CartPole, 500-step episodes) or ``"memory"`` (cue recall, see ``env_kwargs``).
         num_envs: environments stepped together (B).
         rollout_length: timesteps per training step (T); BPTT runs over them.
         hidden_size: recurrent state and MLP width.

@@ -82,7 +82,7 @@ class _FinishedEpisodes(pl.Callback):
 
 def test_short_seeded_run_beats_the_random_policy():
     random_mean = _random_policy_mean_return()
-    assert 18 < random_mean < 28  # CartPole-v1 under a uniform policy: ~22
+    assert 18 < random_mean < 28  # CartPole under a uniform policy: ~22
     episodes = _FinishedEpisodes()
     model = DeepEPModule(num_envs=32, rollout_length=32, hidden_size=64, seed=0)
     trainer = pl.Trainer(

@@ -133,7 +133,7 @@ def _strategy(args):
 
 
 def _torchrun(args, argv: list[str]) -> None:
-    """Replace this process by ``torchrun`` running this script for one node (same pid: same session)."""
+    """Replace this process by ``torchrun`` running this script for one node (same pid: same process group)."""
     rest = [a for a in argv if a not in ("--launcher", "torchrun")]
     command = [
         sys.executable,

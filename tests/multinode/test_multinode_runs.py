@@ -1,7 +1,7 @@
 """Multi-node runs simulated with real processes: gloo over loopback, one launch per simulated node.
 
-Every run is ``_multinode_run.py`` (4 processes in all) under a hard timeout that kills the whole
-session. The reference is one node with 4 processes; the others lay the same world size out as 2
+Every run is ``_multinode_run.py`` (4 processes in all) under a hard timeout that kills its whole
+process group. The reference is one node with 4 processes; the others lay the same world size out as 2
 nodes x 2 processes, launched by Lightning (``NODE_RANK``, node-local directories) or by
 ``torchrun`` (``TorchElasticEnvironment``, one shared directory). Runs start on first use and are
 shared by the tests of this module. The plain module is a small MLP with dropout and a shuffled

@@ -1,4 +1,4 @@
-"""Batched CartPole with gymnasium ``CartPole-v1`` constants and Euler dynamics."""
+"""Batched CartPole with gymnasium's CartPole constants (500-step episodes) and Euler dynamics."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ RESET_LOW, RESET_HIGH = -0.05, 0.05
 
 
 class BatchedCartPole(BatchedEnv):
-    """``num_envs`` CartPole-v1 environments as one ``[B, 4]`` state tensor.
+    """``num_envs`` CartPole environments as one ``[B, 4]`` state tensor.
 
     Dynamics, thresholds and rewards follow gymnasium's ``CartPoleEnv`` (``kinematics_integrator="euler"``):
     reward 1 on every step including the terminating one; terminated when ``|x| > 2.4`` or
@@ -39,7 +39,7 @@ class BatchedCartPole(BatchedEnv):
     Args:
         num_envs: number of environments B.
         device: where the state lives.
-        max_episode_steps: truncation length (500 for v1).
+        max_episode_steps: truncation length (500, gymnasium's CartPole).
 
     Example::
 
