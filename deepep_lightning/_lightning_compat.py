@@ -29,6 +29,7 @@ __all__ = [
     "ddp_comm_hook",
     "ddp_kwargs",
     "epoch_result_collection",
+    "finish_restored_epoch",
     "metric_state_names",
     "metric_update_count",
     "module_tracker",
@@ -107,6 +108,35 @@ def epoch_result_collection(trainer: "pl.Trainer") -> dict[str, Any]:
     Empty when the loop has none yet.
     """
     return getattr(trainer.fit_loop.epoch_loop, "_results", {}) or {}
+
+
+def finish_restored_epoch(trainer: "pl.Trainer") -> bool:
+    """Close the epoch a checkpoint written in ``on_train_epoch_end`` belongs to; returns whether one was closed.
+
+    With ``max_steps`` set, Lightning's fit loop restarts even when the checkpoint's epoch ran all its
+    batches (``FitLoop.restarting`` is forced for iteration-based training): it re-enters that epoch,
+    whose epoch loop is not done until validation ran, and trains one more batch from a fresh loader
+    iterator, stepping on it alone as the epoch's last. Without ``max_steps`` the fit loop does not
+    restart and starts the next epoch. This gives the ``max_steps`` resume that path: it marks the
+    epoch completed (``fit_loop.epoch_progress``), clears the restart stages of the fit and epoch loops
+    and their ``restarting`` flag (children included, through ``_Loop.restarting``'s setter, which
+    ``FitLoop`` overrides to keep it on), so the epoch loop resets its batch counters for the next
+    epoch. Only the epoch-end stage is touched (``fit_loop.restarted_on_epoch_end`` with the epoch
+    loop ``restarted_on_last``); any other checkpoint resumes as Lightning restores it. Runs after
+    ``FitLoop.reset`` (it decides the stages), before the first epoch starts: ``on_train_start``.
+    """
+    from lightning.pytorch.loops.loop import _Loop
+
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    if not (fit_loop.restarting and fit_loop.restarted_on_epoch_end and epoch_loop.restarted_on_last):
+        return False
+    fit_loop.epoch_progress.increment_completed()
+    fit_loop.reset_restart_stage()
+    epoch_loop.reset_restart_stage()
+    loop_restarting: Any = _Loop.restarting  # the base setter, which FitLoop's override would turn back on
+    loop_restarting.fset(fit_loop, False)
+    return True
 
 
 def load_pending_loader_states(trainer: "pl.Trainer") -> bool:

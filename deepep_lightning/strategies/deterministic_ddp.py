@@ -462,8 +462,18 @@ class DeterministicDDPStrategy(DDPStrategy):
 
     @override
     def on_train_start(self) -> None:
+        """Log the fingerprint (rank 0); a resume from an epoch-end checkpoint starts the next epoch.
+
+        With ``max_steps`` set, Lightning re-enters the finished epoch of a checkpoint written in
+        ``on_train_epoch_end`` and trains one extra batch, stepping on it alone: a batch the
+        uninterrupted run never trains, and in world-size-invariant mode a step of one micro-batch
+        instead of ``virtual_world_size / world_size``
+        (:func:`~deepep_lightning._lightning_compat.finish_restored_epoch`).
+        """
         super().on_train_start()
         trainer = _lightning_compat.attached_trainer(self.lightning_module)
+        if trainer is not None and _lightning_compat.finish_restored_epoch(trainer):
+            log.debug("resumed at an epoch's end: epoch %d starts", trainer.current_epoch)
         if trainer is None or not trainer.is_global_zero:
             return
         record = self.fingerprint()
