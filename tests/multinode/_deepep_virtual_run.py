@@ -17,13 +17,13 @@ optimizer step ``S`` (all ranks take part: the strategy gathers every rank's rol
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from _virtual_fit import virtual_trainer, write_rank_outputs  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -68,7 +68,6 @@ def main(argv: list[str]) -> None:
     import lightning.pytorch as pl
 
     from deepep_lightning.determinism import configure
-    from deepep_lightning.strategies import DeterministicDDPStrategy
 
     class SaveAtStep(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -78,20 +77,7 @@ def main(argv: list[str]) -> None:
 
     configure(SEED)
     model = _module()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=DeterministicDDPStrategy(virtual_world_size=args.virtual),
-        accumulate_grad_batches=args.virtual // args.devices if args.virtual else 1,
-        max_steps=args.max_steps,
-        logger=False,
-        default_root_dir=args.out,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        callbacks=[SaveAtStep()],
-    )
+    trainer = virtual_trainer(args.devices, args.virtual, args.max_steps, args.out, [SaveAtStep()])
     trainer.fit(model, ckpt_path=args.resume)
     record = {
         "rank": trainer.global_rank,
@@ -102,10 +88,7 @@ def main(argv: list[str]) -> None:
         "rollout_state_ranks": sorted(model.rollout_state_dict().get("virtual", {})),
         "fingerprint": trainer.strategy.fingerprint(),
     }
-    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as handle:
-        json.dump(record, handle, indent=1)
-    weights = {k: v.cpu() for k, v in model.state_dict().items()}
-    torch.save(weights, os.path.join(args.out, f"weights_rank{trainer.global_rank}.pt"))
+    write_rank_outputs(args.out, trainer.global_rank, record, model)
 
 
 if __name__ == "__main__":

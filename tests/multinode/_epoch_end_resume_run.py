@@ -19,13 +19,13 @@ correction (``_lightning_compat.finish_restored_epoch``) is switched off.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+from _virtual_fit import virtual_trainer, write_rank_outputs  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -78,7 +78,6 @@ def main(argv: list[str]) -> None:
 
     from deepep_lightning import _lightning_compat
     from deepep_lightning.determinism import configure
-    from deepep_lightning.strategies import DeterministicDDPStrategy
 
     if args.lightning_restart:
         _lightning_compat.finish_restored_epoch = lambda trainer: False
@@ -95,26 +94,10 @@ def main(argv: list[str]) -> None:
 
     configure(SEED)
     model = _tiny_module() if args.module == "tiny" else _deepep_module()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=DeterministicDDPStrategy(virtual_world_size=args.virtual),
-        accumulate_grad_batches=args.virtual // args.devices,
-        max_steps=args.max_steps,
-        logger=False,
-        default_root_dir=args.out,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        num_sanity_val_steps=0,
-        callbacks=[Trace()],
-    )
+    trainer = virtual_trainer(args.devices, args.virtual, args.max_steps, args.out, [Trace()])
     trainer.fit(model, ckpt_path=args.resume)
     record = {"rank": trainer.global_rank, "global_step": trainer.global_step, "micro": micro}
-    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as handle:
-        json.dump(record, handle, indent=1)
-    weights = {k: v.cpu() for k, v in model.state_dict().items()}
-    torch.save(weights, os.path.join(args.out, f"weights_rank{trainer.global_rank}.pt"))
+    write_rank_outputs(args.out, trainer.global_rank, record, model)
 
 
 if __name__ == "__main__":
