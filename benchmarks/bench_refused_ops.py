@@ -13,11 +13,20 @@ host time per call beside it:
 * ``pytorch_deterministic_decomposition`` (interpolate only): ``F.interpolate`` inside
   deterministic mode, where PyTorch switches CUDA inputs to a pure-PyTorch decomposition.
 
-The ops routed at the dispatcher (``nll_loss2d_forward``, adaptive avg pool 2-D/3-D, ``avg_pool3d``,
-reflection/replication padding backwards) are timed as their aten op called directly:
+The ops routed at the dispatcher (``nll_loss2d_forward``, adaptive/3-D pooling and padding backwards,
+``_ctc_loss_backward``, ``index_add``/``scatter_add``/``_index_put_impl_``, ``index_reduce`` (prod, mean,
+amax, amin), ``scatter_reduce.two`` (prod), ``put_`` (accumulate), ``median.dim_values`` /
+``nanmedian.dim_values``, ``histc``, ``bincount`` with weights) are timed as the aten overload the route
+registers (``torch.ops.aten.<op>.<overload>``), called directly with that overload's arguments:
 ``deepep_deterministic`` with the routing on and deterministic mode on, ``pytorch_atomic`` with the
-routing off and deterministic mode off. Each row also holds the peak extra CUDA memory of one call
-(``peak_extra_mib``: peak allocated during the call minus allocated before it, outputs included).
+routing off and deterministic mode off, and ``pytorch_deterministic`` (routing off, deterministic mode
+on) for the ops where PyTorch has a deterministic kernel of its own (:data:`HAS_PYTORCH_DETERMINISTIC`;
+the others raise there). Each row also holds the peak extra CUDA memory of one call
+(``peak_extra_mib``: peak allocated during the call minus allocated before it, outputs included, except
+the preallocated ``values``/``indices`` of ``median.dim_values``), and for a routed op the route's
+verdict on those arguments (``route_covers``: ``None`` when the deterministic implementation runs, else
+why PyTorch's kernel does); on CUDA a routed row whose case the route does not cover fails the run,
+since its ``deepep_deterministic`` column would time PyTorch's kernel.
 
 The issue's target: ``deepep_deterministic`` <= 1.0x ``pytorch_atomic`` median, <= 1.3x worst. Writes
 ``DIR/refused_ops.json`` (< 2 min on an H200)::
@@ -25,7 +34,8 @@ The issue's target: ``deepep_deterministic`` <= 1.0x ``pytorch_atomic`` median, 
     PYTHONPATH=$PWD python benchmarks/bench_refused_ops.py --out benchmarks/results/refused_ops
 
 Per shape it also checks that ``deepep_deterministic`` repeats bitwise (``repeat_bitwise``; the
-script exits non-zero when a shape does not).
+script exits non-zero when a shape does not). ``--ops index_reduce,histc`` times only those ops
+(``grid_sample``, ``interpolate_bilinear`` or keys of :data:`ROUTED_SHAPES`).
 ``--profile`` writes ``DIR/refused_ops_profile.txt``: per shape and method, torch.profiler's
 kernel table (where the time goes: launches, sort, gather, fills, CPU overhead), and adds each
 method's GPU kernel time per call to the JSON (``kernel_ms``, ``kernel_ratio_vs_atomic``).
@@ -110,6 +120,34 @@ ROUTED_SHAPES = {
     "index_add": [((1000,), 8 * 2**20), ((10000, 64), 2**20), ((100000,), 2**20)],  # (self shape, entries)
     "scatter_add": [((1000,), 8 * 2**20), ((100000,), 2**20), ((10, 1000), 2**20)],
     "_index_put_impl_": [((100000, 128), 2**20), ((1000, 64), 2**20), ((1000000,), 8 * 2**20)],
+    # (self shape, (entries, reduce, include_self)): graph-neural-net message aggregation, edges into nodes
+    "index_reduce": [
+        case
+        for reduce in ("prod", "mean", "amax", "amin")
+        for case in (
+            ((10_000, 64), (100_000, reduce, True)),  # 1e5 edges into 1e4 nodes x 64 features
+            ((100_000, 64), (1_000_000, reduce, True)),  # 1e6 edges into 1e5 nodes
+            ((50_000, 128), (500_000, reduce, False)),  # PyG-style: reached nodes start from the identity
+        )
+    ],
+    "scatter_reduce.two": [  # (self shape, (index shape, dim)), reduce="prod"
+        ((100_000,), ((2**20,), 0)),
+        ((10_000, 64), ((2**18, 64), 0)),
+        ((64, 10_000), ((64, 2**16), 1)),
+    ],
+    "put_": [((1000, 1000), 1_000_000), ((100_000,), 1_000_000), ((4096, 1024), 8 * 2**20)],  # accumulate=True
+    "median.dim_values": [  # (shape, dim)
+        ((4096, 1024), -1),
+        ((64, 50_000), -1),
+        ((16, 1_000_000), 0),  # coordinate-wise median of 16 gradient copies (robust aggregation)
+    ],
+    "nanmedian.dim_values": [((4096, 1024), -1), ((64, 50_000), -1), ((16, 1_000_000), 0)],  # 5% NaN
+    "histc": [  # (shape, (bins, min, max)); min == max takes the data's range (a host sync, as PyTorch)
+        ((10_000_000,), (100, -4.0, 4.0)),
+        ((10_000_000,), (1000, -4.0, 4.0)),
+        ((4096, 4096), (256, 0.0, 0.0)),
+    ],
+    "bincount": [((10_000_000,), 100), ((10_000_000,), 1000), ((1_000_000,), 100_000)],  # (entries, bins), weights
 }
 #: Routed ops for which PyTorch's deterministic mode has an implementation of its own (no refusal).
 HAS_PYTORCH_DETERMINISTIC = ("index_add", "scatter_add", "_index_put_impl_")
@@ -126,6 +164,13 @@ QUICK_ROUTED = {
     "index_add": [((10,), 100)],
     "scatter_add": [((10,), 100)],
     "_index_put_impl_": [((10, 4), 100)],
+    "index_reduce": [((10, 4), (30, reduce, reduce != "amin")) for reduce in ("prod", "mean", "amax", "amin")],
+    "scatter_reduce.two": [((10, 4), ((30, 4), 0))],
+    "put_": [((10, 4), 100)],
+    "median.dim_values": [((8, 16), -1)],
+    "nanmedian.dim_values": [((8, 16), 0)],
+    "histc": [((1000,), (10, -2.0, 2.0)), ((1000,), (10, 0.0, 0.0))],
+    "bincount": [((1000,), 10)],
 }
 
 
@@ -214,11 +259,24 @@ def peak_extra_mib(methods, device):
     return peaks
 
 
+def aten_overload(op):
+    """``torch.ops.aten.<name>.<overload>`` for a route's ``"name"`` (default overload) or ``"name.overload"``."""
+    name, _, overload = op.partition(".")
+    return getattr(getattr(torch.ops.aten, name), overload or "default")
+
+
 def _routed_args(op, shape, arguments, device):
+    """``(args, kwargs)`` of the aten overload ``op`` for one case of :data:`ROUTED_SHAPES`."""
     generator = torch.Generator().manual_seed(0)
 
     def randn(*size):
         return torch.randn(*size, generator=generator).to(device)
+
+    def near_one(*size):  # products of many factors stay finite (no inf * 0 = NaN in a long segment)
+        return (1 + 0.01 * torch.randn(*size, generator=generator)).to(device)
+
+    def randint(high, *size):
+        return torch.randint(0, high, size, generator=generator).to(device)
 
     if op == "nll_loss2d_forward":
         weighted, ignore_index = arguments
@@ -226,28 +284,28 @@ def _routed_args(op, shape, arguments, device):
         target = torch.randint(0, c, (n, h, w), generator=generator)
         target[:, : h // 8] = ignore_index  # a void border
         weight = torch.rand(c, generator=generator).to(device) + 0.5 if weighted else None
-        return randn(*shape).log_softmax(1), target.to(device), weight, 1, ignore_index
+        return (randn(*shape).log_softmax(1), target.to(device), weight, 1, ignore_index), {}
     if op in ("_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward"):
         x = randn(*shape)
-        return randn(*shape[:2], *arguments), x
+        return (randn(*shape[:2], *arguments), x), {}
     if op == "avg_pool3d_backward":
         kernel, stride, padding = arguments
         x = randn(*shape)
         out = F.avg_pool3d(x, kernel, stride, padding)
-        return randn(*out.shape), x, [kernel] * 3, [stride] * 3, [padding] * 3, False, True, None
+        return (randn(*out.shape), x, [kernel] * 3, [stride] * 3, [padding] * 3, False, True, None), {}
     if op == "adaptive_max_pool2d_backward":
         x = randn(*shape)
         out, indices = F.adaptive_max_pool2d(x, arguments, return_indices=True)
-        return randn(*out.shape), x, indices
+        return (randn(*out.shape), x, indices), {}
     if op == "max_pool3d_with_indices_backward":
         kernel, stride, padding = arguments
         x = randn(*shape)
         out, indices = F.max_pool3d(x, kernel, stride, padding, return_indices=True)
-        return randn(*out.shape), x, [kernel] * 3, [stride] * 3, [padding] * 3, [1, 1, 1], False, indices
+        return (randn(*out.shape), x, [kernel] * 3, [stride] * 3, [padding] * 3, [1, 1, 1], False, indices), {}
     if op == "max_unpool2d":
         kernel = arguments
         pooled, indices = F.max_pool2d(randn(*shape), kernel, return_indices=True)
-        return pooled, indices, list(shape[2:])
+        return (pooled, indices, list(shape[2:])), {}
     if op == "_ctc_loss_backward":
         (t, n, c), target_length = shape, arguments
         log_probs = randn(t, n, c).log_softmax(2)
@@ -255,63 +313,101 @@ def _routed_args(op, shape, arguments, device):
         input_lengths, target_lengths = [t] * n, [target_length] * n
         nll, log_alpha = torch.ops.aten._ctc_loss(log_probs, targets, input_lengths, target_lengths, 0, False)
         grad = torch.ones_like(nll)
-        return grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, 0, False
+        return (grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, 0, False), {}
     if op in HAS_PYTORCH_DETERMINISTIC:
         entries = arguments
         rows = shape[0]
         index = torch.randint(0, rows, (entries,), generator=generator).to(device)
         values = randn(entries, *shape[1:])
         if op == "index_add":
-            return torch.zeros(shape, device=device), 0, index, values
+            return (torch.zeros(shape, device=device), 0, index, values), {}
         if op == "scatter_add":
             if len(shape) == 1:
-                return torch.zeros(shape, device=device), 0, index, values
+                return (torch.zeros(shape, device=device), 0, index, values), {}
             columns = torch.randint(0, shape[1], (shape[0], entries // shape[0]), generator=generator)
-            return torch.zeros(shape, device=device), 1, columns.to(device), randn(*columns.shape)
-        return torch.zeros(shape, device=device), [index], values, True, False
+            return (torch.zeros(shape, device=device), 1, columns.to(device), randn(*columns.shape)), {}
+        return (torch.zeros(shape, device=device), [index], values, True, False), {}
+    if op == "index_reduce":  # index_reduce(self, dim, index, source, reduce, *, include_self=True)
+        entries, reduce, include_self = arguments
+        values = near_one if reduce == "prod" else randn
+        index = randint(shape[0], entries)
+        return (values(*shape), 0, index, values(entries, *shape[1:]), reduce), {"include_self": include_self}
+    if op == "scatter_reduce.two":  # scatter_reduce.two(self, dim, index, src, reduce, *, include_self=True)
+        index_shape, dim = arguments
+        index = randint(shape[dim], *index_shape)
+        return (near_one(*shape), dim, index, near_one(*index_shape), "prod"), {"include_self": True}
+    if op == "put_":  # put_(self, index, source, accumulate=False)
+        entries = arguments
+        numel = 1
+        for size in shape:
+            numel *= size
+        return (torch.zeros(shape, device=device), randint(numel, entries), randn(entries), True), {}
+    if op in ("median.dim_values", "nanmedian.dim_values"):  # (self, dim, keepdim=False, *, values, indices)
+        dim = arguments
+        x = randn(*shape)
+        if op.startswith("nan"):
+            x[torch.rand(shape, generator=generator).to(device) < 0.05] = float("nan")
+        reduced = list(shape)
+        del reduced[dim]
+        values, indices = torch.empty(reduced, device=device), torch.empty(reduced, dtype=torch.int64, device=device)
+        return (x, dim, False), {"values": values, "indices": indices}
+    if op == "histc":  # histc(self, bins=100, min=0, max=0)
+        bins, low, high = arguments
+        return (randn(*shape), bins, low, high), {}
+    if op == "bincount":  # bincount(self, weights=None, minlength=0)
+        bins = arguments
+        return (randint(bins, *shape), randn(*shape), 0), {}
     pad = arguments
     spatial = 3 if op.endswith("3d_backward") else 2
     x = randn(*shape)
     padded = [size + 2 * pad for size in shape[2:]]
-    return randn(*shape[:2], *padded), x, [pad] * (2 * spatial)
+    return (randn(*shape[:2], *padded), x, [pad] * (2 * spatial)), {}
+
+
+def route_covers(op, args, kwargs):
+    """The route's verdict on these arguments: ``None`` when its deterministic implementation runs, else why not.
+
+    Calling ``covers`` with the arguments the bench passes to the aten overload also checks that they
+    fit the route's signature (a mismatch raises ``TypeError`` here, on any device).
+    """
+    from deepep_lightning.ops._routes import registered_routes
+    from deepep_lightning.ops.routing import routed_aten_ops
+
+    if op not in routed_aten_ops():
+        raise KeyError(f"{op!r} is not a routed aten op; routed: {routed_aten_ops()}")
+    return registered_routes()[op].covers(*args, **kwargs)
 
 
 def routed_methods(op, shape, arguments, device):
-    """deepep_deterministic (routing on, deterministic mode on) and pytorch_atomic (both off) for one aten op."""
+    """deepep_deterministic (routing on, deterministic mode on) and pytorch_atomic (both off) for one aten op,
+    and pytorch_deterministic (routing off, deterministic mode on) where PyTorch has a deterministic kernel."""
     from deepep_lightning.ops import patch_refused_ops
 
-    aten = getattr(torch.ops.aten, op).default
-    args = _routed_args(op, shape, arguments, device)
+    aten = aten_overload(op)
+    args, kwargs = _routed_args(op, shape, arguments, device)
 
-    def method(deterministic):
+    def call(*positional):
+        out = aten(*positional, **kwargs)
+        return out if isinstance(out, tuple) else (out,)
+
+    def method(deterministic, routing):
         def run():
-            out = aten(*args)
-            return out if isinstance(out, tuple) else (out,)
+            return call(*args)
 
         def prepare():
-            patch_refused_ops(deterministic)
+            patch_refused_ops(routing)
             torch.use_deterministic_algorithms(deterministic)
 
-        def fresh():  # on a copy of ``self``: an in-place op (index_put_) accumulates into it on every call
-            out = aten(args[0].clone(), *args[1:])
-            return out if isinstance(out, tuple) else (out,)
+        def fresh():  # on a copy of ``self``: an in-place op (index_put_, put_) accumulates into it on every call
+            return call(args[0].clone(), *args[1:])
 
         run.prepare, run.fresh = prepare, fresh
         return run
 
-    methods = {"deepep_deterministic": method(True), "pytorch_atomic": method(False)}
+    methods = {"deepep_deterministic": method(True, True), "pytorch_atomic": method(False, False)}
     if op in HAS_PYTORCH_DETERMINISTIC:
-
-        def pytorch_deterministic():
-            out = aten(*args)
-            return out if isinstance(out, tuple) else (out,)
-
-        def prepare():
-            patch_refused_ops(False)
-            torch.use_deterministic_algorithms(True)
-
-        pytorch_deterministic.prepare = prepare
-        methods["pytorch_deterministic"] = pytorch_deterministic
+        methods["pytorch_deterministic"] = method(True, False)
+    methods["deepep_deterministic"].route_covers = route_covers(op, args, kwargs)
     return methods
 
 
@@ -394,6 +490,10 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--burst", type=int, default=20, help="back-to-back calls per timed sample")
     parser.add_argument(
+        "--ops",
+        help="comma-separated ops to time (default: all): grid_sample, interpolate_bilinear, keys of ROUTED_SHAPES",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="write refused_ops_profile.txt (torch.profiler) and add each method's GPU kernel ms",
@@ -411,14 +511,22 @@ def main(argv=None):
     rows = []
     profiles = []
     routed = QUICK_ROUTED if args.quick else ROUTED_SHAPES
-    for op, shapes, make_methods in (
+    benchmarks = [
         ("grid_sample", QUICK_GRID if args.quick else GRID_SHAPES, grid_sample_methods),
         ("interpolate_bilinear", QUICK_INTERPOLATE if args.quick else INTERPOLATE_SHAPES, interpolate_methods),
         *(
             (name, cases, lambda case, device, name=name: routed_methods(name, case[0], case[1], device))
             for name, cases in routed.items()
         ),
-    ):
+    ]
+    if args.ops:
+        wanted = [op for op in args.ops.split(",") if op]
+        known = [name for name, _, _ in benchmarks]
+        unknown = [op for op in wanted if op not in known]
+        if unknown:
+            parser.error(f"--ops {unknown!r} are not benchmarked; known: {known}")
+        benchmarks = [entry for entry in benchmarks if entry[0] in wanted]
+    for op, shapes, make_methods in benchmarks:
         for shape in shapes:
             label = [s for s in shape if not isinstance(s, dict)] + [d for d in shape if isinstance(d, dict)]
             methods = make_methods(shape, args.device)
@@ -441,6 +549,8 @@ def main(argv=None):
                 "repeat_bitwise": repeat_bitwise,
                 "peak_extra_mib": peak_extra_mib(methods, args.device),
             }
+            if hasattr(methods["deepep_deterministic"], "route_covers"):
+                row["route_covers"] = methods["deepep_deterministic"].route_covers
             if args.profile:
                 table, kernel_ms = profile_table(methods, f"{op} {label}", args.device)
                 profiles.append(table)
@@ -452,6 +562,8 @@ def main(argv=None):
                 )
             rows.append(row)
             summary = f"  ratio={ratio:.2f} repeat_bitwise={repeat_bitwise}"
+            if row.get("route_covers") is not None:
+                summary += f" NOT ROUTED ({row['route_covers']})"
             if row.get("kernel_ratio_vs_atomic") is not None:
                 summary += f" kernel_ratio={row['kernel_ratio_vs_atomic']:.2f}"
             print(
@@ -471,16 +583,17 @@ def main(argv=None):
         "command": " ".join([sys.executable] + sys.argv),
         "median_ratio_vs_atomic": statistics.median(ratios),
         "worst_ratio_vs_atomic": ratios[-1],
-        "what": "float32; grid_sample/interpolate: backward only, align_corners=False; routed aten ops: the op"
-        " called directly; median_ms: wall ms per call over bursts of back-to-back"
-        " calls (round-robin, after warm-up); host_ms: host ms per call; kernel_ms (--profile): GPU kernel"
-        " ms per call",
+        "what": "float32; grid_sample/interpolate: backward only, align_corners=False; routed aten ops: the"
+        " overload the route registers, called directly (int64 indices; bincount: float32 weights);"
+        " median_ms: wall ms per call over bursts of back-to-back calls (round-robin, after warm-up);"
+        " host_ms: host ms per call; kernel_ms (--profile): GPU kernel ms per call",
         "burst": timer.burst,
         "warmup": warmup,
         "repeats": repeats,
         "wall_s": time.time() - started,
         "rows": rows,
         "all_repeat_bitwise": all(row["repeat_bitwise"] for row in rows),
+        "not_routed": [[row["op"], row["shape"], row["route_covers"]] for row in rows if row.get("route_covers")],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "refused_ops.json").write_text(json.dumps(report, indent=2))
@@ -490,6 +603,8 @@ def main(argv=None):
         print(f"wrote {args.out / 'refused_ops_profile.txt'}")
     if not report["all_repeat_bitwise"]:
         sys.exit("deepep_deterministic does not repeat bitwise on some shape (see refused_ops.json)")
+    if args.device == "cuda" and report["not_routed"]:
+        sys.exit(f"a route does not cover these cases, PyTorch's kernel was timed: {report['not_routed']}")
 
 
 if __name__ == "__main__":

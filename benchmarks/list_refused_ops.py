@@ -138,6 +138,14 @@ def candidates(device):
         "index_reduce_mean": lambda: (
             torch.zeros(5, 3, **d).index_reduce(0, _index(5, 8, **d), _leaf(8, 3, **d), "mean").sum()
         ),
+        "index_reduce_amax": lambda: (
+            torch.zeros(5, 3, **d).index_reduce(0, _index(5, 8, **d), _leaf(8, 3, **d), "amax").sum()
+        ),
+        "index_reduce_amin": lambda: (
+            torch.zeros(5, 3, **d)
+            .index_reduce(0, _index(5, 8, **d), _leaf(8, 3, **d), "amin", include_self=False)
+            .sum()
+        ),
         "scatter_reduce_sum": lambda: (
             torch.zeros(5, **d).scatter_reduce(0, _index(5, 8, **d), _leaf(8, **d), "sum").sum()
         ),
@@ -151,6 +159,7 @@ def candidates(device):
             torch.zeros(5, 3, **d).put_(_index(15, 20, **d), _leaf(20, **d), accumulate=True).sum()
         ),
         "median_dim": lambda: _leaf(5, 7, **d).median(1).values.sum(),
+        "nanmedian_dim": lambda: _leaf(5, 7, **d).nanmedian(0).values.sum(),
         "cumsum": lambda: _leaf(64, **d).cumsum(0).sum(),
         "histc": lambda: torch.histc(_leaf(64, **d).detach(), bins=8).sum(),
         "bincount_weights": lambda: torch.bincount(_index(8, 64, **d), weights=_leaf(64, **d).detach()).sum(),
