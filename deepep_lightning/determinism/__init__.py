@@ -1,6 +1,6 @@
 """Determinism: configuration before CUDA starts, RNG state, fingerprints, seekable data order."""
 
-from deepep_lightning.determinism.callback import DeterminismCallback, FingerprintMismatchError
+from deepep_lightning.determinism.callback import DeterminismCallback
 from deepep_lightning.determinism.checkpoint_integrity import CheckpointIntegrityError
 from deepep_lightning.determinism.configuration import (
     NCCL_DETERMINISTIC_ENV,
@@ -11,6 +11,7 @@ from deepep_lightning.determinism.configuration import (
 )
 from deepep_lightning.determinism.data import SeededDataset, SeekableDataLoader, make_seekable
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints
+from deepep_lightning.determinism.resume_checks import FingerprintMismatchError
 from deepep_lightning.determinism.rng import (
     capture_rng_state,
     fork_global_rng,

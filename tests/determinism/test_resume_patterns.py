@@ -264,7 +264,7 @@ def test_a_stateful_dataloader_it_cannot_rebuild_keeps_its_own_state_and_says_so
     loader = StatefulDataLoader(DatasetWithState(), batch_size=2, shuffle=True)
     callback = DeterminismCallback(0)  # strict: a loader it cannot rebuild and that has no state raises
     said: list[str] = []
-    monkeypatch.setattr("deepep_lightning.determinism.callback.rank_zero_info", said.append)
+    monkeypatch.setattr("deepep_lightning.determinism.train_loaders.rank_zero_info", said.append)
     assert callback._make_seekable(loader) is loader
     assert len(said) == 1 and "StatefulDataLoader" in said[0] and "checkpoints its own state_dict" in said[0]
     rebuilt = callback._make_seekable(StatefulDataLoader(list(range(4)), batch_size=2, shuffle=True))
