@@ -7,98 +7,78 @@ What it adds to Lightning's ``DDPStrategy``:
   (PyTorch issue 30509: the bucket size changes the gradients' bits), ``gradient_as_bucket_view``
   (no copy, same numerics) and ``static_graph`` off unless asked for (it is safe only when every
   step uses the same parameters, as in a recurrent agent such as DeepEP in eager mode).
-* **Data**: the ``DistributedSampler`` Lightning injects gets ``seed=derive_seed(seed, "sampler")``
+* **Data**: the ``DistributedSampler`` Lightning injects gets a seed derived from the run seed
   instead of ``PL_GLOBAL_SEED``, so a shard is a pure function of (seed, epoch, rank, world size)
-  (:meth:`DeterministicDDPStrategy.shard`); Lightning calls ``set_epoch`` every epoch.
+  (:meth:`DeterministicDDPStrategy.shard`, :mod:`~deepep_lightning.strategies.train_data`).
 * **Per-rank seeds**: after the process group starts, each rank seeds torch/numpy/random from
   ``derive_seed(seed, "rank", rank)`` (derived, not equal: augmentation and rollouts differ between
-  ranks; parameters are still equal, DDP broadcasts rank 0's at wrap time), and before every
-  training step from ``derive_seed(seed, "micro", rank, global_step)`` (``reseed_every_step``): a
-  step's randomness is then a pure function of its position, in rollback replays and resumes too.
-  A module may also draw from its own streams (DeepEP's rollouts use
-  ``derive_seed(seed, "rollout", rank, step)``).
+  ranks; DDP broadcasts rank 0's parameters at wrap time), and before every training step from
+  ``derive_seed(seed, "micro", rank, global_step)`` (``reseed_every_step``); a module may draw from
+  its own streams too (DeepEP's rollouts use ``derive_seed(seed, "rollout", rank, step)``).
 * **Gradient sums in a fixed order** (``gradient_reduction="ordered"``, the default from three
   ranks on): DDP's all-reduce is replaced by :func:`~deepep_lightning.strategies.ordered_reduction.ordered_mean_hook`,
-  which adds the ranks' gradients in rank order. A ring all-reduce of three or more ranks sums an
-  element in an order set by its offset in DDP's bucket, and DDP reduces the first step after it
-  wraps the model (after every start and resume) with another bucket layout than later steps, so
-  without it a resumed run of 3+ ranks differs from the uninterrupted one from its first step. With
-  it the bits depend on neither the bucket layout nor the ring, hence not on the node layout either.
+  which adds the ranks' gradients in rank order, so the bits depend on neither DDP's bucket layout
+  (another one on the first step after every start and resume) nor the ring, hence not on the node
+  layout either.
 * **Multi-node**: seeds, shards, virtual ranks and the per-rank checkpoint entries are keyed by
   the *global* rank, so 2 nodes x 2 processes and 1 node x 4 processes are the same run; the
   fingerprint and the checkpoint record the node layout (``ddp.num_nodes``, ``ddp.node_layout``).
 * **World-size invariance** (``virtual_world_size=K``, a power of two): a fixed micro-batch
-  partition over virtual ranks, and the micro-batch gradients added in virtual-rank order; 1, 2, ...,
-  ``K`` processes give bitwise-equal weights (:mod:`~deepep_lightning.strategies.virtual_shards`).
-  With ``K`` processes it is the default layout; fewer processes pay the extra micro-batches and,
-  when they accumulate, a flat copy of the gradients per micro-batch
-  (:mod:`~deepep_lightning.strategies.micro_batch_gradients`).
-* **Checkpoints**: world size, seeds and the fingerprint are stored with the data state under
-  ``checkpoint["deterministic_ddp"]``, together with every rank's own copy of the rank-local keys
-  (``per_rank_checkpoint_keys``: callback states and the module's rollout state under
-  :data:`~deepep_lightning.protocols.ROLLOUT_STATE_KEY`), which Lightning would
-  otherwise take from rank 0 alone (:mod:`~deepep_lightning.strategies.rank_state`). A resume with
-  a different world size is refused with a message naming both node layouts; a resume on another
-  layout of the same world size (2 nodes x 2 -> 1 node x 4) continues the same run.
+  partition over virtual ranks, the micro-batch gradients added in virtual-rank order; 1, 2, ...,
+  ``K`` processes give bitwise-equal weights (:mod:`~deepep_lightning.strategies.virtual_shards`,
+  :mod:`~deepep_lightning.strategies.micro_batch_gradients`).
+* **Checkpoints**: world size, seeds and the fingerprint (:mod:`~deepep_lightning.strategies.ddp_fingerprint`)
+  go under ``checkpoint["deterministic_ddp"]`` with every rank's own copy of the rank-local keys
+  (``per_rank_checkpoint_keys``, which Lightning takes from rank 0 alone:
+  :mod:`~deepep_lightning.strategies.rank_state`). Another world size is refused; another layout of
+  the same size continues the run (:mod:`~deepep_lightning.strategies.resume_layout`).
 
 Scope of the promise: same stack, same hardware, same world size (or any world size dividing
 ``virtual_world_size``); across node layouts of one world size with ``gradient_reduction="ordered"``
 (or with two ranks); never across GPU models or NCCL/PyTorch versions.
 
-Health and rollback decisions are agreed across ranks by the health callbacks through
-:meth:`reduce_boolean_decision` and an all-reduce of the earliest bad step, so a NaN on one rank
-makes every rank restore the same snapshot and replay in lockstep.
+The health callbacks agree on their decisions across ranks (``reduce_boolean_decision``, an
+all-reduce of the earliest bad step): a NaN on one rank makes every rank roll back in lockstep.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
-from typing import Any, Literal, cast
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from deepep_lightning import _checks, _lightning_compat
+from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.fingerprint import describe_layout
-from deepep_lightning.determinism.nccl_profile import (
-    ALLOWED_ALGORITHMS,
-    ALLOWED_PROTOCOLS,
-    NcclAlgorithm,
-    NcclProtocol,
-    apply_nccl_profile,
-)
+from deepep_lightning.determinism.nccl_profile import NcclAlgorithm, NcclProtocol, apply_nccl_profile
 from deepep_lightning.determinism.rng import seed_everything_from
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY
-from deepep_lightning.strategies.micro_batch_gradients import MicroBatchGradients
-from deepep_lightning.strategies.ordered_reduction import ordered_mean_hook
-from deepep_lightning.strategies.rank_state import (
-    CHECKPOINT_KEY,
-    apply_rank_state,
-    build_rank_state,
-    check_world_size,
-    resolve_run_seed,
+from deepep_lightning.strategies.ddp_arguments import validate_arguments
+from deepep_lightning.strategies.ddp_fingerprint import ddp_fingerprint, log_fingerprint
+from deepep_lightning.strategies.gradient_reduction import (
+    GradientReduction,
+    install_gradient_reduction,
+    resolve_gradient_reduction,
 )
-from deepep_lightning.strategies.virtual_shards import VirtualShardSampler, sampler_seed
+from deepep_lightning.strategies.micro_batch_gradients import MicroBatchGradients
+from deepep_lightning.strategies.rank_state import CHECKPOINT_KEY, apply_rank_state, build_rank_state, resolve_run_seed
+from deepep_lightning.strategies.resume_layout import check_resume_layout, warn_if_seed_differs, warn_without_record
+from deepep_lightning.strategies.train_data import check_partition, distributed_shard, shard_train_loader
+from deepep_lightning.strategies.virtual_shards import sampler_seed
 
-__all__ = ["DESCRIPTION", "GRADIENT_REDUCTIONS", "STRATEGY_NAME", "DeterministicDDPStrategy"]
+__all__ = ["DESCRIPTION", "STRATEGY_NAME", "DeterministicDDPStrategy"]
 
 #: Name and description of the registry entry.
 STRATEGY_NAME = "ddp_deterministic"
 DESCRIPTION = "DDP with pinned NCCL profile, seeded shards and per-rank seeds (deepep_lightning)"
 
 log = logging.getLogger(__name__)
-
-GradientReduction = Literal["auto", "ordered", "allreduce"]
-#: Values of ``gradient_reduction``.
-GRADIENT_REDUCTIONS: tuple[str, ...] = ("auto", "ordered", "allreduce")
 
 
 class DeterministicDDPStrategy(DDPStrategy):
@@ -164,34 +144,23 @@ class DeterministicDDPStrategy(DDPStrategy):
         virtual_world_size: int | None = None,
         **kwargs: Any,
     ) -> None:
-        owner = "DeterministicDDPStrategy"
-        _checks.non_negative_int(owner, "seed", seed, allow_none=True)
-        _checks.number(owner, "bucket_cap_mb", bucket_cap_mb, minimum=0, exclusive_minimum=True)
-        _checks.choice(
-            owner,
-            "nccl_algorithm",
-            nccl_algorithm,
-            ALLOWED_ALGORITHMS,
-            hint="NVLS and CollNet reduce inside the switch in an unspecified order",
+        keys = validate_arguments(
+            seed=seed,
+            bucket_cap_mb=bucket_cap_mb,
+            nccl_algorithm=nccl_algorithm,
+            nccl_protocol=nccl_protocol,
+            gradient_reduction=gradient_reduction,
+            ddp_comm_hook=kwargs.get("ddp_comm_hook"),
+            per_rank_checkpoint_keys=per_rank_checkpoint_keys,
+            virtual_world_size=virtual_world_size,
+            flags={
+                "gradient_as_bucket_view": gradient_as_bucket_view,
+                "static_graph": static_graph,
+                "find_unused_parameters": find_unused_parameters,
+                "allow_world_size_change": allow_world_size_change,
+                "reseed_every_step": reseed_every_step,
+            },
         )
-        _checks.choice(owner, "nccl_protocol", nccl_protocol, ALLOWED_PROTOCOLS)
-        _checks.choice(owner, "gradient_reduction", gradient_reduction, GRADIENT_REDUCTIONS)
-        if gradient_reduction == "ordered" and kwargs.get("ddp_comm_hook") is not None:
-            raise MisconfigurationException(
-                f"`DeterministicDDPStrategy(gradient_reduction='ordered')` registers its own DDP communication hook,"
-                f" so it cannot take `ddp_comm_hook={kwargs['ddp_comm_hook']!r}` too. HINT: pass"
-                " gradient_reduction='auto' to use your hook."
-            )
-        keys = _checks.str_sequence(owner, "per_rank_checkpoint_keys", per_rank_checkpoint_keys)
-        _checks.positive_int(owner, "virtual_world_size", virtual_world_size, allow_none=True)
-        for name, flag in (
-            ("gradient_as_bucket_view", gradient_as_bucket_view),
-            ("static_graph", static_graph),
-            ("find_unused_parameters", find_unused_parameters),
-            ("allow_world_size_change", allow_world_size_change),
-            ("reseed_every_step", reseed_every_step),
-        ):
-            _checks.strict_bool(owner, name, flag)
         super().__init__(
             bucket_cap_mb=bucket_cap_mb,
             gradient_as_bucket_view=gradient_as_bucket_view,
@@ -248,27 +217,23 @@ class DeterministicDDPStrategy(DDPStrategy):
     @property
     def resolved_gradient_reduction(self) -> str:
         """``gradient_reduction`` with ``"auto"`` decided: ``"ordered"``, ``"allreduce"`` or ``"ddp_comm_hook"``."""
-        if self.gradient_reduction != "auto":
-            return self.gradient_reduction
-        if _lightning_compat.ddp_comm_hook(self) is not None:
-            return "ddp_comm_hook"
-        return "ordered" if self.world_size > 2 else "allreduce"
+        hook = _lightning_compat.ddp_comm_hook(self)
+        return resolve_gradient_reduction(self.gradient_reduction, hook, self.world_size)
 
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()  # Lightning registers a ddp_comm_hook on CUDA only
         if not isinstance(self.model, DistributedDataParallel):
             return
-        module = self.lightning_module
-        if self.micro_batches_per_step > 1 and module is not None and module.automatic_optimization:
-            # world-size-invariant accumulation: the micro-batches are added in virtual-rank order by
-            # MicroBatchGradients, so DDP's own all-reduce stays off (no_sync restores this flag)
-            self._micro_gradients = MicroBatchGradients(
-                list(module.parameters()), self.micro_batches_per_step, self.world_size
-            )
-            self.model.require_backward_grad_sync = False
-        elif self.resolved_gradient_reduction == "ordered":
-            self.model.register_comm_hook(None, ordered_mean_hook)
+        micro_gradients = install_gradient_reduction(
+            self.model,
+            self.lightning_module,
+            micro_batches_per_step=self.micro_batches_per_step,
+            world_size=self.world_size,
+            resolved=self.resolved_gradient_reduction,
+        )
+        if micro_gradients is not None:
+            self._micro_gradients = micro_gradients
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -309,19 +274,8 @@ class DeterministicDDPStrategy(DDPStrategy):
         Raises:
             MisconfigurationException: it does not.
         """
-        if self.virtual_world_size is None:
-            return
-        if self.virtual_world_size % self.world_size:
-            raise MisconfigurationException(
-                f"`DeterministicDDPStrategy(virtual_world_size={self.virtual_world_size!r})` must be a multiple of the"
-                f" world size {self.world_size}"
-            )
-        if trainer.accumulate_grad_batches != self.micro_batches_per_step:
-            raise MisconfigurationException(
-                f"`Trainer(accumulate_grad_batches=...)` must be virtual_world_size / world_size ="
-                f" {self.micro_batches_per_step} in world-size-invariant mode, got {trainer.accumulate_grad_batches!r}"
-                f" (HINT: the global batch is {self.virtual_world_size} micro-batches whatever the device count)"
-            )
+        if self.virtual_world_size is not None:
+            check_partition(self.virtual_world_size, self.world_size, trainer.accumulate_grad_batches)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -340,68 +294,17 @@ class DeterministicDDPStrategy(DDPStrategy):
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        sampler = getattr(dataloader, "sampler", None)
-        if self._needs_virtual_shards(dataloader):
-            return super().process_dataloader(self._virtual_shard_loader(dataloader))
-        self._check_virtual_sampler(sampler)
-        if isinstance(sampler, torch.utils.data.DistributedSampler) and self.world_size > 1:
-            if sampler.num_replicas != self.world_size or sampler.rank != self.global_rank:
-                raise MisconfigurationException(
-                    f"DeterministicDDPStrategy: a DistributedSampler with num_replicas={sampler.num_replicas!r},"
-                    f" rank={sampler.rank!r} runs on rank {self.global_rank} of {self.world_size}."
-                    " HINT: let Lightning create the sampler (return a plain DataLoader), or build it from"
-                    " `trainer.strategy.distributed_sampler_kwargs`."
-                )
-        return super().process_dataloader(dataloader)
-
-    def _check_virtual_sampler(self, sampler: Any) -> None:
-        """World-size-invariant mode splits only Lightning's own ``DistributedSampler`` over the virtual ranks.
-
-        Another sampler (e.g. the ``SeekableSampler`` of ``DeterminismCallback(seekable_data=True)``)
-        would be split over the processes instead, so the global batch would change with their number.
-        """
         trainer = _lightning_compat.attached_trainer(self.lightning_module)
-        if self.virtual_world_size is None or trainer is None or not trainer.training or sampler is None:
-            return
-        if isinstance(sampler, VirtualShardSampler) or type(sampler) is torch.utils.data.DistributedSampler:
-            return
-        raise MisconfigurationException(
-            f"`DeterministicDDPStrategy(virtual_world_size={self.virtual_world_size!r})` splits the train data over"
-            f" virtual ranks through Lightning's DistributedSampler, but the train loader's sampler is a"
-            f" {type(sampler).__name__}, whose shards would follow the {self.world_size} process(es) instead."
-            " HINT: return a plain DataLoader (Lightning adds the sampler); with DeterminismCallback, pass"
-            " seekable_data=False."
+        loader = shard_train_loader(
+            dataloader,
+            training=trainer is not None and trainer.training,
+            virtual_world_size=self.virtual_world_size,
+            micro_batches_per_step=self.micro_batches_per_step,
+            world_size=self.world_size,
+            rank=self.global_rank,
+            seed=self.seed or 0,
         )
-
-    def _needs_virtual_shards(self, dataloader: Any) -> bool:
-        trainer = _lightning_compat.attached_trainer(self.lightning_module)
-        return (
-            self.micro_batches_per_step > 1
-            and type(getattr(dataloader, "sampler", None)) is torch.utils.data.DistributedSampler  # Lightning's
-            and trainer is not None
-            and trainer.training
-        )
-
-    def _virtual_shard_loader(self, dataloader: Any) -> Any:
-        assert self.virtual_world_size is not None  # _needs_virtual_shards
-        if dataloader.batch_size is None:
-            raise MisconfigurationException(
-                "DeterministicDDPStrategy(virtual_world_size=...) needs a DataLoader with a batch_size,"
-                " got batch_size=None"
-            )
-        try:
-            sampler = VirtualShardSampler(
-                dataloader.dataset,
-                virtual_world_size=self.virtual_world_size,
-                num_replicas=self.world_size,
-                rank=self.global_rank,
-                batch_size=dataloader.batch_size,
-                seed=self.seed or 0,
-                shuffle=dataloader.sampler.shuffle,
-            )
-        except ValueError as error:
-            raise MisconfigurationException(f"DeterministicDDPStrategy: {error}") from error
-        return _lightning_compat.update_dataloader(dataloader, sampler)
+        return super().process_dataloader(loader)
 
     @staticmethod
     def shard(
@@ -417,48 +320,12 @@ class DeterministicDDPStrategy(DDPStrategy):
 
         ``seed`` is the run seed (the sampler's own seed is derived from it).
         """
-        sampler: torch.utils.data.DistributedSampler[int] = torch.utils.data.DistributedSampler(
-            cast("torch.utils.data.Dataset[int]", range(num_samples)),
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=shuffle,
-            seed=sampler_seed(seed),
-            drop_last=drop_last,
-        )
-        sampler.set_epoch(epoch)
-        return list(sampler)
+        return distributed_shard(num_samples, seed, epoch, rank, world_size, shuffle=shuffle, drop_last=drop_last)
 
     # ---------------------------------------------------------------- fingerprint
     def fingerprint(self) -> dict[str, str]:
         """Everything about the communication and data layout that changes bits, as strings."""
-        kwargs = _lightning_compat.ddp_kwargs(self)
-        comm_hook = _lightning_compat.ddp_comm_hook(self)
-        record = {
-            "ddp.strategy": type(self).__name__,
-            "ddp.backend": str(_lightning_compat.process_group_backend(self) or "<not started>"),
-            "ddp.world_size": str(self.world_size),
-            "ddp.num_nodes": str(self.num_nodes),
-            "ddp.node_layout": self.node_layout,
-            "ddp.cluster_environment": type(self.cluster_environment).__name__,
-            "ddp.gradient_reduction": self.resolved_gradient_reduction,
-            "ddp.bucket_cap_mb": str(kwargs.get("bucket_cap_mb")),
-            "ddp.gradient_as_bucket_view": str(kwargs.get("gradient_as_bucket_view")),
-            "ddp.static_graph": str(kwargs.get("static_graph")),
-            "ddp.find_unused_parameters": str(kwargs.get("find_unused_parameters")),
-            "ddp.broadcast_buffers": str(kwargs.get("broadcast_buffers", True)),
-            "ddp.comm_hook": getattr(comm_hook, "__qualname__", str(comm_hook)),
-            "ddp.nccl_algorithm": self.nccl_algorithm,
-            "ddp.nccl_protocol": self.nccl_protocol,
-            "ddp.seed": str(self.seed),
-            "ddp.sampler_seed": str(self.sampler_seed),
-            "ddp.rank_seeds": json.dumps(self.rank_seeds),
-            "ddp.reseed_every_step": str(self.reseed_every_step),
-            "ddp.virtual_world_size": str(self.virtual_world_size),
-            "torch": str.__str__(str(torch.__version__)),
-        }
-        for name, value in self.nccl_env.items():
-            record[f"env.{name}"] = value
-        return record
+        return ddp_fingerprint(self)
 
     @override
     def on_train_start(self) -> None:
@@ -476,14 +343,7 @@ class DeterministicDDPStrategy(DDPStrategy):
             log.debug("resumed at an epoch's end: epoch %d starts", trainer.current_epoch)
         if trainer is None or not trainer.is_global_zero:
             return
-        record = self.fingerprint()
-        rank_zero_info("DeterministicDDPStrategy: " + ", ".join(f"{k}={v}" for k, v in record.items()))
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        text = "\n".join(["| field | value |", "|---|---|", *(f"| {k} | {v} |" for k, v in sorted(record.items()))])
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text("ddp/fingerprint", text, global_step=trainer.global_step)
+        log_fingerprint(trainer, self.fingerprint())
 
     # ---------------------------------------------------------------- checkpoints
     @override
@@ -513,21 +373,15 @@ class DeterministicDDPStrategy(DDPStrategy):
         Raises:
             WorldSizeMismatchError: the saved world size differs from this run's.
         """
-        check_world_size(state, self.world_size, self.allow_world_size_change, num_nodes=self.num_nodes)
-        saved_nodes = state.get("num_nodes")
-        same_size = int(state.get("world_size", 0)) == self.world_size
-        if saved_nodes is None or int(saved_nodes) == self.num_nodes or not same_size:
-            return
-        saved_layout = describe_layout(int(saved_nodes), self.world_size // int(saved_nodes))
-        message = f"DeterministicDDPStrategy: resuming a run of {saved_layout} on {self.node_layout}"
-        ring_dependent = self.resolved_gradient_reduction != "ordered" and self.world_size > 2
-        if ring_dependent and "nccl" in str(_lightning_compat.process_group_backend(self)):
-            rank_zero_warn(
-                message + ": NCCL's all-reduce may build another ring on another topology, so the gradients' bits"
-                " may differ from the uninterrupted run. HINT: `gradient_reduction='ordered'` sums in rank order."
-            )
-        else:
-            rank_zero_info(message + " (same world size: the same run continues)")
+        check_resume_layout(
+            state,
+            world_size=self.world_size,
+            num_nodes=self.num_nodes,
+            node_layout=self.node_layout,
+            allow_world_size_change=self.allow_world_size_change,
+            ring_dependent=self.resolved_gradient_reduction != "ordered" and self.world_size > 2,
+            backend=str(_lightning_compat.process_group_backend(self)),
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -535,17 +389,10 @@ class DeterministicDDPStrategy(DDPStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is None:
-            rank_zero_warn(
-                "DeterministicDDPStrategy: the checkpoint has no world-size record (not written by this strategy);"
-                " a world-size change cannot be detected and rank-local state comes from rank 0."
-            )
+            warn_without_record()
             return checkpoint
         self.check_resume(state)
-        saved_seed = state.get("seed")
         current_seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
-        if saved_seed is not None and saved_seed != current_seed:
-            rank_zero_warn(
-                f"DeterministicDDPStrategy: the checkpoint's seed is {saved_seed!r}, this run's is {current_seed!r}"
-            )
+        warn_if_seed_differs(state.get("seed"), current_seed)
         apply_rank_state(checkpoint, state, self.global_rank, self.world_size)
         return checkpoint
