@@ -21,6 +21,7 @@ from typing_extensions import override
 from deepep_lightning import _checks, _lightning_compat
 from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
+from deepep_lightning.deepep.agent.fused_bptt import collect_rollout_fused
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
 from deepep_lightning.deepep.envs import ENVIRONMENTS, BatchedEnv, make_env
@@ -152,6 +153,13 @@ class DeepEPModule(pl.LightningModule):
             an automatic-optimisation feature, is unavailable); eager runs may use either.
         detach_feedback: feed the value estimate back into the recurrent state without gradient.
         bptt_truncation: cut BPTT every this many steps (None: through the whole rollout).
+        fused_bptt: run the rollout's timesteps without autograd and its backward through time as one recurrent
+            op, two kernels per timestep (:mod:`~deepep_lightning.deepep.agent.fused_bptt`): the same actions and
+            gradients, to fp32 rounding. None: on where it pays, a CUDA device with the extension's CUDA kernels
+            (resolved at the first step, when the device is known), off otherwise, so CPU runs keep the op-by-op
+            autograd path; True also on CPU (the compiled CPU kernel or its PyTorch reference). Needs
+            ``detach_feedback=True``; works eagerly, with ``cuda_graph`` (the graph captures the backward's loop
+            of launches), with ``compile_step`` (the no-gradient timestep is compiled) and with virtual ranks.
         fused_value_head: use the compiled ``deepep::all_action_q`` op for the value head; ``None``
             uses it when the extension loads.
         atomic_value_head: run the compiled op's atomic (``deterministic=False``) CUDA backward, not
@@ -218,6 +226,7 @@ class DeepEPModule(pl.LightningModule):
         max_grad_norm: float | None = None,
         detach_feedback: bool = True,
         bptt_truncation: int | None = None,
+        fused_bptt: bool | None = None,
         fused_value_head: bool | None = None,
         atomic_value_head: bool = False,
         cuda_graph: bool = False,
@@ -300,6 +309,14 @@ class DeepEPModule(pl.LightningModule):
         _checks.strict_bool("DeepEPModule", "log_throughput", log_throughput)
         _checks.strict_bool("DeepEPModule", "policy_reads_hidden", policy_reads_hidden)
         _checks.strict_bool("DeepEPModule", "compile_step", compile_step)
+        if fused_bptt is not None:
+            _checks.strict_bool("DeepEPModule", "fused_bptt", fused_bptt)
+        if fused_bptt and not detach_feedback:
+            raise ValueError(
+                f"`DeepEPModule(fused_bptt=...)` must be None or False with detach_feedback=False, got {fused_bptt!r}:"
+                " the fused backward follows the gradient through the recurrent state alone, and a fed-back value"
+                " with gradient adds paths through the cell's input (HINT: leave fused_bptt at None)"
+            )
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {seed!r}")
         if not isinstance(atomic_value_head, bool) or (atomic_value_head and fused_value_head is False):
@@ -545,7 +562,8 @@ class DeepEPModule(pl.LightningModule):
             )
         if hp.compile_step and (self._compiled_timestep is None or self._compiled_timestep.env is not self._env):
             self._compiled_timestep = CompiledTimestep(self.agent, self._env)
-        rollout = collect_rollout(
+        collect = collect_rollout_fused if self._fused_bptt_on() else collect_rollout
+        rollout = collect(
             self.agent,
             self._env,
             self._hidden.clone(),
@@ -591,6 +609,13 @@ class DeepEPModule(pl.LightningModule):
                 hp.entropy_coef_max,
             )
         return rollout, terms
+
+    def _fused_bptt_on(self) -> bool:
+        """``fused_bptt`` resolved for the module's device (None: on with CUDA and the extension's CUDA kernels)."""
+        choice = self.hparams.get("fused_bptt")
+        if choice is not None:
+            return bool(choice)
+        return self.hparams.detach_feedback and self.device.type == "cuda" and _cuda_kernels_load()
 
     def _lightning_writes_logs_after(self, step: int) -> bool:
         """Whether Lightning writes the logged values at the end of optimizer step ``step`` (0-based).
@@ -782,6 +807,14 @@ class DeepEPModule(pl.LightningModule):
             "episode_return_sum": rollout.episode_returns.sum(),
             "episodes": rollout.dones.sum(),
         }
+
+
+def _cuda_kernels_load() -> bool:
+    try:
+        from deepep_lightning.ops import cuda_kernels_available
+    except ImportError:
+        return False
+    return bool(cuda_kernels_available())
 
 
 def _extension_loads() -> bool:

@@ -22,6 +22,7 @@ class AgentStep:
     action: torch.Tensor  # [B] long
     hidden: torch.Tensor  # [B, H] h_{t+1}
     features: torch.Tensor  # [B, obs_dim + H] the value head's input [obs_t; h_t], detached
+    feedback: torch.Tensor | None = None  # [B, obs_dim + A + 1] the recurrent cell's input [obs_t; onehot(a_t); v_t]
 
 
 class DeepEPAgent(nn.Module):
@@ -178,7 +179,7 @@ class DeepEPAgent(nn.Module):
         if self.detach_feedback:
             value = value.detach()
         feedback = torch.cat((obs, one_hot, value), dim=-1)
-        return AgentStep(logits, q, action, self.rnn_cell(feedback, hidden), features)
+        return AgentStep(logits, q, action, self.rnn_cell(feedback, hidden), features, feedback)
 
 
 @torch.no_grad()
