@@ -1,4 +1,4 @@
-"""DeepEP train-step time: eager, one CUDA graph, compiled timestep, compiled timestep in the graph, side by side.
+"""DeepEP train-step time: eager, one CUDA graph, compiled timestep, fused BPTT, and their combinations, side by side.
 
     python benchmarks/bench_train_step.py --out DIR             # GPU: writes DIR/train_step.json
     python benchmarks/bench_train_step.py --out DIR --quick     # CPU smoke test: tiny shapes, no graph variants
@@ -7,11 +7,14 @@ One process, the same model and shapes for every variant. A step is the whole tr
 (``DeepEPModule._whole_step``: rollout of T timesteps, loss, backward, gradient norm, Adam step).
 Variants: ``eager`` (op by op), ``graph`` (the step captured as one CUDA graph), ``compiled_eager``
 (``compile_step=True``: the timestep fused by inductor, the step run eagerly) and ``compiled_graph``
-(the compiled timestep inside the CUDA graph). Per shape (``--horizons``, default 256 and
-``configs/gpu.yaml``'s 32): medians of ``--repeats`` steps after warm-up, the set-up time of each
-variant (compile, warm-up, capture), a kernel census per timestep (torch.profiler: CUDA kernels of one
-step / T, of a graph replay and of the same step run uncaptured) and the achieved FLOP/s against the
-fp32 peak, from FLOPs counted analytically from the shapes (:func:`flops_per_step`).
+(the compiled timestep inside the CUDA graph), all with ``fused_bptt=False``; the ``fused_*`` variants
+are the same with ``fused_bptt=True`` (the timesteps run without autograd and the backward through time
+is one recurrent op of two kernels per timestep, :mod:`deepep_lightning.deepep.agent.fused_bptt`).
+Per shape (``--horizons``, default 256 and ``configs/gpu.yaml``'s 32): medians of ``--repeats`` steps
+after warm-up, the set-up time of each variant (compile, warm-up, capture), a kernel census per
+timestep (torch.profiler: CUDA kernels of one step / T, of a graph replay and of the same step run
+uncaptured) and the achieved FLOP/s against the fp32 peak, from FLOPs counted analytically from the
+shapes (:func:`flops_per_step`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,18 @@ from torch._dynamo.utils import counters
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 
-VARIANTS = ("eager", "graph", "compiled_eager", "compiled_graph")
+VARIANTS = (
+    "eager",
+    "graph",
+    "compiled_eager",
+    "compiled_graph",
+    "fused_eager",
+    "fused_graph",
+    "fused_compiled_eager",
+    "fused_compiled_graph",
+)
 GRAPH_BAR_MS = 30.0  # issue 18's bar for the graph step at B=256, T=256, H=256
+KERNELS_PER_TIMESTEP_BAR = 20  # issue 18's bar for the graph step's kernels per timestep
 H200_FP32_PEAK_TFLOPS = 67.0  # H200 SXM datasheet, fp32 without tensor cores (TF32 matmul is off)
 
 
@@ -52,7 +65,7 @@ class _Variant:
     """One variant's model, optimizer and step function (one call = one training step)."""
 
     def __init__(self, name: str, args: argparse.Namespace, horizon: int) -> None:
-        graph, compiled = name.endswith("graph"), name.startswith("compiled")
+        graph, compiled, fused = name.endswith("graph"), "compiled" in name, name.startswith("fused")
         self.model = DeepEPModule(
             num_envs=args.batch,
             rollout_length=horizon,
@@ -61,6 +74,7 @@ class _Variant:
             fused_value_head=not args.reference_head,
             cuda_graph=graph,
             compile_step=compiled,
+            fused_bptt=fused,
         ).to(args.device)
         self.model._ensure_rollout_state()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4, capturable=graph)
@@ -86,6 +100,10 @@ class _Variant:
     def compile_fallback(self) -> str | None:
         timestep = self.model._compiled_timestep
         return timestep.unavailable_reason if timestep is not None else None
+
+
+def compiled_variant(name: str) -> bool:
+    return "compiled" in name
 
 
 def _kernels_of(fn) -> collections.Counter:
@@ -116,7 +134,7 @@ def bench_shape(args: argparse.Namespace, horizon: int) -> dict:
             variant.step()
         _sync(args.device)
         setup_s[name] = time.perf_counter() - t0
-        if name.startswith("compiled"):
+        if compiled_variant(name):
             fallback[name] = variant.compile_fallback()
             setup_s[f"{name}_new_dynamo_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
         repeats = args.repeats * (3 if variant.graphed is not None else 1)
@@ -196,6 +214,7 @@ def main() -> None:
     main_shape = next((s for s in shapes if (s["batch"], s["horizon"], s["hidden"]) == (256, 256, 256)), None)
     graph_ms = {k: v for k, v in (main_shape or {}).get("median_ms_per_step", {}).items() if k.endswith("graph")}
     best = min(graph_ms, key=graph_ms.__getitem__) if graph_ms else None
+    census = ((main_shape or {}).get("kernels") or {}).get(best or "", {})
     write_json(
         f"{args.out}/train_step{args.tag or ''}.json",
         {
@@ -207,6 +226,9 @@ def main() -> None:
                 "best_graph_variant": best,
                 "best_graph_ms": graph_ms.get(best) if best else None,
                 "met": graph_ms[best] <= GRAPH_BAR_MS if best else None,
+                "kernels_per_timestep_max": KERNELS_PER_TIMESTEP_BAR,
+                "best_graph_kernels_per_timestep": census.get("per_timestep"),
+                "kernels_met": census["per_timestep"] <= KERNELS_PER_TIMESTEP_BAR if census else None,
             },
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "inductor_deterministic_global": bool(torch._inductor.config.deterministic),
