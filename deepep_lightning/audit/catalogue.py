@@ -5,6 +5,10 @@ order) and returns a zero-argument callable that runs the op (forward, or forwar
 ``torch.autograd.grad``) and returns the tensors to compare. Sizes: ``"large"`` follows the GPU
 probes (8M float32 values into 1000 bins, enough to expose atomics on an H200); ``"small"`` keeps
 CPU tests fast.
+
+``routed`` names the ``aten`` ops of an entry that :func:`deepep_lightning.ops.patch_refused_ops` routes
+to a deterministic kernel (on CUDA, in deterministic mode): the ops PyTorch refuses there, or runs
+deterministically but slowly. An entry with ``routed=()`` runs PyTorch's kernels in every column.
 """
 
 from __future__ import annotations
@@ -24,13 +28,23 @@ _BINS = 1000
 
 @dataclasses.dataclass(frozen=True)
 class CatalogueEntry:
-    """One L1 op: ``build(device, size, generator)`` → a zero-argument callable returning tensors."""
+    """One L1 op: ``build(device, size, generator)`` → a zero-argument callable returning tensors.
+
+    Attributes:
+        name: the table's row label.
+        build: makes the fixed random inputs once and returns the callable.
+        note: the table's ``what`` column.
+        cuda_only: ``n/a`` on CPU.
+        needs_extension: needs the deepep extension (not built on a bare CPU test run).
+        routed: the ``aten`` ops of the computation that ``patch_refused_ops`` routes (empty: none).
+    """
 
     name: str
     build: Callable[[torch.device, int, torch.Generator], Callable[[], Any]]
     note: str
     cuda_only: bool = False
     needs_extension: bool = False
+    routed: tuple[str, ...] = ()
 
 
 def _randn(gen: torch.Generator, device: torch.device, *shape: int, requires_grad: bool = False) -> torch.Tensor:
@@ -69,6 +83,70 @@ def _grad_of(
     return run
 
 
+def _output_and_grad(
+    forward: Callable[[], torch.Tensor], inputs: list[torch.Tensor], grad_out: torch.Tensor
+) -> Callable[[], Any]:
+    """Forward and backward: the output (a loss whose forward accumulates, e.g. nll_loss2d) and the grads."""
+
+    def run():
+        out = forward()
+        return (out.detach(), *torch.autograd.grad(out, inputs, grad_out))
+
+    return run
+
+
+def _cross_entropy_4d(device, n, gen):
+    classes, ignore_index = 19, 255  # Cityscapes-like segmentation
+    side = max(4, int((n / (2 * classes)) ** 0.5))
+    logits = _randn(gen, device, 2, classes, side, side, requires_grad=True)  # [N, C, H, W]
+    target = torch.randint(0, classes, (2, side, side), generator=gen)
+    target[:, : max(1, side // 8)] = ignore_index  # a void border
+    target = target.to(device)
+    weight = (torch.rand(classes, generator=gen) + 0.5).to(device)
+    return _output_and_grad(
+        lambda: F.cross_entropy(logits, target, weight=weight, ignore_index=ignore_index),
+        [logits],
+        torch.tensor(0.75, device=device),
+    )
+
+
+def _ctc_loss(device, n, gen):
+    time_steps, classes, target_length = 50, 29, 10  # speech: characters + blank
+    batch = min(256, max(2, n // (time_steps * classes)))
+    activations = _randn(gen, device, time_steps, batch, classes, requires_grad=True)  # [T, N, C]
+    targets = torch.randint(1, classes, (batch, target_length), generator=gen).to(device)
+    input_lengths = torch.full((batch,), time_steps, dtype=torch.int64, device=device)
+    target_lengths = torch.full((batch,), target_length, dtype=torch.int64, device=device)
+    return _output_and_grad(
+        lambda: F.ctc_loss(activations.log_softmax(2), targets, input_lengths, target_lengths),
+        [activations],
+        torch.tensor(0.75, device=device),
+    )
+
+
+def _index_reduce(reduce: str):
+    def build(device, n, gen):
+        idx = _indices(gen, device, n)
+        if reduce == "prod":  # factors near 1: a product of ~n / 1000 of them stays finite
+            src, start = 1 + 0.01 * _randn(gen, device, n), 1 + 0.01 * _randn(gen, device, _BINS)
+        else:
+            src, start = _randn(gen, device, n), _randn(gen, device, _BINS)
+        return lambda: start.index_reduce(0, idx, src, reduce)
+
+    return build
+
+
+def _scatter_reduce_prod(device, n, gen):
+    idx = _indices(gen, device, n)
+    src, start = 1 + 0.01 * _randn(gen, device, n), 1 + 0.01 * _randn(gen, device, _BINS)
+    return lambda: start.scatter_reduce(0, idx, src, "prod")
+
+
+def _median_dim(device, n, gen):
+    values = (4 * _randn(gen, device, max(4, n // 256), 256)).round()  # [rows, 256] with ties
+    return lambda: tuple(values.median(dim=1))
+
+
 def _grid_sample(device, n, gen):
     side = max(8, int((n / 16) ** 0.5))  # [1, 16, side, side] input, output as large
     inp = _randn(gen, device, 1, 16, side, side, requires_grad=True)
@@ -82,7 +160,7 @@ def _interpolate(mode: str):
     def build(device, n, gen):
         side = max(4, int((n / 64) ** 0.5))  # upsampled ×2 → output ~ n elements over 16 channels
         inp = _randn(gen, device, 1, 16, side, side, requires_grad=True)
-        kwargs = {"align_corners": False} if mode == "bilinear" else {}
+        kwargs = {"align_corners": False} if mode in ("bilinear", "bicubic") else {}
         grad_out = _randn(gen, device, 1, 16, 2 * side, 2 * side)
         return _grad_of(lambda: F.interpolate(inp, scale_factor=2, mode=mode, **kwargs), [inp], grad_out)
 
@@ -105,10 +183,11 @@ def _embedding(bag: bool):
 
 def _pool(kind: str):
     def build(device, n, gen):
-        if kind == "avg_pool3d":
+        if kind in ("avg_pool3d", "max_pool3d"):
             side = max(4, int((n / 4) ** (1 / 3)))
             inp = _randn(gen, device, 1, 4, side, side, side, requires_grad=True)
-            forward = lambda: F.avg_pool3d(inp, 3, stride=1)  # noqa: E731
+            pool = F.avg_pool3d if kind == "avg_pool3d" else F.max_pool3d
+            forward = lambda: pool(inp, 3, stride=1)  # noqa: E731 - overlapping windows
         else:
             side = max(8, int((n / 16) ** 0.5))
             inp = _randn(gen, device, 1, 16, side, side, requires_grad=True)
@@ -203,24 +282,97 @@ def _all_action_q(variant: str):
 CATALOGUE: dict[str, CatalogueEntry] = {
     e.name: e
     for e in [
-        CatalogueEntry("index_add_", _scatter_like("index_add_"), "duplicate indices, atomic on CUDA"),
-        CatalogueEntry("scatter_add_", _scatter_like("scatter_add_"), "duplicate indices, atomic on CUDA"),
+        CatalogueEntry(
+            "index_add_", _scatter_like("index_add_"), "duplicate indices, atomic on CUDA", routed=("index_add_",)
+        ),
+        CatalogueEntry(
+            "scatter_add_",
+            _scatter_like("scatter_add_"),
+            "duplicate indices, atomic on CUDA",
+            routed=("scatter_add_",),
+        ),
         CatalogueEntry("scatter_reduce_sum", _scatter_like("scatter_reduce_sum"), "duplicate indices"),
-        CatalogueEntry("index_put_accumulate", _scatter_like("index_put_accumulate"), "index_put_(accumulate=True)"),
-        CatalogueEntry("put_accumulate", _scatter_like("put_accumulate"), "put_(accumulate=True)"),
-        CatalogueEntry("bincount_weights", _scatter_like("bincount_weights"), "weighted bincount"),
+        CatalogueEntry(
+            "index_put_accumulate",
+            _scatter_like("index_put_accumulate"),
+            "index_put_(accumulate=True)",
+            routed=("_index_put_impl_",),
+        ),
+        CatalogueEntry("put_accumulate", _scatter_like("put_accumulate"), "put_(accumulate=True)", routed=("put_",)),
+        CatalogueEntry(
+            "bincount_weights", _scatter_like("bincount_weights"), "weighted bincount", routed=("bincount",)
+        ),
         CatalogueEntry(
             "index_copy_duplicates", _scatter_like("index_copy_duplicates"), "index_copy_, duplicate indices"
         ),
-        CatalogueEntry("histc", _histc, "histogram"),
+        CatalogueEntry(
+            "index_reduce_prod", _index_reduce("prod"), "index_reduce(reduce='prod')", routed=("index_reduce",)
+        ),
+        CatalogueEntry(
+            "index_reduce_mean", _index_reduce("mean"), "index_reduce(reduce='mean')", routed=("index_reduce",)
+        ),
+        CatalogueEntry(
+            "index_reduce_amax", _index_reduce("amax"), "index_reduce(reduce='amax')", routed=("index_reduce",)
+        ),
+        CatalogueEntry(
+            "scatter_reduce_prod",
+            _scatter_reduce_prod,
+            "scatter_reduce(reduce='prod')",
+            routed=("scatter_reduce.two",),
+        ),
+        CatalogueEntry("histc", _histc, "histogram", routed=("histc",)),
+        CatalogueEntry(
+            "median_dim", _median_dim, "median(dim): values and indices, with ties", routed=("median.dim_values",)
+        ),
         CatalogueEntry("cumsum", _cumsum, "prefix sum over 1-D"),
         CatalogueEntry("embedding_backward", _embedding(False), "embedding_dense_backward"),
         CatalogueEntry("embedding_bag_backward", _embedding(True), "embedding_bag(mode='sum') backward"),
-        CatalogueEntry("grid_sample_backward", _grid_sample, "grid_sampler_2d_backward (bilinear)"),
-        CatalogueEntry("interpolate_bilinear_backward", _interpolate("bilinear"), "upsample_bilinear2d_backward"),
+        CatalogueEntry(
+            "cross_entropy_4d",
+            _cross_entropy_4d,
+            "4-D F.cross_entropy (nll_loss2d forward) + backward, class weights, ignore_index",
+            routed=("nll_loss2d_forward",),
+        ),
+        CatalogueEntry(
+            "ctc_loss",
+            _ctc_loss,
+            "F.ctc_loss forward + backward",
+            routed=("_ctc_loss_backward", "_ctc_loss_backward.Tensor"),
+        ),
+        CatalogueEntry(
+            "grid_sample_backward",
+            _grid_sample,
+            "grid_sampler_2d_backward (bilinear)",
+            routed=("grid_sampler_2d_backward",),
+        ),
+        CatalogueEntry(
+            "interpolate_bilinear_backward",
+            _interpolate("bilinear"),
+            "upsample_bilinear2d_backward",
+            routed=("upsample_bilinear2d_backward",),
+        ),
+        CatalogueEntry(
+            "interpolate_bicubic_backward",
+            _interpolate("bicubic"),
+            "upsample_bicubic2d_backward",
+            routed=("upsample_bicubic2d_backward",),
+        ),
         CatalogueEntry("interpolate_nearest_backward", _interpolate("nearest"), "upsample_nearest2d_backward"),
-        CatalogueEntry("adaptive_avg_pool2d_backward", _pool("adaptive_avg_pool2d"), "adaptive_avg_pool2d backward"),
-        CatalogueEntry("avg_pool3d_backward", _pool("avg_pool3d"), "avg_pool3d backward"),
+        CatalogueEntry(
+            "adaptive_avg_pool2d_backward",
+            _pool("adaptive_avg_pool2d"),
+            "adaptive_avg_pool2d backward",
+            routed=("_adaptive_avg_pool2d_backward",),
+        ),
+        CatalogueEntry(
+            "avg_pool3d_backward", _pool("avg_pool3d"), "avg_pool3d backward", routed=("avg_pool3d_backward",)
+        ),
+        CatalogueEntry(
+            "max_pool3d_backward",
+            _pool("max_pool3d"),
+            "max_pool3d backward (overlapping windows)",
+            routed=("max_pool3d_with_indices_backward",),
+        ),
         CatalogueEntry("reflection_pad2d_backward", _pool("reflection_pad2d"), "reflection_pad2d backward"),
         CatalogueEntry("conv2d_backward", _pool("conv2d"), "conv2d forward+backward (cuDNN algorithm choice)"),
         CatalogueEntry("matmul", _dense("matmul"), "GEMM (cuBLAS)"),

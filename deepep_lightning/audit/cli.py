@@ -18,9 +18,14 @@ _DESCRIPTION = textwrap.dedent("""\
 
       l1   one op N times on fixed random inputs (never zeros). Without --callable: the built-in
            catalogue (DeepEP's ops and the known offenders: index_add_, scatter_add_, index_put_
-           accumulate, grid_sample/interpolate backward, embedding backward, cumsum, ...) as a table,
-           with columns: default | deterministic (torch.use_deterministic_algorithms) |
-           launch_blocking (CUDA_LAUNCH_BLOCKING=1, in a subprocess: it does not fix atomics).
+           accumulate, index_reduce, histc, median(dim), 4-D cross_entropy, ctc_loss, grid_sample /
+           interpolate / pooling backward, embedding backward, cumsum, ...) as a table, with columns:
+           default (PyTorch's defaults: verdict and time per call) | deterministic (PyTorch's own
+           torch.use_deterministic_algorithms: yes, NO or raises, time as a ratio to default) | plugin
+           (deterministic mode with deepep_lightning's kernels for refused ops, patch_refused_ops(True)
+           as DeterminismCallback sets it: what the plugin buys, ratio to default) | launch_blocking
+           (CUDA_LAUNCH_BLOCKING=1, in a subprocess: it does not fix atomics). On CUDA, deterministic
+           and plugin each run in a fresh subprocess.
       l2   one training step of a LightningModule (DeepEP: one timestep), N repeats in-process.
       l3   a whole sequence (DeepEP: one rollout of T timesteps; another module: --steps optimizer
            steps), N repeats in-process.
@@ -53,6 +58,7 @@ _EPILOG = textwrap.dedent("""\
     examples:
       deepep-audit l1 --repeats 100                       # catalogue table on this machine
       deepep-audit l1 --ops index_add_,cumsum --columns default,deterministic
+      deepep-audit l1 --ops cross_entropy_4d,ctc_loss,histc --columns default,deterministic,plugin
       deepep-audit l3 --config configs/default.yaml --repeats 10
       deepep-audit l3 --variant fused_atomic --device cuda        # DeepEP's atomic value head
       deepep-audit l2 --target mypkg.models:Net --config net.yaml --json -
@@ -85,8 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     l1.add_argument("--callable", metavar="PKG.MOD:FN", help="audit FN() instead of the catalogue (bind fixed inputs)")
     l1.add_argument(
         "--columns",
-        default="default,deterministic,launch_blocking",
-        help="comma-separated subset of default,deterministic,launch_blocking",
+        default="default,deterministic,plugin,launch_blocking",
+        help="comma-separated subset of default,deterministic,plugin,launch_blocking (plugin: deterministic"
+        " mode with patch_refused_ops(True))",
     )
     l1.add_argument("--repeats", type=int, default=100, help="calls per op (default 100)")
     l1.add_argument("--size", choices=("small", "large"), help="input size (default: large on CUDA, small on CPU)")
