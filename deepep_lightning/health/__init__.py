@@ -3,11 +3,12 @@
 from deepep_lightning.health.events import EventKind
 from deepep_lightning.health.fault_injection import FaultInjectionCallback
 from deepep_lightning.health.flags import HealthReason, StepFlags, StepRecord
-from deepep_lightning.health.health_callback import HealthVerdict, NonFiniteError, NumericalHealthCallback
+from deepep_lightning.health.health_callback import NumericalHealthCallback
 from deepep_lightning.health.regression import RegressionTrigger
 from deepep_lightning.health.rollback import Classification, NaNRollbackCallback, Outcome
 from deepep_lightning.health.snapshot import CorruptSnapshotError, Snapshot, SnapshotRing
 from deepep_lightning.health.spike import LossSpikeDetector
+from deepep_lightning.health.verdict import HealthVerdict, NonFiniteError
 
 __all__ = [
     "Classification",

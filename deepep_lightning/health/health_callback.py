@@ -5,30 +5,24 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
-import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
+from deepep_lightning.health.check_scalars import log_check_scalars, log_epoch_scalar
 from deepep_lightning.health.events import DEFAULT_EVENTS_FILENAME, INCIDENT_KINDS, EventKind, HealthEventLog
-from deepep_lightning.health.flags import HealthReason, StepFlags, StepRecord
+from deepep_lightning.health.flags import HealthReason, StepFlags
+from deepep_lightning.health.parameter_scan import parameter_max_abs
 from deepep_lightning.health.spike import LossSpikeDetector
+from deepep_lightning.health.verdict import FailureHandler, HealthVerdict, NonFiniteError, agree_across_ranks
 from deepep_lightning.protocols import step_grad_norm, step_loss
 
-__all__ = [
-    "Action",
-    "FailureHandler",
-    "HealthVerdict",
-    "NonFiniteError",
-    "NumericalHealthCallback",
-    "log_check_scalars",
-]
+__all__ = ["Action", "NumericalHealthCallback"]
 
 log = logging.getLogger(__name__)
 
@@ -38,70 +32,6 @@ _ACTIONS: tuple[str, ...] = get_args(Action)
 
 #: The largest ``check_every_n_steps``: the device table holds a row per step between two checks.
 MAX_CHECK_EVERY_N_STEPS = 10_000
-
-
-def log_check_scalars(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, metrics: dict[str, float], prog_bar: tuple[str, ...] = ()
-) -> None:
-    """Log host values measured at a check: to Lightning's metrics, and to the loggers at this step only.
-
-    ``pl_module.log`` (``logger=False``) puts them in ``trainer.callback_metrics`` (what ``EarlyStopping``
-    and ``ModelCheckpoint`` monitor) and the progress bar, as CPU tensors: Lightning moves a Python
-    float to the module's device and converts every progress-bar value back with ``.item()`` at each
-    step's end, a host sync per step on a GPU; a CPU tensor needs neither. The loggers get them on
-    rank 0 at the step Lightning writes this step's training scalars (``global_step - 1`` in
-    ``on_train_batch_end``), once: Lightning would write a value logged at a check again at every later
-    write until the epoch ends, points that were never measured (and that a resumed run, whose
-    logging starts afresh, does not repeat).
-    """
-    for name, value in metrics.items():
-        pl_module.log(
-            name,
-            torch.tensor(float(value)),
-            on_step=True,
-            on_epoch=False,
-            prog_bar=name in prog_bar,
-            logger=False,
-            batch_size=1,
-        )
-    if metrics and trainer.is_global_zero:
-        for logger in trainer.loggers:
-            logger.log_metrics(dict(metrics), step=max(trainer.global_step - 1, 0))
-
-
-class NonFiniteError(RuntimeError):
-    """Raised when a health check fails and the configured action is ``"raise"``."""
-
-
-@dataclass
-class HealthVerdict:
-    """Result of one check over steps ``[first_step, end_step)`` (0-based optimizer-step indices)."""
-
-    first_step: int
-    end_step: int
-    healthy: bool
-    bad_step: int | None = None
-    reason: HealthReason | None = None
-    records: list[StepRecord] = field(default_factory=list)
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        if self.healthy:
-            return f"steps {self.first_step}..{self.end_step - 1} healthy"
-        return f"{self.reason} at step {self.bad_step} ({self.details})"
-
-
-class FailureHandler(Protocol):
-    """A callback that takes over failed checks from :class:`NumericalHealthCallback` (see ``attach_rollback``)."""
-
-    @property
-    def stopped(self) -> bool:
-        """True once the handler has stopped training (the epoch-end checks then rest)."""
-        ...
-
-    def skips(self, step: int) -> bool:
-        """Whether the handler skips optimizer step ``step`` (its loss and gradients are then not recorded)."""
-        ...
 
 
 class NumericalHealthCallback(Callback):
@@ -364,7 +294,7 @@ class NumericalHealthCallback(Callback):
                 if reason != HealthReason.LOSS_SPIKE:
                     verdict.details = {"loss": record.loss, "grad_norm": record.grad_norm}
                 break
-        verdict = self._agree(trainer, verdict)
+        verdict = agree_across_ranks(trainer, verdict)
         self._next_unchecked = end
         self.last_verdict = verdict
         if self.log_norms and records:
@@ -392,23 +322,6 @@ class NumericalHealthCallback(Callback):
         self._check_scalars = {}
         log_check_scalars(pl_module.trainer, pl_module, metrics, prog_bar=("health/incidents",))
 
-    def _agree(self, trainer: pl.Trainer, verdict: HealthVerdict) -> HealthVerdict:
-        """Make the verdict rank-consistent: all ranks adopt the earliest bad step seen by any rank."""
-        if trainer.world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-            return verdict
-        sentinel = verdict.end_step
-        mine = verdict.bad_step if not verdict.healthy else sentinel
-        earliest = torch.tensor([mine], dtype=torch.long, device=trainer.strategy.root_device)
-        torch.distributed.all_reduce(earliest, op=torch.distributed.ReduceOp.MIN)
-        earliest_step = int(earliest.item())
-        all_healthy = trainer.strategy.reduce_boolean_decision(verdict.healthy, all=True)
-        if all_healthy:
-            return verdict
-        if verdict.healthy or verdict.bad_step != earliest_step:
-            verdict.healthy, verdict.bad_step = False, earliest_step
-            verdict.reason = verdict.reason if verdict.bad_step == mine else HealthReason.OTHER_RANK
-        return verdict
-
     def _act(self, trainer: pl.Trainer, verdict: HealthVerdict) -> None:
         action = self.on_spike if verdict.reason == HealthReason.LOSS_SPIKE else self.on_nonfinite
         assert verdict.bad_step is not None  # every unhealthy verdict names its step
@@ -431,21 +344,14 @@ class NumericalHealthCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._handler is not None and self._handler.stopped:
             return
-        params = {n: p.detach() for n, p in pl_module.named_parameters()}
-        if not params:
+        maxima = parameter_max_abs(pl_module)
+        if not maxima:
             return
-        names = list(params)
-        maxes = torch.stack(
-            [t.abs().max().float() if t.numel() else t.new_zeros((), dtype=torch.float32) for t in params.values()]
-        )
-        host = maxes.cpu().tolist()  # once per epoch: a sync is fine here
+        names, host = list(maxima), list(maxima.values())
         bad = [n for n, v in zip(names, host) if not math.isfinite(v)]
         worst = max(range(len(host)), key=lambda i: host[i] if math.isfinite(host[i]) else -1.0)
         if math.isfinite(host[worst]):
-            pl_module.log("health/param_max_abs", torch.tensor(host[worst]), on_epoch=True, logger=False, batch_size=1)
-            if trainer.is_global_zero:
-                for logger in trainer.loggers:
-                    logger.log_metrics({"health/param_max_abs": host[worst]}, step=max(trainer.global_step - 1, 0))
+            log_epoch_scalar(trainer, pl_module, "health/param_max_abs", host[worst])
         if bad:
             verdict = HealthVerdict(
                 trainer.global_step,
