@@ -12,7 +12,7 @@ states of the module's torchmetrics metrics, so replayed steps are not counted t
 Restoring is **in place**: parameters, buffers, optimizer state and the rollout
 state are copied into the live tensors, never replaced, because a captured CUDA
 graph (e.g. a module whose step is one graph) keeps raw pointers to them and would
-otherwise go on reading freed memory.
+otherwise go on reading freed memory (:mod:`deepep_lightning.health.state_copies`).
 
 On disk a snapshot is an atomic, checksummed file (:mod:`deepep_lightning.health.snapshot_file`):
 a truncated or corrupted file fails verification with :class:`CorruptSnapshotError`, is deleted,
@@ -43,6 +43,14 @@ from deepep_lightning.health.snapshot_file import (
     remove_dead_temporary_files,
     write_snapshot_payload,
 )
+from deepep_lightning.health.state_copies import (
+    copy_into,
+    reset_optimizer_state,
+    restore_module,
+    restore_optimizer,
+    to_device,
+    to_host,
+)
 from deepep_lightning.protocols import RolloutStateful
 
 __all__ = [
@@ -55,120 +63,6 @@ __all__ = [
     "restore_update_state",
     "save_snapshot_file",
 ]
-
-_LEAF = "__snapshot_tensor__"
-
-
-def _to_host(tree: Any, events: list[torch.device]) -> Any:
-    """Copy every tensor of ``tree`` to host memory; CUDA tensors go to pinned memory asynchronously."""
-    if isinstance(tree, Tensor):
-        source = tree.detach()
-        if source.device.type == "cuda":
-            host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
-            host.copy_(source, non_blocking=True)
-            events.append(source.device)
-        else:
-            host = source.clone()
-        return {_LEAF: host, "device": str(source.device)}
-    if isinstance(tree, dict):
-        return {k: _to_host(v, events) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        items = [_to_host(v, events) for v in tree]
-        return items if isinstance(tree, list) else tuple(items)
-    return copy.deepcopy(tree)
-
-
-def _to_device(tree: Any) -> Any:
-    """Fresh tensors on their original devices (the host copy stays untouched for the next restore)."""
-    if isinstance(tree, dict):
-        if _LEAF in tree:
-            return tree[_LEAF].to(tree["device"], copy=True)
-        return {k: _to_device(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        items = [_to_device(v) for v in tree]
-        return items if isinstance(tree, list) else tuple(items)
-    return copy.deepcopy(tree)
-
-
-def _copy_into(current: Any, saved: Any) -> bool:
-    """``current.copy_(saved)`` when both are tensors of one shape and dtype; False when it cannot."""
-    if not (isinstance(current, Tensor) and isinstance(saved, Tensor)):
-        return False
-    if current.shape != saved.shape or current.dtype != saved.dtype:
-        return False
-    with torch.no_grad():
-        current.copy_(saved)
-    return True
-
-
-def _reset_state(optimizer: torch.optim.Optimizer, param: Tensor) -> None:
-    """Return ``param``'s optimizer state to "no step taken yet"."""
-    live = optimizer.state.get(param)
-    # Adam and AdamW create step 0 and zero moments lazily at their first step: zeroing the live
-    # tensors in place is that same state, without freeing what a captured graph points to.
-    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-    if live and adam and all(isinstance(v, Tensor) for v in live.values()):
-        with torch.no_grad():
-            for value in live.values():
-                value.zero_()
-    else:
-        optimizer.state.pop(param, None)
-
-
-def _restore_module(pl_module: "pl.LightningModule", saved: dict[str, Any]) -> None:
-    """Copy the saved parameters and buffers into the live ones (host → device, in place)."""
-    live = pl_module.state_dict(keep_vars=True)
-    if live.keys() != saved.keys():
-        pl_module.load_state_dict(_to_device(saved))  # raises load_state_dict's own missing/unexpected-key error
-        return
-    rest = {}
-    for name, value in saved.items():
-        leaf = value.get(_LEAF) if isinstance(value, dict) else None
-        if not _copy_into(live[name], leaf):
-            rest[name] = _to_device(value)
-    if rest:  # extra state, or a tensor whose shape changed: only load_state_dict knows what to do
-        pl_module.load_state_dict(rest, strict=False)
-
-
-def _restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
-    """Load ``saved`` into ``optimizer``, copying into the live state tensors.
-
-    In-place copies keep tensor identities (what a captured CUDA graph relies on). A state entry
-    absent from the snapshot (no step taken yet) is zeroed in place for Adam/AdamW (identical to
-    their lazily created state) and removed for other optimizers, as in a fresh optimizer. Only a
-    changed number of param groups falls back to ``optimizer.load_state_dict`` (new tensors; a
-    captured graph reading the old ones must then be captured again).
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if len(saved["param_groups"]) != len(optimizer.param_groups):
-        optimizer.load_state_dict(_to_device(saved))
-        return
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
-        for key, value in saved_group.items():
-            if key == "params":
-                continue
-            restored = _to_device(value)
-            if not _copy_into(group.get(key), restored):  # a tensor lr is read by the graph too
-                group[key] = restored
-    for index, param in enumerate(params):
-        saved_state = saved["state"].get(index)
-        if saved_state is None:
-            _reset_state(optimizer, param)
-            continue
-        live = optimizer.state.setdefault(param, {})
-        for key in list(live):
-            if key not in saved_state:
-                del live[key]
-        for key, value in saved_state.items():
-            restored = _to_device(value)
-            current = live.get(key)
-            if not (
-                isinstance(current, Tensor)
-                and isinstance(restored, Tensor)
-                and current.device == restored.device
-                and _copy_into(current, restored)
-            ):
-                live[key] = restored
 
 
 def clone_update_state(pl_module: pl.LightningModule, optimizers: list[torch.optim.Optimizer]) -> list[Any]:
@@ -200,11 +94,11 @@ def restore_update_state(
         for param in list(optimizer.state):
             old = state.get(id(param))
             if old is None:
-                _reset_state(optimizer, param)
+                reset_optimizer_state(optimizer, param)
                 continue
             live = optimizer.state[param]
             for key, value in old.items():
-                if not _copy_into(live.get(key), value):
+                if not copy_into(live.get(key), value):
                     live[key] = value
 
 
@@ -238,16 +132,16 @@ class Snapshot:
         snapshot = cls(
             step=trainer.global_step,
             epoch=trainer.current_epoch,
-            model=_to_host(pl_module.state_dict(), devices),
-            optimizers=[_to_host(opt.state_dict(), devices) for opt in trainer.optimizers],
+            model=to_host(pl_module.state_dict(), devices),
+            optimizers=[to_host(opt.state_dict(), devices) for opt in trainer.optimizers],
             schedulers=[copy.deepcopy(cfg.scheduler.state_dict()) for cfg in trainer.lr_scheduler_configs],
             scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
             rng=capture_rng_state(),
             progress={"automatic": copy.deepcopy(automatic.state_dict()), "manual": copy.deepcopy(manual.state_dict())},
-            rollout=_to_host(rollout, devices) if rollout is not None else None,
+            rollout=to_host(rollout, devices) if rollout is not None else None,
             callback_state=copy.deepcopy(callback_state),
             lr_scale=float(lr_scale),
-            metrics=_to_host(capture_metric_states(pl_module), devices),
+            metrics=to_host(capture_metric_states(pl_module), devices),
         )
         for device in sorted({str(d) for d in devices}):
             event = torch.cuda.Event()
@@ -264,9 +158,9 @@ class Snapshot:
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, restore_progress: bool = True) -> None:
         """Put the trainer and module back to this state (counters too when ``restore_progress``)."""
         self.wait()
-        _restore_module(pl_module, self.model)
+        restore_module(pl_module, self.model)
         for optimizer, saved in zip(trainer.optimizers, self.optimizers):
-            _restore_optimizer(optimizer, saved)
+            restore_optimizer(optimizer, saved)
             optimizer.zero_grad(set_to_none=True)
         for cfg, saved in zip(trainer.lr_scheduler_configs, self.schedulers):
             cfg.scheduler.load_state_dict(copy.deepcopy(saved))
@@ -275,9 +169,9 @@ class Snapshot:
             scaler.load_state_dict(copy.deepcopy(self.scaler))
         restore_rng_state(self.rng)
         if self.rollout is not None and isinstance(pl_module, RolloutStateful):
-            pl_module.load_rollout_state_dict(_to_device(self.rollout))
+            pl_module.load_rollout_state_dict(to_device(self.rollout))
         if self.epoch == trainer.current_epoch:  # replayed steps must not be counted twice in epoch metrics
-            restore_metric_states(pl_module, _to_device(self.metrics), reset_missing=True)
+            restore_metric_states(pl_module, to_device(self.metrics), reset_missing=True)
         if restore_progress:
             automatic, manual = optimizer_step_progress(trainer)
             automatic.load_state_dict(copy.deepcopy(self.progress["automatic"]))
@@ -287,9 +181,9 @@ class Snapshot:
         """Put back the parameters, buffers and optimizer states only, in place; the RNG, the rollout
         (data position), the LR schedulers and the loop counters stay where they are."""
         self.wait()
-        _restore_module(pl_module, self.model)
+        restore_module(pl_module, self.model)
         for optimizer, saved in zip(trainer.optimizers, self.optimizers):
-            _restore_optimizer(optimizer, saved)
+            restore_optimizer(optimizer, saved)
             optimizer.zero_grad(set_to_none=True)
 
     def payload(self) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from deepep_lightning.audit.nonfinite import locate_nonfinite
 from deepep_lightning.deepep import DeepEPModule
-from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback
+from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback, state_copies
 from deepep_lightning.health import snapshot as snapshot_module
 
 from .conftest import OverflowBeforeStep, Recorder, ToyModule, fit, state_equal
@@ -264,8 +264,8 @@ def test_graph_refuses_to_replay_after_a_restore_that_is_not_in_place(tmp_path, 
     """Negative control for the in-place restore: a replaced optimizer state is caught before any replay."""
     monkeypatch.setattr(
         snapshot_module,
-        "_restore_optimizer",
-        lambda optimizer, saved: optimizer.load_state_dict(snapshot_module._to_device(saved)),
+        "restore_optimizer",
+        lambda optimizer, saved: optimizer.load_state_dict(state_copies.to_device(saved)),
     )
     callbacks = [
         FaultInjectionCallback("parameter", steps=[7]),

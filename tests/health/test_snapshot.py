@@ -13,13 +13,12 @@ from deepep_lightning.health.snapshot import (
     CorruptSnapshotError,
     Snapshot,
     SnapshotRing,
-    _restore_optimizer,
-    _to_host,
     clone_update_state,
     load_snapshot_file,
     restore_update_state,
     save_snapshot_file,
 )
+from deepep_lightning.health.state_copies import restore_optimizer, to_host
 
 from .conftest import fit
 
@@ -157,7 +156,7 @@ def test_restore_before_the_first_step_keeps_adam_state_in_place_and_exact():
     fresh.load_state_dict(model.state_dict())
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     reference = torch.optim.Adam(fresh.parameters(), lr=0.1)
-    empty = _to_host(optimizer.state_dict(), [])  # before any step: no state
+    empty = to_host(optimizer.state_dict(), [])  # before any step: no state
 
     def train(net, opt, steps):
         for step in range(steps):
@@ -167,7 +166,7 @@ def test_restore_before_the_first_step_keeps_adam_state_in_place_and_exact():
 
     train(model, optimizer, 2)
     live = {id(v): v.data_ptr() for s in optimizer.state.values() for v in s.values()}
-    _restore_optimizer(optimizer, empty)
+    restore_optimizer(optimizer, empty)
     assert {id(v): v.data_ptr() for s in optimizer.state.values() for v in s.values()} == live  # kept, in place
     assert all(not v.any() for s in optimizer.state.values() for v in s.values())  # step 0, zero moments
     with torch.no_grad():
