@@ -1,12 +1,13 @@
-"""What NaNRollbackCallback does about an incident: a failed check, or a collapse of a monitored metric.
+"""What NaNRollbackCallback does about an incident: a failed check of the numerical health.
 
 An incident restores a snapshot and replays the recorded steps through Lightning's own loop; a replay
 that fails again is classified, diagnosed by the non-finite locator and answered by the policy (skip,
 lower the learning rate, stop), one snapshot further back per retry, until a replay is clean or the
-retries run out; a metric collapse restores the best snapshot's weights. The callback
-(:mod:`deepep_lightning.health.rollback`) owns the lifecycle: hooks, batch recording, when to take a
-snapshot, and the checkpointed state; it inherits these decisions from :class:`_IncidentHandling`, whose
-annotations name the configuration and state they read.
+retries run out. The callback (:mod:`deepep_lightning.health.rollback`) owns the lifecycle: hooks,
+batch recording, when to take a snapshot, and the checkpointed state; it inherits these decisions
+from :class:`_IncidentHandling`, whose annotations name the configuration and state they read, through
+:class:`~deepep_lightning.health.regression_handling._RegressionHandling`, which answers a collapse of
+a monitored metric with the same tools.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from deepep_lightning.health._collectives import min_max_over_ranks
 from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
 from deepep_lightning.health.events import EventKind
 from deepep_lightning.health.flags import HealthReason
-from deepep_lightning.health.health_callback import HealthVerdict, NumericalHealthCallback
+from deepep_lightning.health.health_callback import NumericalHealthCallback
 from deepep_lightning.health.regression import RegressionTrigger
 from deepep_lightning.health.snapshot import Snapshot, SnapshotRing
+from deepep_lightning.health.verdict import HealthVerdict
 from deepep_lightning.protocols import RolloutStateful, UncapturedSteps
 
 __all__ = ["Classification", "Outcome", "Policy"]
@@ -289,61 +291,6 @@ class _IncidentHandling:
         }
         self._emit(trainer, EventKind.STOPPED, incident["step"], announce=False, **self.stop_report)
         rank_zero_warn(f"NaNRollbackCallback stopped training: {why}. {weights}; see the health event log.")
-
-    # ---------------------------------------------------------------- regression (a collapse of a metric)
-    def _monitored(self, trainer: pl.Trainer) -> float | None:
-        """The monitored metric now, averaged over ranks (read at a check only: no per-step sync); None when absent."""
-        assert self.regression is not None
-        raw = trainer.callback_metrics.get(self.regression.monitor)
-        if not trainer.strategy.reduce_boolean_decision(raw is not None, all=True):
-            if not self._monitor_missing_warned:
-                self._monitor_missing_warned = True
-                rank_zero_warn(
-                    f"NaNRollbackCallback: the monitored metric {self.regression.monitor!r} is not logged (yet); "
-                    f"logged: {sorted(trainer.callback_metrics)}. HINT: `self.log({self.regression.monitor!r}, ...)`."
-                )
-            return None
-        value = torch.as_tensor(raw).detach().float().reshape(()).to(trainer.strategy.root_device)
-        return float(trainer.strategy.reduce(value, reduce_op="mean"))
-
-    def _best_snapshot(self, trainer: pl.Trainer) -> Snapshot | None:
-        """The snapshot with the best monitored value that every rank can load."""
-        assert self.regression is not None
-        for step in self.regression.rank(self._snapshot_metric):
-            snapshot = self.ring.load(step)
-            if trainer.strategy.reduce_boolean_decision(snapshot is not None, all=True):
-                return snapshot
-        return None
-
-    def _handle_regression(self, trainer: pl.Trainer, pl_module: pl.LightningModule, value: float) -> None:
-        """Restore the best snapshot's weights and apply the policy (or stop past the retry cap)."""
-        assert self.regression is not None and self._health is not None
-        trigger, step = self.regression, trainer.global_step
-        why = trigger.describe(value)
-        incident: dict[str, Any] = {"step": step, "reason": "regression", "detected_at": step, "attempts": 0}
-        incident.update(monitor=trigger.monitor, value=value, best=trigger.best, best_step=trigger.best_step)
-        self.incidents.append(incident)
-        self._emit(trainer, EventKind.REGRESSION, step, details=why, **_public(incident))
-        snapshot = self._best_snapshot(trainer)
-        if snapshot is None or self.policy == "stop" or trigger.attempts >= self.max_retries:
-            self._stop(trainer, pl_module, incident, why, weights_from=snapshot)
-            return
-        trigger.attempts += 1
-        incident["attempts"] = trigger.attempts
-        snapshot.restore_weights(trainer, pl_module)
-        self._emit(trainer, EventKind.ROLLBACK, snapshot.step, to_step=snapshot.step, weights_only=True)
-        if self.policy == "lower_lr":
-            self._lr_scale *= self.lr_factor
-        self._apply_lr_scale(trainer, snapshot.lr_scale)
-        dropped = [snapshot.step, step]
-        self._emit(trainer, EventKind.POLICY, step, policy=self.policy, lr_scale=self._lr_scale, dropped_steps=dropped)
-        incident["outcome"] = Outcome.RECOVERED.value
-        # the older snapshots lead to the collapse (a NaN replay from them would redo it): start afresh here
-        trigger.bad_checks = 0
-        best = self._snapshot_metric.get(snapshot.step, trigger.best)
-        self.ring.clear()
-        self._snapshot_metric = {}
-        self._snapshot(trainer, pl_module, best)
 
     # ---------------------------------------------------------------- rollback and replay
     def _rolls_back(self, verdict: HealthVerdict) -> bool:

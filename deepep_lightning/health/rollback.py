@@ -25,17 +25,19 @@ from deepep_lightning.health._step_hooks import (
     remove_step_hook,
 )
 from deepep_lightning.health.events import EventKind, run_log_dir
-from deepep_lightning.health.health_callback import HealthVerdict, NumericalHealthCallback
-from deepep_lightning.health.incidents import _POLICIES, Classification, Outcome, Policy, _IncidentHandling
+from deepep_lightning.health.health_callback import NumericalHealthCallback
+from deepep_lightning.health.incidents import _POLICIES, Classification, Outcome, Policy
 from deepep_lightning.health.regression import RegressionTrigger
+from deepep_lightning.health.regression_handling import _RegressionHandling
 from deepep_lightning.health.snapshot import Snapshot, SnapshotRing, clone_update_state, restore_update_state
+from deepep_lightning.health.verdict import HealthVerdict
 
 __all__ = ["Classification", "NaNRollbackCallback", "Outcome", "Policy"]
 
 log = logging.getLogger(__name__)
 
 
-class NaNRollbackCallback(_IncidentHandling, Callback):
+class NaNRollbackCallback(_RegressionHandling, Callback):
     r"""Survive NaN/Inf and loss spikes: roll back to a healthy snapshot, replay, and decide.
 
     Works with a :class:`~deepep_lightning.NumericalHealthCallback` in the same trainer (it
