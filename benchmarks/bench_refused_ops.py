@@ -29,7 +29,7 @@ why PyTorch's kernel does); on CUDA a routed row whose case the route does not c
 since its ``deepep_deterministic`` column would time PyTorch's kernel.
 
 The issue's target: ``deepep_deterministic`` <= 1.0x ``pytorch_atomic`` median, <= 1.3x worst. Writes
-``DIR/refused_ops.json`` (< 2 min on an H200)::
+``DIR/refused_ops.json``::
 
     PYTHONPATH=$PWD python benchmarks/bench_refused_ops.py --out benchmarks/results/refused_ops
 

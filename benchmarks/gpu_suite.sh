@@ -214,7 +214,7 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
       to_logs "$RESULTS/audit/audit_catalogue_h200.md" audit_catalogue_h200.md ;;
     refused_ops)
       for i in 1 2; do  # twice, to show how much the ratios move from one run to the next
-        run bench_refused_ops_$i 120 python3 benchmarks/bench_refused_ops.py \
+        run bench_refused_ops_$i 300 python3 benchmarks/bench_refused_ops.py \
           --out "$RESULTS/refused_ops/repeat_$i" --profile
         to_logs "$RESULTS/refused_ops/repeat_$i/refused_ops_profile.txt" refused_ops_profile_$i.txt
       done ;;
