@@ -21,7 +21,6 @@ __all__ = ["validate_arguments"]
 
 
 def validate_arguments(
-    *,
     seed: Any,
     bucket_cap_mb: Any,
     nccl_algorithm: Any,
@@ -30,6 +29,7 @@ def validate_arguments(
     ddp_comm_hook: Any,
     per_rank_checkpoint_keys: Sequence[str],
     virtual_world_size: Any,
+    *,
     flags: dict[str, Any],
 ) -> tuple[str, ...]:
     """Check the arguments of ``DeterministicDDPStrategy``; returns ``per_rank_checkpoint_keys`` as a tuple.

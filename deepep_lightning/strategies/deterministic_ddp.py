@@ -144,15 +144,16 @@ class DeterministicDDPStrategy(DDPStrategy):
         virtual_world_size: int | None = None,
         **kwargs: Any,
     ) -> None:
+        comm_hook = kwargs.get("ddp_comm_hook")
         keys = validate_arguments(
-            seed=seed,
-            bucket_cap_mb=bucket_cap_mb,
-            nccl_algorithm=nccl_algorithm,
-            nccl_protocol=nccl_protocol,
-            gradient_reduction=gradient_reduction,
-            ddp_comm_hook=kwargs.get("ddp_comm_hook"),
-            per_rank_checkpoint_keys=per_rank_checkpoint_keys,
-            virtual_world_size=virtual_world_size,
+            seed,
+            bucket_cap_mb,
+            nccl_algorithm,
+            nccl_protocol,
+            gradient_reduction,
+            comm_hook,
+            per_rank_checkpoint_keys,
+            virtual_world_size,
             flags={
                 "gradient_as_bucket_view": gradient_as_bucket_view,
                 "static_graph": static_graph,
@@ -306,21 +307,8 @@ class DeterministicDDPStrategy(DDPStrategy):
         )
         return super().process_dataloader(loader)
 
-    @staticmethod
-    def shard(
-        num_samples: int,
-        seed: int,
-        epoch: int,
-        rank: int,
-        world_size: int,
-        shuffle: bool = True,
-        drop_last: bool = False,
-    ) -> list[int]:
-        """The indices ``rank`` sees in ``epoch``: what the injected ``DistributedSampler`` yields.
-
-        ``seed`` is the run seed (the sampler's own seed is derived from it).
-        """
-        return distributed_shard(num_samples, seed, epoch, rank, world_size, shuffle=shuffle, drop_last=drop_last)
+    #: The indices ``rank`` sees in ``epoch`` (:func:`~deepep_lightning.strategies.train_data.distributed_shard`).
+    shard = staticmethod(distributed_shard)
 
     # ---------------------------------------------------------------- fingerprint
     def fingerprint(self) -> dict[str, str]:
