@@ -51,7 +51,7 @@ class _GRUSequence(torch.autograd.Function):
     """The masked states of a GRU rollout, computed already; the backward is truncated BPTT."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         inputs: torch.Tensor,
         initial: torch.Tensor,
@@ -68,7 +68,7 @@ class _GRUSequence(torch.autograd.Function):
         return states
 
     @staticmethod
-    def backward(ctx: Any, grad_states: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_states: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs, initial, masks, states, weight_ih, weight_hh, bias_ih, bias_hh = ctx.saved_tensors
         truncation: int | None = ctx.truncation
         length, batch, size = states.shape
@@ -209,6 +209,7 @@ def collect_rollout_fused(
     Same arguments, same :class:`Rollout` (the module docstring says how and what differs: the rounding of
     ``logits`` and ``q``). ``timestep`` runs each timestep of the no-gradient loop (a
     :class:`~deepep_lightning.deepep.agent.compiled_step.CompiledTimestep` compiles it for inference).
+    ``hidden`` is read without gradient, as the module's recurrent state (a buffer) always is.
 
     Raises:
         ValueError: the agent is one this path cannot train exactly (:func:`fused_bptt_unsupported_reason`).
