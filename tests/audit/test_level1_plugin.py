@@ -12,8 +12,22 @@ from deepep_lightning.audit.level1 import COLUMNS, audit_catalogue, format_catal
 from deepep_lightning.ops import refused_ops_patched, refused_ops_routing, routed_aten_ops
 
 THREE = ["default", "deterministic", "plugin"]
-#: Refused by PyTorch's deterministic mode on CUDA (torch 2.11), routed by the plugin.
-REFUSED_ON_CUDA = ["cross_entropy_4d", "grid_sample_backward", "histc", "median_dim", "index_reduce_prod"]
+#: Refused by PyTorch's deterministic mode on CUDA (torch 2.11, benchmarks/list_refused_ops.py), routed by the plugin.
+REFUSED_ON_CUDA = [
+    "cross_entropy_4d",
+    "ctc_loss",
+    "grid_sample_backward",
+    "interpolate_bicubic_backward",
+    "adaptive_avg_pool2d_backward",
+    "avg_pool3d_backward",
+    "max_pool3d_backward",
+    "index_reduce_prod",
+    "scatter_reduce_prod",
+    "put_accumulate",
+    "bincount_weights",
+    "histc",
+    "median_dim",
+]
 
 
 def _planted_refused(device, n, generator):
