@@ -351,7 +351,8 @@ def test_gpu_graph_step_equals_the_eager_fused_step():
     eager, eager_losses, _ = _train_gpu(8, fused=True, graph=False)
     graph, graph_losses, graphed = _train_gpu(8, fused=True, graph=True)
     assert graphed is not None and graphed.captures == 1
-    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-5, atol=1e-6)
+    # capturable Adam (graph) and plain Adam (eager) round differently: fp32 rounding, as test_module_gpu.py allows
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-4, atol=1e-5)
 
 
 def kernels_per_timestep(step, horizon: int) -> float:
