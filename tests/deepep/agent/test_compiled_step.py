@@ -299,8 +299,10 @@ def test_benchmark_quick_runs_on_cpu(tmp_path):
 GPU_SIZES = dict(num_envs=64, rollout_length=32, hidden_size=64, seed=5, fused_value_head=True)
 
 
-def _train_gpu(steps, graph, compile_step, seed=5):
-    model = DeepEPModule(**{**GPU_SIZES, "seed": seed}, cuda_graph=graph, compile_step=compile_step).cuda()
+def _train_gpu(steps, graph, compile_step, seed=5, fused_bptt=False):
+    model = DeepEPModule(
+        **{**GPU_SIZES, "seed": seed}, cuda_graph=graph, compile_step=compile_step, fused_bptt=fused_bptt
+    ).cuda()
     model._ensure_rollout_state()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph)
     graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator) if graph else None
@@ -327,21 +329,24 @@ def test_generated_cuda_code_has_no_atomic_adds_and_equals_eager():
 
 
 @pytest.mark.gpu
-def test_compiled_graph_step_is_bitwise_reproducible_across_fresh_modules():
-    state_a, losses_a = _train_gpu(20, graph=True, compile_step=True)
-    state_b, losses_b = _train_gpu(20, graph=True, compile_step=True)
+@pytest.mark.parametrize("fused_bptt", [False, True], ids=["autograd_bptt", "fused_bptt"])
+def test_compiled_graph_step_is_bitwise_reproducible_across_fresh_modules(fused_bptt):
+    state_a, losses_a = _train_gpu(20, graph=True, compile_step=True, fused_bptt=fused_bptt)
+    state_b, losses_b = _train_gpu(20, graph=True, compile_step=True, fused_bptt=fused_bptt)
     assert torch.equal(losses_a, losses_b)
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
 
 
 @pytest.mark.gpu
-def test_compiled_graph_step_equals_eager_reference_to_fp32_rounding():
+@pytest.mark.parametrize("fused_bptt", [False, True], ids=["autograd_bptt", "fused_bptt"])
+def test_compiled_graph_step_equals_eager_reference_to_fp32_rounding(fused_bptt):
+    """The reference is the op-by-op eager step with autograd through time, for both backward paths."""
     eager_state, eager_losses = _train_gpu(20, graph=False, compile_step=False)
-    state, losses = _train_gpu(20, graph=True, compile_step=True)
+    state, losses = _train_gpu(20, graph=True, compile_step=True, fused_bptt=fused_bptt)
     torch.testing.assert_close(losses, eager_losses, rtol=1e-4, atol=1e-5)
     for key, value in eager_state.items():
         torch.testing.assert_close(state[key], value, rtol=1e-3, atol=1e-4, msg=key)
     # negative control: another seed's run is far outside that tolerance
-    _, other_losses = _train_gpu(20, graph=True, compile_step=True, seed=6)
+    _, other_losses = _train_gpu(20, graph=True, compile_step=True, seed=6, fused_bptt=fused_bptt)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(other_losses, eager_losses, rtol=1e-4, atol=1e-5)
