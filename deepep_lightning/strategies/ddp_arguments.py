@@ -41,7 +41,7 @@ def validate_arguments(
     """
     owner = "DeterministicDDPStrategy"
     _checks.non_negative_int(owner, "seed", seed, allow_none=True)
-    _checks.number(owner, "bucket_cap_mb", bucket_cap_mb, minimum=0, exclusive_minimum=True)
+    _checks.number(owner, "bucket_cap_mb", bucket_cap_mb, minimum=0, exclusive_minimum=True, finite=True)
     _checks.choice(
         owner,
         "nccl_algorithm",
