@@ -125,6 +125,30 @@ def test_a_world_size_change_the_strategy_accepts_is_named_by_the_determinism_ca
         DeterminismCallback(3, strict=False).load_state_dict(saved)
 
 
+def test_a_snapshot_of_another_run_in_the_shared_directory_is_never_restored(tmp_path):
+    """Two runs share ``snapshot_dir``: a file of run B where run A's newest was is refused, A's older one used."""
+    import os
+    import shutil
+
+    from deepep_lightning.health.snapshot import Snapshot, SnapshotRing
+
+    trainer, module = fit(tmp_path / "fit", [NumericalHealthCallback()], max_steps=3)
+    rings = {name: SnapshotRing(keep=2, directory=str(tmp_path / "shared"), run_id=name) for name in ("run-a", "run-b")}
+    for ring in rings.values():
+        for step in (10, 20):
+            snapshot = Snapshot.capture(trainer, module, {}, 1.0)
+            snapshot.step = step
+            ring.push(snapshot)
+    newest_a, newest_b = rings["run-a"]._items[-1][1], rings["run-b"]._items[-1][1]
+    assert newest_a != newest_b  # the run id is in the name: the runs never overwrite each other
+    assert rings["run-a"].latest().step == 20  # negative control: its own newest file loads
+    shutil.copy(newest_b, newest_a)  # e.g. copied back from another run's directory
+    refused = []
+    assert rings["run-a"].latest(on_corrupt=lambda path, error: refused.append(str(error))).step == 10
+    assert refused and "written by run 'run-b', not by this run ('run-a')" in refused[0]
+    assert not os.path.exists(newest_a) and os.path.exists(newest_b)  # only the refused copy is deleted
+
+
 @pytest.mark.parametrize("value", [math.inf, math.nan])
 def test_bucket_cap_mb_must_be_a_finite_number(value):
     with pytest.raises(MisconfigurationException, match=r"bucket_cap_mb.*a finite number > 0") as info:
