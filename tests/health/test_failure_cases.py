@@ -1,6 +1,6 @@
-"""Failure cases of the adversarial campaign (issue #17) that no other test file states on its own.
+"""Failure cases that no other test file states on its own.
 
-docs/survivability.md maps every case of that campaign to the test that proves its behaviour; the cases
+docs/survivability.md maps every failure case to the test that proves its behaviour; the cases
 covered elsewhere are named there. Here: the diagnosis names a module by its path also when the module is
 called from ``training_step``, an optimizer-step NaN is not reported as "no op", a world-size change that
 the strategy accepts is named by ``DeterminismCallback``, ``bucket_cap_mb`` is finite, and the DeepEP
