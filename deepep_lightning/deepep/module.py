@@ -18,14 +18,15 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from deepep_lightning import _checks, _lightning_compat
+from deepep_lightning import _lightning_compat
 from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
 from deepep_lightning.deepep.agent.fused_bptt import collect_rollout_fused
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
-from deepep_lightning.deepep.envs import ENVIRONMENTS, BatchedEnv, make_env
+from deepep_lightning.deepep.envs import BatchedEnv, make_env
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
+from deepep_lightning.deepep.module_arguments import check_arguments
 from deepep_lightning.deepep.virtual_ranks import (
     VirtualRollout,
     check_virtual_support,
@@ -55,21 +56,6 @@ class _StepIndices(Dataset):
 
     def __getitem__(self, index: int) -> int:
         return index
-
-
-def _require_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
-    if allow_none and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        allowed = "a positive int or None" if allow_none else "a positive int"
-        raise MisconfigurationException(f"`DeepEPModule({name}=...)` must be {allowed}, got {value!r}")
-
-
-def _require_in_range(name: str, value: Any, low: float, high: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise MisconfigurationException(
-            f"`DeepEPModule({name}=...)` must be a number in [{low}, {high}], got {value!r}"
-        )
 
 
 class DeepEPModule(pl.LightningModule):
@@ -235,114 +221,8 @@ class DeepEPModule(pl.LightningModule):
         log_throughput: bool = False,
     ) -> None:
         super().__init__()
-        if env not in ENVIRONMENTS:
-            raise MisconfigurationException(
-                f"`DeepEPModule(env=...)` must be one of {sorted(ENVIRONMENTS)}, got {env!r}"
-            )
-        for name, value in (
-            ("num_envs", num_envs),
-            ("rollout_length", rollout_length),
-            ("hidden_size", hidden_size),
-            ("steps_per_epoch", steps_per_epoch),
-        ):
-            _require_positive_int(name, value)
-        _require_positive_int("value_hidden_size", value_hidden_size, allow_none=True)
-        _require_positive_int("bptt_truncation", bptt_truncation, allow_none=True)
-        if not isinstance(learning_rate, (int, float)) or isinstance(learning_rate, bool) or not learning_rate > 0:
-            raise MisconfigurationException(f"`DeepEPModule(learning_rate=...)` must be > 0, got {learning_rate!r}")
-        if policy_learning_rate is not None and (
-            isinstance(policy_learning_rate, bool)
-            or not isinstance(policy_learning_rate, (int, float))
-            or not policy_learning_rate > 0
-        ):
-            raise MisconfigurationException(
-                f"`DeepEPModule(policy_learning_rate=...)` must be > 0 or None, got {policy_learning_rate!r}"
-            )
-        _checks.number(
-            "DeepEPModule", "recurrent_learning_rate", recurrent_learning_rate, minimum=0, exclusive_minimum=True,
-            finite=True, allow_none=True,
-        )  # fmt: skip
-        if optimizer not in ("adam", "sgd"):
-            raise MisconfigurationException(f"`DeepEPModule(optimizer=...)` must be 'adam' or 'sgd', got {optimizer!r}")
-        if optimizer == "sgd" and cuda_graph:
-            raise MisconfigurationException(
-                "`DeepEPModule(optimizer='sgd')` cannot be used with cuda_graph=True"
-                " (HINT: the graph needs Adam(capturable=True))"
-            )
-        _require_in_range("gamma", gamma, 0.0, 1.0)
-        _require_in_range("gae_lambda", gae_lambda, 0.0, 1.0)
-        _require_in_range("reward_scale", reward_scale, 1e-12, float("inf"))
-        _require_in_range("value_coef", value_coef, 0.0, float("inf"))
-        _require_in_range("entropy_coef", entropy_coef, 0.0, float("inf"))
-        _checks.number("DeepEPModule", "entropy_coef_max", entropy_coef_max, minimum=entropy_coef, finite=True)
-        _checks.number("DeepEPModule", "entropy_coef_rate", entropy_coef_rate, minimum=0.0, exclusive_minimum=True)
-        _checks.number(
-            "DeepEPModule",
-            "target_tau",
-            target_tau,
-            minimum=0.0,
-            maximum=1.0,
-            exclusive_minimum=True,
-            allow_none=True,
-        )
-        _checks.number("DeepEPModule", "kl_coef", kl_coef, minimum=0.0, finite=True)
-        _checks.number("DeepEPModule", "expected_value_coef", expected_value_coef, minimum=0.0, finite=True)
-        for optional_name, optional_value in (("policy_adam_eps", policy_adam_eps), ("logit_bound", logit_bound)):
-            _checks.number(
-                "DeepEPModule", optional_name, optional_value, minimum=0, exclusive_minimum=True, finite=True,
-                allow_none=True,
-            )  # fmt: skip
-        if policy_adam_eps is not None and optimizer != "adam":
-            raise MisconfigurationException(
-                f"`DeepEPModule(policy_adam_eps=...)` must be None with optimizer={optimizer!r}, got"
-                f" {policy_adam_eps!r} (HINT: it is Adam's eps for the policy group)"
-            )
-        if kl_coef > 0 and target_tau is None:
-            raise MisconfigurationException(
-                f"`DeepEPModule(kl_coef=...)` must be 0 without target networks, got {kl_coef!r} with target_tau=None"
-                " (HINT: set target_tau, e.g. 0.05)"
-            )
-        if chrono_horizon is not None:
-            _checks.int_at_least("DeepEPModule", "chrono_horizon", chrono_horizon, 2)
-        if max_grad_norm is not None:
-            _require_in_range("max_grad_norm", max_grad_norm, 1e-12, float("inf"))
-        _checks.strict_bool("DeepEPModule", "log_throughput", log_throughput)
-        _checks.strict_bool("DeepEPModule", "policy_reads_hidden", policy_reads_hidden)
-        _checks.strict_bool("DeepEPModule", "compile_step", compile_step)
-        if fused_bptt is not None:
-            _checks.strict_bool("DeepEPModule", "fused_bptt", fused_bptt)
-        if fused_bptt and not detach_feedback:
-            raise ValueError(
-                f"`DeepEPModule(fused_bptt=...)` must be None or False with detach_feedback=False, got {fused_bptt!r}:"
-                " the fused backward follows the gradient through the recurrent state alone, and a fed-back value"
-                " with gradient adds paths through the cell's input (HINT: leave fused_bptt at None)"
-            )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {seed!r}")
-        if not isinstance(atomic_value_head, bool) or (atomic_value_head and fused_value_head is False):
-            raise MisconfigurationException(
-                f"`DeepEPModule(atomic_value_head=...)` must be a bool, True only with fused_value_head=True or None, "
-                f"got {atomic_value_head!r} with fused_value_head={fused_value_head!r}"
-            )
-        try:
-            probe = make_env(env, 1, "cpu", **(env_kwargs or {}))
-        except ValueError as error:
-            raise MisconfigurationException(f"`DeepEPModule(env_kwargs=...)`: {error}") from error
-        max_entropy = math.log(probe.num_actions)
-        _checks.number(
-            "DeepEPModule",
-            "target_entropy",
-            target_entropy,
-            minimum=0.0,
-            maximum=round(max_entropy, 6),
-            allow_none=True,
-        )
-        if target_entropy is not None and entropy_coef <= 0:
-            raise MisconfigurationException(
-                f"`DeepEPModule(entropy_coef=...)` must be > 0 with target_entropy={target_entropy!r}, got"
-                f" {entropy_coef!r} (HINT: the adaptive coefficient starts at entropy_coef and moves in log space)"
-            )
         self.save_hyperparameters()
+        probe = check_arguments(self.hparams)  # raises on a bad argument, before anything is built
         if fused_value_head is None:
             fused_value_head = _extension_loads()
         self.automatic_optimization = not cuda_graph
