@@ -8,13 +8,11 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
@@ -26,6 +24,7 @@ from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
 from deepep_lightning.deepep.envs import BatchedEnv, make_env
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
+from deepep_lightning.deepep.graph_training import graph_capture_key, graphed_training_step, whole_step
 from deepep_lightning.deepep.module_arguments import check_arguments
 from deepep_lightning.deepep.virtual_ranks import (
     VirtualRollout,
@@ -537,7 +536,7 @@ class DeepEPModule(pl.LightningModule):
             return self._virtual_training_step(batch_idx, writes_logs)
         self._seed_rollout()
         if self.hparams.cuda_graph:
-            outputs = self._graphed_training_step()
+            outputs = graphed_training_step(self)
         else:
             rollout, terms = self._rollout_and_loss()
             outputs = {
@@ -634,59 +633,12 @@ class DeepEPModule(pl.LightningModule):
             self._uncaptured = previous
 
     def _graph_capture_key(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-        """The optimizer's hyperparameters: capturable Adam bakes the Python floats (lr, betas...) into the graph."""
-        return [
-            {k: v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
-            for group in optimizer.param_groups
-        ]
-
-    def _graph_static_tensors(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """What a rollback restores and the graph reads in place: parameters, optimizer state, recurrent state."""
-        params = list(self.parameters())
-        state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-        return params + state + ([self._hidden] if self._hidden is not None else [])
-
-    def _graphed_training_step(self) -> dict[str, torch.Tensor]:
-        lightning_optimizer = cast(LightningOptimizer, self.optimizers())  # one optimizer
-        optimizer = lightning_optimizer.optimizer
-        if not self._uncaptured and self.device.type != "cuda":
-            raise MisconfigurationException(
-                f"`DeepEPModule(cuda_graph=True)` needs a CUDA device, the module is on {self.device}"
-                " (HINT: set cuda_graph: false for CPU runs)"
-            )
-        if self._graphed is None and not self._uncaptured:
-            assert self._generator is not None
-            # A changed learning rate (NaNRollbackCallback's lower_lr policy, a scheduler) re-captures the graph.
-            self._graphed = GraphedTrainStep(
-                lambda: self._whole_step(optimizer),
-                self._generator,
-                capture_key=lambda: self._graph_capture_key(optimizer),
-                static_tensors=lambda: self._graph_static_tensors(optimizer),
-            )
-        # Lightning counts optimizer steps through these hooks; the step itself runs inside the graph.
-        lightning_optimizer._on_before_step()
-        outputs = self._whole_step(optimizer) if self._uncaptured else cast(GraphedTrainStep, self._graphed)()
-        lightning_optimizer._on_after_step()
-        return outputs
+        """The optimizer's hyperparameters, baked into the graph: a change of them re-captures it."""
+        return graph_capture_key(optimizer)
 
     def _whole_step(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        optimizer.zero_grad(set_to_none=True)
-        rollout, terms = self._rollout_and_loss()
-        terms.loss.backward()
-        params = [p for p in self.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        if self.hparams.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, self.hparams.max_grad_norm, foreach=True)
-        optimizer.step()
-        return {
-            "loss": terms.loss.detach(),
-            "policy_loss": terms.policy_loss.detach(),
-            "value_loss": terms.value_loss.detach(),
-            "entropy": terms.entropy.detach(),
-            "grad_norm": grad_norm,
-            "episode_return_sum": rollout.episode_returns.sum(),
-            "episodes": rollout.dones.sum(),
-        }
+        """Rollout, loss, backward, clipping and optimizer step: what the graph captures (eager here)."""
+        return whole_step(self, optimizer)
 
 
 def _cuda_kernels_load() -> bool:

@@ -1,0 +1,89 @@
+"""DeepEPModule's CUDA-graph training step (``cuda_graph=True``): the whole step as one graph replay.
+
+The step (rollout, loss, backward, clipping, Adam step) is captured once by
+:class:`~deepep_lightning.deepep.agent.graphed_step.GraphedTrainStep` and replayed every training step;
+Lightning's optimizer hooks run around the replay so its step count stays right. A file of its own: it
+is manual optimisation with its own rules (capturable Adam, re-capture on a changed learning rate, static
+tensors a rollback restores in place), none of which the eager path has.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+
+if TYPE_CHECKING:
+    from deepep_lightning.deepep.module import DeepEPModule
+
+__all__ = ["graph_capture_key", "graph_static_tensors", "graphed_training_step", "whole_step"]
+
+
+def graph_capture_key(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's hyperparameters: capturable Adam bakes the Python floats (lr, betas...) into the graph."""
+    return [
+        {k: v.data_ptr() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+        for group in optimizer.param_groups
+    ]
+
+
+def graph_static_tensors(module: DeepEPModule, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a rollback restores and the graph reads in place: parameters, optimizer state, recurrent state."""
+    params = list(module.parameters())
+    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+    return params + state + ([module._hidden] if module._hidden is not None else [])
+
+
+def graphed_training_step(module: DeepEPModule) -> dict[str, torch.Tensor]:
+    """One training step of ``module`` as a replay of its graph (captured at the first call), or eagerly inside
+    :meth:`~deepep_lightning.deepep.module.DeepEPModule.uncaptured_steps`.
+
+    Raises:
+        MisconfigurationException: the module is not on a CUDA device (outside ``uncaptured_steps``).
+    """
+    lightning_optimizer = cast(LightningOptimizer, module.optimizers())  # one optimizer
+    optimizer = lightning_optimizer.optimizer
+    if not module._uncaptured and module.device.type != "cuda":
+        raise MisconfigurationException(
+            f"`DeepEPModule(cuda_graph=True)` needs a CUDA device, the module is on {module.device}"
+            " (HINT: set cuda_graph: false for CPU runs)"
+        )
+    if module._graphed is None and not module._uncaptured:
+        assert module._generator is not None
+        # A changed learning rate (NaNRollbackCallback's lower_lr policy, a scheduler) re-captures the graph.
+        module._graphed = GraphedTrainStep(
+            lambda: module._whole_step(optimizer),
+            module._generator,
+            capture_key=lambda: module._graph_capture_key(optimizer),
+            static_tensors=lambda: graph_static_tensors(module, optimizer),
+        )
+    # Lightning counts optimizer steps through these hooks; the step itself runs inside the graph.
+    lightning_optimizer._on_before_step()
+    outputs = module._whole_step(optimizer) if module._uncaptured else cast(GraphedTrainStep, module._graphed)()
+    lightning_optimizer._on_after_step()
+    return outputs
+
+
+def whole_step(module: DeepEPModule, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Rollout, loss, backward, gradient norm, clipping and optimizer step: what the graph captures."""
+    optimizer.zero_grad(set_to_none=True)
+    rollout, terms = module._rollout_and_loss()
+    terms.loss.backward()
+    params = [p for p in module.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if module.hparams.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_(params, module.hparams.max_grad_norm, foreach=True)
+    optimizer.step()
+    return {
+        "loss": terms.loss.detach(),
+        "policy_loss": terms.policy_loss.detach(),
+        "value_loss": terms.value_loss.detach(),
+        "entropy": terms.entropy.detach(),
+        "grad_norm": grad_norm,
+        "episode_return_sum": rollout.episode_returns.sum(),
+        "episodes": rollout.dones.sum(),
+    }
