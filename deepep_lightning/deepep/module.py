@@ -28,10 +28,12 @@ from deepep_lightning.deepep.graph_training import graph_capture_key, graphed_tr
 from deepep_lightning.deepep.module_arguments import check_arguments
 from deepep_lightning.deepep.virtual_ranks import (
     VirtualRollout,
-    check_virtual_support,
-    gather_rows,
-    ordered_mean,
+    ensure_virtual_rollouts,
+    load_virtual_rollout_state,
+    select_virtual_rank,
     virtual_layout,
+    virtual_rollout_state_dict,
+    virtual_training_step,
 )
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel
@@ -271,31 +273,18 @@ class DeepEPModule(pl.LightningModule):
 
     def _ensure_virtual_rollouts(self, first: int, per_process: int) -> None:
         """One set of environments, recurrent state and generator per virtual rank of this process."""
-        hp = self.hparams
-        check_virtual_support(hp)
-        for rank in range(first, first + per_process):
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(derive_seed(hp.seed, "env_init", rank))
-            env = make_env(hp.env, hp.num_envs, self.device, **(hp.env_kwargs or {}))
-            env.reset(generator)
-            hidden = self.agent.initial_state(hp.num_envs, self.device)
-            self._virtual.append(VirtualRollout(rank, env, hidden, generator))
-        self._select_virtual_rank(0)
-        if self._pending_rollout_state is not None:
-            state, self._pending_rollout_state = self._pending_rollout_state, None
-            self.load_rollout_state_dict(state)
+        ensure_virtual_rollouts(self, first, per_process)
 
     def _select_virtual_rank(self, index: int) -> None:
         """Point the rollout at virtual rank ``index`` of this process (its env, recurrent state, generator)."""
-        slot = self._virtual[index]
-        self._env, self._hidden, self._generator, self._virtual_rank = slot.env, slot.hidden, slot.generator, slot.rank
+        select_virtual_rank(self, index)
 
     def _ensure_rollout_state(self) -> None:
         if self._env is not None:
             return
         layout = self._virtual_layout()
         if layout is not None:
-            self._ensure_virtual_rollouts(*layout)
+            ensure_virtual_rollouts(self, *layout)
             return
         hp = self.hparams
         self._env = make_env(hp.env, hp.num_envs, self.device, **(hp.env_kwargs or {}))
@@ -312,15 +301,8 @@ class DeepEPModule(pl.LightningModule):
         """Environment states, recurrent state and the step counter (CPU tensors and ints)."""
         if self._env is None:
             return dict(self._pending_rollout_state) if self._pending_rollout_state else {}
-        if self._virtual:  # keyed by virtual rank: the entries of a process are its virtual ranks'
-            virtual = {
-                slot.rank: {
-                    "env": {k: v.cpu() for k, v in slot.env.state_dict().items()},
-                    "hidden": slot.hidden.detach().cpu().clone(),
-                }
-                for slot in self._virtual
-            }
-            return {"virtual": virtual, "rollout_step": self._rollout_step}
+        if self._virtual:
+            return virtual_rollout_state_dict(self)
         assert self._hidden is not None
         return {
             "env": {k: v.cpu() for k, v in self._env.state_dict().items()},
@@ -336,24 +318,11 @@ class DeepEPModule(pl.LightningModule):
             self._pending_rollout_state = state
             return
         if self._virtual or "virtual" in state:
-            self._load_virtual_rollout_state(state)
+            load_virtual_rollout_state(self, state)
             return
         assert self._hidden is not None
         self._env.load_state_dict({k: v.to(self.device) for k, v in state["env"].items()})
         self._hidden.copy_(state["hidden"])
-        self._rollout_step = int(state["rollout_step"])
-
-    def _load_virtual_rollout_state(self, state: dict[str, Any]) -> None:
-        saved = state.get("virtual")
-        ranks = [slot.rank for slot in self._virtual]
-        if not self._virtual or saved is None or any(rank not in saved for rank in ranks):
-            raise ValueError(
-                f"DeepEPModule: the rollout state holds virtual ranks {sorted(saved) if saved else None!r}, this"
-                f" process trains virtual ranks {ranks!r}. HINT: resume with the virtual_world_size of the checkpoint"
-            )
-        for slot in self._virtual:
-            slot.env.load_state_dict({k: v.to(self.device) for k, v in saved[slot.rank]["env"].items()})
-            slot.hidden.copy_(saved[slot.rank]["hidden"])
         self._rollout_step = int(state["rollout_step"])
 
     @override
@@ -533,7 +502,7 @@ class DeepEPModule(pl.LightningModule):
         writes_logs = trainer is not None and self._lightning_writes_logs_after(trainer.global_step)
         self._ensure_rollout_state()
         if self._virtual:
-            return self._virtual_training_step(batch_idx, writes_logs)
+            return virtual_training_step(self, batch_idx, writes_logs)
         self._seed_rollout()
         if self.hparams.cuda_graph:
             outputs = graphed_training_step(self)
@@ -567,36 +536,6 @@ class DeepEPModule(pl.LightningModule):
             self.log("train/grad_norm", checked["grad_norm"], on_step=True, on_epoch=False)
             return checked
         return outputs["loss"]
-
-    def _virtual_training_step(self, batch_idx: int, writes_logs: bool) -> torch.Tensor:
-        """The rollout and loss of one virtual rank: micro-batch ``batch_idx % (K / W)`` of the optimizer step."""
-        index = batch_idx % len(self._virtual)
-        self._select_virtual_rank(index)
-        self._seed_rollout()
-        rollout, terms = self._rollout_and_loss(first_of_step=index == 0)
-        self.last_rollout = rollout
-        scalars = torch.stack([terms.loss, terms.policy_loss, terms.value_loss, terms.entropy]).detach().float()
-        self._virtual_window.append((scalars, rollout.episode_returns.detach().float(), rollout.dones.float()))
-        # epoch mean, summed over processes by the metric: exact in any order while returns are integers (CartPole)
-        self.episode_return.update(rollout.episode_returns.sum(), rollout.dones.sum())
-        self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
-        if index == len(self._virtual) - 1:
-            self._end_virtual_step(writes_logs)
-        return terms.loss
-
-    def _end_virtual_step(self, writes_logs: bool) -> None:
-        """Gather the window's K virtual ranks rank-major; log their ordered means, add their episodes in order."""
-        window, self._virtual_window = self._virtual_window, []
-        scalars, returns, dones = (gather_rows(torch.stack(column)) for column in zip(*window, strict=True))
-        for episode_returns, done in zip(returns, dones, strict=True):
-            self.episode_return_100.update(episode_returns, done > 0)
-        means = ordered_mean(scalars)
-        self._rollout_step += 1
-        for position, name in enumerate(("loss", "policy_loss", "value_loss", "entropy")):
-            self.log(f"train/{name}", means[position].clone(), on_step=True, on_epoch=False)
-        self.log("train/episode_return_100", self.episode_return_100.compute(), on_step=True, on_epoch=False)
-        if writes_logs:
-            self._log_progress(means[0])
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
