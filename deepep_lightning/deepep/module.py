@@ -17,15 +17,14 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from deepep_lightning import _lightning_compat
-from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss
+from deepep_lightning.deepep.agent import DeepEPAgent
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
-from deepep_lightning.deepep.agent.fused_bptt import collect_rollout_fused
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
-from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
 from deepep_lightning.deepep.envs import BatchedEnv, make_env
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
 from deepep_lightning.deepep.graph_training import graph_capture_key, graphed_training_step, whole_step
 from deepep_lightning.deepep.module_arguments import check_arguments
+from deepep_lightning.deepep.rollout_loss import fused_bptt_on, rollout_and_loss
 from deepep_lightning.deepep.virtual_ranks import (
     VirtualRollout,
     ensure_virtual_rollouts,
@@ -400,70 +399,12 @@ class DeepEPModule(pl.LightningModule):
         self._generator.manual_seed(derive_seed(self.hparams.seed, "rollout", self._rank(), self._rollout_step))
 
     def _rollout_and_loss(self, first_of_step: bool = True) -> tuple[Any, Any]:
-        hp = self.hparams
-        assert self._env is not None and self._hidden is not None and self._generator is not None
-        if hp.target_tau is not None and first_of_step:
-            # Before the rollout, so the target follows the weights of the previous optimizer step on both paths.
-            assert self.agent.target_value_head is not None
-            polyak_update_(
-                list(self.agent.target_parameters()), list(self.agent.online_parameters_of_targets()), hp.target_tau
-            )
-        if hp.compile_step and (self._compiled_timestep is None or self._compiled_timestep.env is not self._env):
-            self._compiled_timestep = CompiledTimestep(self.agent, self._env)
-        collect = collect_rollout_fused if self._fused_bptt_on() else collect_rollout
-        rollout = collect(
-            self.agent,
-            self._env,
-            self._hidden.clone(),
-            hp.rollout_length,
-            self._generator,
-            hp.bptt_truncation,
-            timestep=self._compiled_timestep if hp.compile_step else None,
-        )
-        self._hidden.copy_(rollout.final_hidden)
-        if not self._virtual:  # virtual ranks: every process adds the K rollouts in order (_end_virtual_step)
-            self.episode_return_100.update(rollout.episode_returns, rollout.dones)
-        target_q, bootstrap = None, rollout.bootstrap_value
-        if hp.target_tau is not None:
-            all_target_q = self.agent.target_q(rollout.features)  # [T + 1, B, A]
-            target_q = all_target_q[:-1]
-            bootstrap = (torch.softmax(rollout.bootstrap_logits, dim=-1) * all_target_q[-1]).sum(dim=-1)
-        entropy_coef: float | torch.Tensor = hp.entropy_coef
-        if hp.target_entropy is not None:
-            entropy_coef = self.log_entropy_coef.exp()  # a new tensor: the in-place update below leaves it alone
-        terms = deepep_loss(
-            rollout.logits,
-            rollout.q,
-            rollout.actions,
-            rollout.rewards * hp.reward_scale,
-            rollout.terminateds,
-            bootstrap,
-            gamma=hp.gamma,
-            gae_lambda=hp.gae_lambda,
-            value_coef=hp.value_coef,
-            entropy_coef=entropy_coef,
-            target_q=target_q,
-            target_logits=self.agent.target_logits(rollout.features[:-1]) if hp.kl_coef > 0 else None,
-            kl_coef=hp.kl_coef,
-            expected_value_coef=hp.expected_value_coef,
-        )
-        if hp.target_entropy is not None:
-            adapt_entropy_coef_(
-                self.log_entropy_coef,
-                terms.entropy,
-                hp.target_entropy,
-                hp.entropy_coef_rate,
-                hp.entropy_coef,
-                hp.entropy_coef_max,
-            )
-        return rollout, terms
+        """One rollout and its loss terms (:func:`~deepep_lightning.deepep.rollout_loss.rollout_and_loss`)."""
+        return rollout_and_loss(self, first_of_step)
 
     def _fused_bptt_on(self) -> bool:
         """``fused_bptt`` resolved for the module's device (None: on with CUDA and the extension's CUDA kernels)."""
-        choice = self.hparams.get("fused_bptt")
-        if choice is not None:
-            return bool(choice)
-        return self.hparams.detach_feedback and self.device.type == "cuda" and _cuda_kernels_load()
+        return fused_bptt_on(self)
 
     def _lightning_writes_logs_after(self, step: int) -> bool:
         """Whether Lightning writes the logged values at the end of optimizer step ``step`` (0-based).
@@ -578,14 +519,6 @@ class DeepEPModule(pl.LightningModule):
     def _whole_step(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Rollout, loss, backward, clipping and optimizer step: what the graph captures (eager here)."""
         return whole_step(self, optimizer)
-
-
-def _cuda_kernels_load() -> bool:
-    try:
-        from deepep_lightning.ops import cuda_kernels_available
-    except ImportError:
-        return False
-    return bool(cuda_kernels_available())
 
 
 def _extension_loads() -> bool:

@@ -245,9 +245,9 @@ def test_the_module_uses_the_fused_rollout_only_when_on(monkeypatch):
         calls["fused"] += 1
         return real(*args, **kwargs)
 
-    from deepep_lightning.deepep import module as module_file
+    from deepep_lightning.deepep import rollout_loss
 
-    monkeypatch.setattr(module_file, "collect_rollout_fused", counting)
+    monkeypatch.setattr(rollout_loss, "collect_rollout_fused", counting)
     _train(None, steps=1)
     assert calls["fused"] == 0
     _train(True, steps=2)
