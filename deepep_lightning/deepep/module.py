@@ -1,4 +1,13 @@
-"""DeepEPModule: the DeepEP agent trained on-policy by Lightning."""
+"""DeepEPModule: the DeepEP agent trained on-policy by Lightning.
+
+The class holds the Lightning hooks, the state and the eager training step; its other parts are
+functions of the module in files of their own: the argument checks
+(:mod:`~deepep_lightning.deepep.module_arguments`), one rollout and its loss
+(:mod:`~deepep_lightning.deepep.rollout_loss`), the rollout state and its checkpoint entry
+(:mod:`~deepep_lightning.deepep.rollout_state`), the CUDA-graph step
+(:mod:`~deepep_lightning.deepep.graph_training`) and the virtual-rank step
+(:mod:`~deepep_lightning.deepep.virtual_ranks`).
+"""
 
 from __future__ import annotations
 
@@ -20,18 +29,16 @@ from deepep_lightning import _lightning_compat
 from deepep_lightning.deepep.agent import DeepEPAgent
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
-from deepep_lightning.deepep.envs import BatchedEnv, make_env
+from deepep_lightning.deepep.envs import BatchedEnv
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
 from deepep_lightning.deepep.graph_training import graph_capture_key, graphed_training_step, whole_step
 from deepep_lightning.deepep.module_arguments import check_arguments
 from deepep_lightning.deepep.rollout_loss import fused_bptt_on, rollout_and_loss
+from deepep_lightning.deepep.rollout_state import ensure_rollout_state, load_rollout_state_dict, rollout_state_dict
 from deepep_lightning.deepep.virtual_ranks import (
     VirtualRollout,
     ensure_virtual_rollouts,
-    load_virtual_rollout_state,
     select_virtual_rank,
-    virtual_layout,
-    virtual_rollout_state_dict,
     virtual_training_step,
 )
 from deepep_lightning.determinism.streams import derive_seed
@@ -266,10 +273,6 @@ class DeepEPModule(pl.LightningModule):
             return self._virtual_rank
         return self.trainer.global_rank if self._trainer is not None else 0
 
-    def _virtual_layout(self) -> tuple[int, int] | None:
-        trainer = _lightning_compat.attached_trainer(self)
-        return virtual_layout(trainer.strategy) if trainer is not None else None
-
     def _ensure_virtual_rollouts(self, first: int, per_process: int) -> None:
         """One set of environments, recurrent state and generator per virtual rank of this process."""
         ensure_virtual_rollouts(self, first, per_process)
@@ -279,50 +282,16 @@ class DeepEPModule(pl.LightningModule):
         select_virtual_rank(self, index)
 
     def _ensure_rollout_state(self) -> None:
-        if self._env is not None:
-            return
-        layout = self._virtual_layout()
-        if layout is not None:
-            ensure_virtual_rollouts(self, *layout)
-            return
-        hp = self.hparams
-        self._env = make_env(hp.env, hp.num_envs, self.device, **(hp.env_kwargs or {}))
-        self._hidden = self.agent.initial_state(hp.num_envs, self.device)
-        self._generator = torch.Generator(device=self.device)
-        if self._pending_rollout_state is not None:
-            state, self._pending_rollout_state = self._pending_rollout_state, None
-            self.load_rollout_state_dict(state)
-        else:
-            self._generator.manual_seed(derive_seed(hp.seed, "env_init", self._rank()))
-            self._env.reset(self._generator)
+        """Build the rollout state once (:func:`~deepep_lightning.deepep.rollout_state.ensure_rollout_state`)."""
+        ensure_rollout_state(self)
 
     def rollout_state_dict(self) -> dict[str, Any]:
         """Environment states, recurrent state and the step counter (CPU tensors and ints)."""
-        if self._env is None:
-            return dict(self._pending_rollout_state) if self._pending_rollout_state else {}
-        if self._virtual:
-            return virtual_rollout_state_dict(self)
-        assert self._hidden is not None
-        return {
-            "env": {k: v.cpu() for k, v in self._env.state_dict().items()},
-            "hidden": self._hidden.detach().cpu().clone(),
-            "rollout_step": self._rollout_step,
-        }
+        return rollout_state_dict(self)
 
     def load_rollout_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`rollout_state_dict` returned, in place (graph-safe)."""
-        if not state:
-            return
-        if self._env is None:
-            self._pending_rollout_state = state
-            return
-        if self._virtual or "virtual" in state:
-            load_virtual_rollout_state(self, state)
-            return
-        assert self._hidden is not None
-        self._env.load_state_dict({k: v.to(self.device) for k, v in state["env"].items()})
-        self._hidden.copy_(state["hidden"])
-        self._rollout_step = int(state["rollout_step"])
+        load_rollout_state_dict(self, state)
 
     @override
     def on_fit_start(self) -> None:
