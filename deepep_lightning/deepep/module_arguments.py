@@ -55,16 +55,11 @@ def check_arguments(hp: AttributeDict) -> BatchedEnv:
         _require_positive_int(name, value)
     _require_positive_int("value_hidden_size", hp.value_hidden_size, allow_none=True)
     _require_positive_int("bptt_truncation", hp.bptt_truncation, allow_none=True)
-    if not isinstance(hp.learning_rate, (int, float)) or isinstance(hp.learning_rate, bool) or not hp.learning_rate > 0:
-        raise MisconfigurationException(f"`DeepEPModule(learning_rate=...)` must be > 0, got {hp.learning_rate!r}")
-    if hp.policy_learning_rate is not None and (
-        isinstance(hp.policy_learning_rate, bool)
-        or not isinstance(hp.policy_learning_rate, (int, float))
-        or not hp.policy_learning_rate > 0
-    ):
-        raise MisconfigurationException(
-            f"`DeepEPModule(policy_learning_rate=...)` must be > 0 or None, got {hp.policy_learning_rate!r}"
-        )
+    _checks.number("DeepEPModule", "learning_rate", hp.learning_rate, minimum=0, exclusive_minimum=True, finite=True)
+    _checks.number(
+        "DeepEPModule", "policy_learning_rate", hp.policy_learning_rate, minimum=0, exclusive_minimum=True,
+        finite=True, allow_none=True,
+    )  # fmt: skip
     _checks.number(
         "DeepEPModule", "recurrent_learning_rate", hp.recurrent_learning_rate, minimum=0, exclusive_minimum=True,
         finite=True, allow_none=True,
@@ -78,9 +73,9 @@ def check_arguments(hp: AttributeDict) -> BatchedEnv:
         )
     _require_in_range("gamma", hp.gamma, 0.0, 1.0)
     _require_in_range("gae_lambda", hp.gae_lambda, 0.0, 1.0)
-    _require_in_range("reward_scale", hp.reward_scale, 1e-12, float("inf"))
-    _require_in_range("value_coef", hp.value_coef, 0.0, float("inf"))
-    _require_in_range("entropy_coef", hp.entropy_coef, 0.0, float("inf"))
+    _checks.number("DeepEPModule", "reward_scale", hp.reward_scale, minimum=0, exclusive_minimum=True, finite=True)
+    _checks.number("DeepEPModule", "value_coef", hp.value_coef, minimum=0.0, finite=True)
+    _checks.number("DeepEPModule", "entropy_coef", hp.entropy_coef, minimum=0.0, finite=True)
     _checks.number("DeepEPModule", "entropy_coef_max", hp.entropy_coef_max, minimum=hp.entropy_coef, finite=True)
     _checks.number("DeepEPModule", "entropy_coef_rate", hp.entropy_coef_rate, minimum=0.0, exclusive_minimum=True)
     _checks.number(
@@ -113,7 +108,8 @@ def check_arguments(hp: AttributeDict) -> BatchedEnv:
         _checks.int_at_least("DeepEPModule", "chrono_horizon", hp.chrono_horizon, 2)
     if hp.max_grad_norm is not None:
         _require_in_range("max_grad_norm", hp.max_grad_norm, 1e-12, float("inf"))
-    _checks.strict_bool("DeepEPModule", "log_throughput", hp.log_throughput)
+    for switch in ("cuda_graph", "detach_feedback", "log_throughput"):
+        _checks.strict_bool("DeepEPModule", switch, hp[switch])
     _checks.strict_bool("DeepEPModule", "policy_reads_hidden", hp.policy_reads_hidden)
     _checks.strict_bool("DeepEPModule", "compile_step", hp.compile_step)
     if hp.fused_bptt is not None:

@@ -3,8 +3,8 @@
 docs/survivability.md maps every failure case to the test that proves its behaviour; the cases
 covered elsewhere are named there. Here: the diagnosis names a module by its path also when the module is
 called from ``training_step``, an optimizer-step NaN is not reported as "no op", a world-size change that
-the strategy accepts is named by ``DeterminismCallback``, ``bucket_cap_mb`` is finite, and the DeepEP
-arguments that still take infinity or a truthy string.
+the strategy accepts is named by ``DeterminismCallback``, ``bucket_cap_mb`` is finite, and DeepEP's
+rates, scales and switches refuse infinity and truthy strings.
 """
 
 from __future__ import annotations
@@ -157,9 +157,6 @@ def test_bucket_cap_mb_must_be_a_finite_number(value):
     DeterministicDDPStrategy(bucket_cap_mb=25.0)  # negative control: a finite size is accepted
 
 
-@pytest.mark.xfail(
-    strict=True, reason="DeepEPModule (deepep/module.py) accepts these values: open, see docs/survivability.md"
-)
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -179,4 +176,5 @@ def test_deepep_refuses_infinite_rates_and_scales_and_truthy_strings(kwargs):
         warnings.simplefilter("ignore")
         with pytest.raises(MisconfigurationException, match=name) as info:
             DeepEPModule(**kwargs)
+        DeepEPModule(**{name: False if name == "cuda_graph" else 0.5})  # negative control: a valid value passes
     assert repr(value) in str(info.value)
