@@ -3,9 +3,9 @@
     PYTHONPATH=$PWD python benchmarks/audit_gpu.py --out benchmarks/results/audit
 
 Writes ``OUT/audit_catalogue_h200.json`` and ``.md`` (each catalogue op 100× on fixed random inputs,
-8M float32 values into 1000 bins for the scatter family, in four columns: default,
-deterministic mode, deterministic mode with the plugin's routing, ``CUDA_LAUNCH_BLOCKING=1``), and ``OUT/audit_deepep.json``: DeepEP L2 (one
-timestep) and L3 (a rollout of T steps, forward+backward) with the reference value head, the
+8M float32 values into 1000 bins for the scatter family, in four columns: default, deterministic mode,
+deterministic mode with the plugin's routing, ``CUDA_LAUNCH_BLOCKING=1``), and ``OUT/audit_deepep.json``:
+DeepEP L2 (one timestep) and L3 (a rollout of T steps, forward+backward) with the reference value head, the
 extension's deterministic op and its atomic variant (with the first divergent op when found),
 and the op-hash locator's slowdown on DeepEP L3 (median of repeats after warm-up, side by side
 in one process). The extension's first JIT build adds to the run unless ``TORCH_EXTENSIONS_DIR`` holds it.

@@ -4,12 +4,13 @@
     # writes DIR/collapse_recovery.json
 
 Each seed runs twice as a fresh ``train.py fit`` process: ``configs/collapse_demo.yaml`` (``gpu.yaml``'s model
-without the entropy floor, whose return can collapse onto one action, with a ``RegressionTrigger`` on
-``train/episode_return_100`` that makes ``NaNRollbackCallback`` restore the best snapshot and apply the file's
-policy: ``lower_lr`` halves every learning rate) and the same file with the trigger removed (the control: same seed, same weights,
-the same run until the first rollback). Per run the benchmark reads the TensorBoard event file it wrote and
-reports the 100-episode mean return every 25 steps, the final value, the minimum after the first mean >= 475,
-the fraction of those checkpoints >= 475 and the health counts of the end-of-fit summary line. The runs share
+with the policy reading the recurrent state, whose return can collapse onto one action, with a
+``RegressionTrigger`` on ``train/episode_return_100`` that makes ``NaNRollbackCallback`` restore the best
+snapshot and apply the file's policy: ``lower_lr`` halves every learning rate) and the same file with the
+trigger removed (the control: same seed, same weights, the same run until the first rollback). Per run the
+benchmark reads the TensorBoard event file it wrote and reports the 100-episode mean return every 25 steps,
+the final value, the minimum after the first mean >= 475, the fraction of those checkpoints >= 475 and the
+health counts of the end-of-fit summary line. The runs share
 the one GPU (they start together).
 """
 
