@@ -1,6 +1,6 @@
 """How much of the query step's gradient reaches the cue, per horizon: BPTT through DeepEP's cell at initialisation.
 
-    python benchmarks/bench_memory_gradient.py --out DIR [--horizons 32 64 128 256] [--seeds 0 1 2]
+    python benchmarks/bench_memory_gradient.py --out DIR [--horizons 32 64 128 256] [--seeds 0 1 2] [--chrono-factors 1]
     # writes DIR/memory_gradient.json
 
 Cue recall (``configs/memory_gpu.yaml``'s agent: H=128, two cues) rolls out one episode of ``horizon`` steps,
@@ -8,9 +8,10 @@ op by op with autograd, from freshly initialised weights. The target is the sum 
 of the critic's Q at the query step (the last one), whose regression on the ±1 reward is what must learn
 the cue. Per horizon and seed the benchmark reports the norm of its gradient w.r.t. the recurrent state
 the query step reads (``h_{T-1}``), w.r.t. ``h_1`` (the first state that holds the cue) and w.r.t. the
-cue's observation at step 0, with and without chrono initialisation of the GRU's update gate
-(``chrono_horizon = horizon``). A ratio ``|d/dh_1| / |d/dh_{T-1}|`` near 1 means BPTT carries the
-signal back to the cue; near 0, the gradient vanishes on the way. This is the untrained network: it says
+cue's observation at step 0, without chrono initialisation of the GRU's update gate and with
+``chrono_horizon = factor x horizon`` for each ``--chrono-factors`` (default 1, as the configs set it). A
+ratio ``|d/dh_1| / |d/dh_{T-1}|`` near 1 means BPTT carries the signal back to the cue; near 0, the gradient
+vanishes on the way. This is the untrained network: it says
 whether the recurrence can pass the signal at the start, not whether training finds the solution.
 """
 
@@ -35,11 +36,11 @@ HIDDEN = 128
 NUM_ENVS = 64
 
 
-def gradient_norms(horizon: int, seed: int, chrono: bool) -> dict[str, float]:
+def gradient_norms(horizon: int, seed: int, chrono_horizon: int | None) -> dict[str, float]:
     """Norms of d(sum of the query step's Q) w.r.t. ``h_{T-1}``, ``h_1`` and the step-0 observation."""
     torch.manual_seed(seed)
     env = CueRecall(NUM_ENVS, horizon=horizon, num_cues=2)
-    agent = DeepEPAgent(env.obs_dim, env.num_actions, HIDDEN, chrono_horizon=horizon if chrono else None)
+    agent = DeepEPAgent(env.obs_dim, env.num_actions, HIDDEN, chrono_horizon=chrono_horizon)
     generator = torch.Generator().manual_seed(seed)
     obs = env.reset(generator).requires_grad_()
     first_obs, hidden = obs, agent.initial_state(NUM_ENVS, "cpu")
@@ -58,15 +59,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--horizons", type=int, nargs="+", default=[32, 64, 128, 256])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--chrono-factors", type=float, nargs="+", default=[1.0],
+        help="chrono_horizon = factor x horizon, each (default: 1, the configs' choice); no chrono is always run",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
-    for chrono in (True, False):
-        for horizon in args.horizons:
-            runs = [gradient_norms(horizon, seed, chrono) for seed in args.seeds]
+    for horizon in args.horizons:
+        for chrono_horizon in [None, *(max(2, round(f * horizon)) for f in args.chrono_factors)]:
+            runs = [gradient_norms(horizon, seed, chrono_horizon) for seed in args.seeds]
             ratio = statistics.median(run["h_1"] / run["h_last"] for run in runs)
-            row = {"chrono": chrono, "horizon": horizon, "runs": runs, "median_ratio_h1_to_h_last": ratio}
-            rows.append(row)
-            print(f"chrono={chrono} horizon={horizon}: |d/dh_1| / |d/dh_(T-1)| = {ratio:.3e}")
+            cue = statistics.median(run["cue_obs"] for run in runs)
+            rows.append(
+                {"horizon": horizon, "chrono_horizon": chrono_horizon, "runs": runs,
+                 "median_ratio_h1_to_h_last": ratio, "median_cue_obs": cue}
+            )  # fmt: skip
+            print(f"horizon={horizon} chrono_horizon={chrono_horizon}: |d/dh_1| / |d/dh_(T-1)| = {ratio:.3e},"
+                  f" |d/d cue| = {cue:.3e}")  # fmt: skip
     write_json(
         Path(args.out) / "memory_gradient.json",
         {"hidden_size": HIDDEN, "num_envs": NUM_ENVS, "seeds": args.seeds, "rows": rows},
