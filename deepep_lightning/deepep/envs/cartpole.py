@@ -62,7 +62,14 @@ class BatchedCartPole(BatchedEnv):
         return ("state",) + super()._state_names()
 
     def _random_state(self, generator: torch.Generator) -> torch.Tensor:
-        uniform = torch.rand(self.num_envs, 4, device=self.device, generator=generator)
+        return self._reset_state(self._reset_uniform(generator))
+
+    def _reset_uniform(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.rand(self.num_envs, 4, device=self.device, generator=generator)  # [B, 4]
+
+    @staticmethod
+    def _reset_state(uniform: torch.Tensor) -> torch.Tensor:
+        """Reset states ``[B, 4]`` from uniforms in [0, 1): each coordinate in [RESET_LOW, RESET_HIGH)."""
         return RESET_LOW + (RESET_HIGH - RESET_LOW) * uniform
 
     def reset(self, generator: torch.Generator) -> torch.Tensor:
@@ -78,8 +85,9 @@ class BatchedCartPole(BatchedEnv):
         return self.step_with_noise(action, self.draw_step_noise(generator))
 
     def draw_step_noise(self, generator: torch.Generator) -> torch.Tensor:
-        # Reset states are drawn every step (used or not) so RNG use never depends on the data.
-        return self._random_state(generator)  # [B, 4]
+        # The uniforms of the reset states, drawn every step (used or not) so RNG use never depends on the
+        # data; step_with_noise scales them, so a compiled step holds that arithmetic too.
+        return self._reset_uniform(generator)
 
     def step_with_noise(self, action: torch.Tensor, noise: torch.Tensor) -> StepResult:
         x, x_dot, theta, theta_dot = self.state.unbind(-1)
@@ -98,5 +106,5 @@ class BatchedCartPole(BatchedEnv):
         truncated = self.episode_length + 1 >= self.max_episode_steps
         done = terminated | truncated
         reward = torch.ones(self.num_envs, device=self.device)
-        self.state.copy_(torch.where(done.unsqueeze(-1), noise, next_state))
+        self.state.copy_(torch.where(done.unsqueeze(-1), self._reset_state(noise), next_state))
         return self._finish(reward, done, terminated)

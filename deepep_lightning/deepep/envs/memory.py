@@ -45,8 +45,14 @@ class CueRecall(BatchedEnv):
         return ("cue", "clock") + super()._state_names()
 
     def _draw_cue(self, generator: torch.Generator) -> torch.Tensor:
-        uniform = torch.rand(self.num_envs, device=self.device, generator=generator)
-        return (uniform * self.num_cues).long().clamp_(max=self.num_cues - 1)
+        return self._cue(self._cue_uniform(generator))
+
+    def _cue_uniform(self, generator: torch.Generator) -> torch.Tensor:
+        return torch.rand(self.num_envs, device=self.device, generator=generator)  # [B]
+
+    def _cue(self, uniform: torch.Tensor) -> torch.Tensor:
+        """Cues ``[B]`` (long) from uniforms in [0, 1), each of the ``num_cues`` equally likely."""
+        return (uniform * self.num_cues).long().clamp(max=self.num_cues - 1)
 
     def reset(self, generator: torch.Generator) -> torch.Tensor:
         self.cue.copy_(self._draw_cue(generator))
@@ -65,14 +71,15 @@ class CueRecall(BatchedEnv):
         return self.step_with_noise(action, self.draw_step_noise(generator))
 
     def draw_step_noise(self, generator: torch.Generator) -> torch.Tensor:
-        # the next episode's cue [B], drawn every step so RNG use never depends on the data
-        return self._draw_cue(generator)
+        # the uniform of the next episode's cue [B], drawn every step so RNG use never depends on the data;
+        # step_with_noise turns it into the cue, so a compiled step holds that arithmetic too
+        return self._cue_uniform(generator)
 
     def step_with_noise(self, action: torch.Tensor, noise: torch.Tensor) -> StepResult:
         is_query = self.clock == self.horizon - 1
         correct = (action == self.cue).float()
         reward = torch.where(is_query, 2.0 * correct - 1.0, torch.zeros_like(correct))
         done = is_query
-        self.cue.copy_(torch.where(done, noise, self.cue))
+        self.cue.copy_(torch.where(done, self._cue(noise), self.cue))
         self.clock.copy_(torch.where(done, torch.zeros_like(self.clock), self.clock + 1))
         return self._finish(reward, done, done)  # the query step is a true end
