@@ -86,19 +86,15 @@ def test_bad_gradient_reduction_is_refused():
         DeterministicDDPStrategy(gradient_reduction="ordered", ddp_comm_hook=lambda state, bucket: None)
 
 
-def test_world_size_invariant_mode_refuses_a_sampler_it_cannot_split(quiet_trainer, boring_module):
+def test_world_size_invariant_mode_refuses_a_sampler_it_cannot_split():
     from deepep_lightning.determinism.sampler import SeekableSampler
+    from deepep_lightning.strategies.train_data import check_virtual_sampler
     from deepep_lightning.strategies.virtual_shards import VirtualShardSampler
 
-    trainer = quiet_trainer(strategy=DeterministicDDPStrategy(virtual_world_size=2), accumulate_grad_batches=2)
-    strategy, module = trainer.strategy, boring_module()
-    strategy.connect(module)
-    module.trainer = trainer
-    trainer.training = True
     data = range(16)
-    strategy._check_virtual_sampler(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0))  # Lightning's
-    strategy._check_virtual_sampler(
-        VirtualShardSampler(data, virtual_world_size=2, num_replicas=1, rank=0, batch_size=4, seed=0)
+    check_virtual_sampler(torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0), 2, 1)  # Lightning's
+    check_virtual_sampler(
+        VirtualShardSampler(data, virtual_world_size=2, num_replicas=1, rank=0, batch_size=4, seed=0), 2, 1
     )
     with pytest.raises(MisconfigurationException, match=r"virtual_world_size=2.*SeekableSampler.*seekable_data=False"):
-        strategy._check_virtual_sampler(SeekableSampler(data, seed=0))
+        check_virtual_sampler(SeekableSampler(data, seed=0), 2, 1)
