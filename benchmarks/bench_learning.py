@@ -16,6 +16,8 @@ fraction of checkpoints after the first crossing that are >= threshold.
 
 Memory (cue recall, ``--memory-config``): per horizon and seed, the success rate (query answered
 correctly) per step; steps and seconds to the first 20-step mean >= 95 %, and the final 20-step mean.
+``--memory-seconds S`` also ends each memory run at the first checkpoint after S seconds of wall time
+(the target is a time budget); ``steps_run`` says where it stopped.
 
 ``--parallel N`` runs N runs at once as separate processes (on one GPU they share it: the wall times
 then include that sharing, say so when quoting them).
@@ -143,6 +145,8 @@ def memory_run(job: dict[str, Any]) -> dict[str, Any]:
     step = _step_function(model)
     successes: list[float] = []
     curve: list[tuple[int, float, float]] = []
+    seconds = job.get("seconds")
+    index = 0
     for index in range(1, job["steps"] + 1):
         outputs = step()
         # the return is +1 (right) or -1 (wrong) per finished episode: success = (mean + 1) / 2
@@ -151,7 +155,10 @@ def memory_run(job: dict[str, Any]) -> dict[str, Any]:
         if index % CHECKPOINT_EVERY == 0:
             last = successes[-20:]
             curve.append((index, round(time.perf_counter() - start, 3), sum(last) / len(last)))
-    return {"seed": job["seed"], "horizon": horizon, **stay_learned(curve, 0.95), "checkpoints": curve}
+            if seconds is not None and time.perf_counter() - start >= seconds:
+                break  # the wall-time budget (construction and capture included) is spent, at a checkpoint
+    return {"seed": job["seed"], "horizon": horizon, **stay_learned(curve, 0.95), "steps_run": index,
+            "seconds_budget": seconds, "checkpoints": curve}  # fmt: skip
 
 
 def _run_all(function: Any, jobs: list[dict[str, Any]], parallel: int) -> list[dict[str, Any]]:
@@ -202,6 +209,10 @@ def main() -> None:
     parser.add_argument("--memory-horizons", type=int, nargs="*", default=[], help="none: skip the memory task")
     parser.add_argument("--memory-seeds", type=int, nargs="*", default=[0])
     parser.add_argument("--memory-steps", type=int, default=None, help="default: the memory config's max_steps")
+    parser.add_argument(
+        "--memory-seconds", type=float, default=None,
+        help="also stop each memory run at the first checkpoint after this much wall time (a time-budget target)",
+    )  # fmt: skip
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cuda: CUDA-graph step")
     parser.add_argument("--quick", action="store_true", help="a tiny model and 50 steps (smoke test)")
     parser.add_argument("--replot", default=None, metavar="JSON", help="only draw the PNGs of a result file")
@@ -219,7 +230,10 @@ def main() -> None:
     if args.memory_horizons:
         memory_config, memory_max = model_config(args.memory_config, args.override, args.device, args.quick)
         memory_steps = 50 if args.quick else (args.memory_steps or memory_max)
-        memory_jobs = [{"config": memory_config, "seed": s, "horizon": h, "device": args.device, "steps": memory_steps}
+        if args.memory_seconds is not None and not args.memory_seconds > 0:
+            parser.error(f"--memory-seconds must be > 0, got {args.memory_seconds!r}")
+        memory_jobs = [{"config": memory_config, "seed": s, "horizon": h, "device": args.device, "steps": memory_steps,
+                        "seconds": args.memory_seconds}
                        for h in args.memory_horizons for s in args.memory_seeds]  # fmt: skip
     start = time.perf_counter()
     cartpole = _run_all(cartpole_run, jobs, args.parallel)
