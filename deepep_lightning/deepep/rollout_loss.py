@@ -49,9 +49,8 @@ def rollout_and_loss(module: DeepEPModule, first_of_step: bool = True) -> tuple[
         timestep=module._compiled_timestep if hp.compile_step else None,
     )
     module._hidden.copy_(rollout.final_hidden)
-    if (
-        not module._virtual
-    ):  # virtual ranks: every process adds the K rollouts in order (virtual_ranks.end_virtual_step)
+    # with virtual ranks every process adds the K rollouts in order instead (virtual_ranks.end_virtual_step)
+    if not module._virtual:
         module.episode_return_100.update(rollout.episode_returns, rollout.dones)
     target_q, bootstrap = None, rollout.bootstrap_value
     if hp.target_tau is not None:
