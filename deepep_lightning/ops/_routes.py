@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from deepep_lightning.ops import _tracing
+
 __all__ = [
     "Route",
     "register_route",
@@ -70,11 +72,16 @@ class Route:
             outputs, computed deterministically.
         covers: called with the same arguments; returns a reason string when a case is not covered
             (the original kernel then runs), ``None`` when ``deterministic`` handles it. Metadata only.
+        shape_function: for an op whose PyTorch decomposition refuses deterministic mode while
+            ``torch.compile`` traces it: returns an empty tensor of the output's shape from the op's
+            arguments; while the route is installed the op traces with it and the compiled graph calls the
+            aten op, which the route serves (:mod:`deepep_lightning.ops._tracing`). None: PyTorch's tracing.
     """
 
     aten_op: str
     deterministic: Callable
     covers: Callable[..., str | None] = _always_covered
+    shape_function: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.aten_op, str) or not self.aten_op or "::" in self.aten_op:
@@ -86,6 +93,10 @@ class Route:
             raise TypeError(f"Route({self.aten_op!r}): deterministic must be callable, got {self.deterministic!r}")
         if not callable(self.covers):
             raise TypeError(f"Route({self.aten_op!r}): covers must be callable, got {self.covers!r}")
+        if self.shape_function is not None and not callable(self.shape_function):
+            raise TypeError(
+                f"Route({self.aten_op!r}): shape_function must be callable or None, got {self.shape_function!r}"
+            )
 
     @property
     def qualified_name(self) -> str:
@@ -142,6 +153,8 @@ def _install(route: Route) -> None:
         warnings.filterwarnings("ignore", message=_OVERRIDE_WARNING, category=UserWarning)
         _library.impl(route.aten_op, route_kernel(route, original), _dispatch_key, with_keyset=True)
     _installed[route.aten_op] = _dispatch_key
+    if route.shape_function is not None:
+        _tracing.install_shape_function(route.aten_op, route.shape_function)
 
 
 def register_route(route: Route) -> Route:
@@ -202,6 +215,8 @@ def _destroy() -> None:
     global _library, _dispatch_key
     if _library is not None:
         _library._destroy()  # deregisters every override: PyTorch's kernels are back
+    for aten_op in _tracing.installed_shape_functions():
+        _tracing.remove_shape_function(aten_op)
     _library = None
     _dispatch_key = None
     _installed.clear()

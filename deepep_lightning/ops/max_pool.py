@@ -19,9 +19,9 @@ Fractional max pooling's windows are known only through the saved indices, and `
 deterministic implementation``) are scatters that overwrite: with duplicate indices the entry with the
 largest position wins, as in PyTorch's CPU loop. :func:`max_unpool` (``torch.ops.deepep.max_unpool_forward``)
 takes an integer ``atomicMax`` of the position per output cell (order-free) and then gathers.
-``torch.compile`` does not reach that route: it traces ``max_unpool`` with PyTorch's Python
-decomposition (an ``index_put``), which raises PyTorch's deterministic-mode error at trace time; eager
-calls, TorchScript and CUDA graphs are routed.
+Under ``torch.compile`` the routes give both ops a shape function (:mod:`~deepep_lightning.ops._tracing`):
+PyTorch's Python decomposition, which raises PyTorch's deterministic-mode error while tracing, is set aside,
+and the compiled graph calls the aten op, which the route serves, as eager calls, TorchScript and CUDA graphs do.
 
 Routed at the dispatcher's CUDA key (:mod:`deepep_lightning.ops._routes`) in deterministic mode:
 ``adaptive_max_pool2d_backward``, ``adaptive_max_pool3d_backward``, ``max_pool3d_with_indices_backward``,
@@ -290,6 +290,15 @@ def _unpool2d(self, indices, output_size):
     return max_unpool(self, indices, list(output_size))
 
 
+def _unpool2d_shape(self, indices, output_size):
+    """The fake result torch.compile traces ``max_unpool2d`` with while routed (no alert, no compute)."""
+    return _max_unpool_fake(self, indices, list(output_size))
+
+
+def _unpool3d_shape(self, indices, output_size, stride, padding):
+    return _max_unpool_fake(self, indices, list(output_size))
+
+
 def _unpool3d(self, indices, output_size, stride, padding):
     return max_unpool(self, indices, list(output_size))
 
@@ -338,8 +347,8 @@ for _route in (
     Route("max_pool3d_with_indices_backward", _max_pool3d, _max_pool3d_covers),
     Route("fractional_max_pool2d_backward", _fractional2d, _fractional2d_covers),
     Route("fractional_max_pool3d_backward", _fractional3d, _fractional3d_covers),
-    Route("max_unpool2d", _unpool2d, _unpool2d_covers),
-    Route("max_unpool3d", _unpool3d, _unpool3d_covers),
+    Route("max_unpool2d", _unpool2d, _unpool2d_covers, shape_function=_unpool2d_shape),
+    Route("max_unpool3d", _unpool3d, _unpool3d_covers, shape_function=_unpool3d_shape),
     Route("_embedding_bag_dense_backward", _embedding_bag, _embedding_bag_covers),
 ):
     register_route(_route)

@@ -284,10 +284,15 @@ def test_in_a_cuda_graph(name, deterministic_routing):
     assert torch.equal(captured, eager)
 
 
-def test_max_unpool_under_torch_compile_meets_pytorchs_decomposition(deterministic_routing):
-    """torch.compile traces max_unpool2d with PyTorch's Python decomposition (an index_put), which refuses
-    deterministic mode at trace time, before any CUDA kernel (the route) is reached."""
-    _, _, fn, leaf = CASES["max_unpool2d"](2, torch.float32)
-    _autograd_result(fn, leaf)  # eager: the route
-    with pytest.raises(RuntimeError, match="max_unpooling2d_forward_out does not have a deterministic"):
-        _autograd_result(torch.compile(fn), leaf)
+@pytest.mark.parametrize("name", ["max_unpool2d", "max_unpool3d"])
+def test_max_unpool_under_torch_compile_calls_the_route(name, deterministic_routing):
+    """PyTorch's decomposition of max_unpool refuses deterministic mode while tracing; with the routes on the op
+    traces with the route's shape function and the compiled graph calls the routed aten op (ops/_tracing.py)."""
+    _, _, fn, leaf = CASES[name](2, torch.float32)
+    eager = _autograd_result(fn, leaf)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    first = _autograd_result(compiled, leaf)
+    again = _autograd_result(compiled, leaf)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert all(torch.equal(a, b) for a, b in zip(first, eager))  # the same kernels as eager: bitwise

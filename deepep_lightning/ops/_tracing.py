@@ -1,0 +1,89 @@
+"""What ``torch.compile`` needs to trace a routed aten op whose PyTorch decomposition refuses deterministic mode.
+
+Dynamo propagates fake tensors through every op it traces. An op without a Python meta function (``max_unpool2d``,
+``max_unpool3d``) gets its fake result from PyTorch's Python decomposition, which calls
+``alert_not_deterministic`` and so raises in deterministic mode while tracing, before any kernel (routed or not)
+could run; inductor would then also decompose the op into the ``index_put`` that refuses it. While a route is
+installed, :func:`install_shape_function` gives the op a shape function instead: fake tensors use it (as a Python
+meta function, and as the op's Meta kernel, which dynamo's Python dispatcher consults), and inductor's
+decomposition of the op is set aside, so the compiled graph calls the aten op itself — whose CUDA kernel the
+route overrides. :func:`remove_shape_function` puts everything back.
+
+These are PyTorch internals (``torch._decomp.meta_table``, ``OpOverload.py_kernels``, inductor's decomposition
+table). Where one is missing, the op traces as PyTorch traces it (and raises as before), with one debug line.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["install_shape_function", "installed_shape_functions", "remove_shape_function"]
+
+log = logging.getLogger(__name__)
+
+_MISSING = object()
+# aten op name -> (op overload, previous meta_table entry, previous Meta py-kernel, previous inductor decomposition)
+_saved: dict[str, tuple[Any, Any, Any, Any]] = {}
+
+
+def _tables() -> tuple[dict, dict | None]:
+    from torch._decomp import meta_table
+
+    try:
+        from torch._inductor.decomposition import decompositions
+    except ImportError:  # inductor unavailable: dynamo's other backends need only the meta entry
+        return meta_table, None
+    return meta_table, decompositions
+
+
+def install_shape_function(aten_op: str, shape_function: Callable[..., torch.Tensor]) -> bool:
+    """Make ``torch.ops.aten.<aten_op>`` trace with ``shape_function``; returns whether it is installed.
+
+    ``shape_function`` takes the op's arguments (fake tensors) and returns an empty tensor of the output's
+    shape, dtype and device, without computing or alerting.
+    """
+    if aten_op in _saved:
+        return True
+    try:
+        name, _, overload = aten_op.partition(".")
+        op = getattr(getattr(torch.ops.aten, name), overload or "default")
+        meta_table, decompositions = _tables()
+        meta_key = torch._C.DispatchKey.Meta
+        previous_kernel = op.py_kernels.get(meta_key, _MISSING)
+        previous_meta = meta_table.get(op, _MISSING)
+        previous_decomposition = _MISSING if decompositions is None else decompositions.pop(op, _MISSING)
+        meta_table[op] = shape_function
+        op.py_kernels[meta_key] = shape_function
+        op._dispatch_cache.clear()
+    except (AttributeError, ImportError, TypeError) as error:  # another PyTorch's internals
+        log.debug("routes: %s keeps PyTorch's tracing (%s: %s)", aten_op, type(error).__name__, error)
+        return False
+    _saved[aten_op] = (op, previous_meta, previous_kernel, previous_decomposition)
+    return True
+
+
+def remove_shape_function(aten_op: str) -> None:
+    """Undo :func:`install_shape_function` for ``aten_op`` (no-op when it is not installed)."""
+    saved = _saved.pop(aten_op, None)
+    if saved is None:
+        return
+    op, previous_meta, previous_kernel, previous_decomposition = saved
+    meta_table, decompositions = _tables()
+    for table, previous in ((meta_table, previous_meta), (op.py_kernels, previous_kernel)):
+        key = op if table is meta_table else torch._C.DispatchKey.Meta
+        if previous is _MISSING:
+            table.pop(key, None)
+        else:
+            table[key] = previous
+    if decompositions is not None and previous_decomposition is not _MISSING:
+        decompositions[op] = previous_decomposition
+    op._dispatch_cache.clear()
+
+
+def installed_shape_functions() -> list[str]:
+    """The aten ops that trace with a route's shape function now."""
+    return sorted(_saved)

@@ -1,0 +1,89 @@
+"""torch.compile of a routed op whose PyTorch decomposition refuses deterministic mode (max_unpool2d/3d).
+
+On the CPU the routes are installed at the CPU key with a reference implementation standing in for the CUDA
+kernel (the wrappers and the tracing are the same). Negative control: without the routes, compiling the op in
+deterministic mode raises PyTorch's error while tracing.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepep_lightning.ops import _routes, _tracing, extension_available, routed_aten_ops
+from deepep_lightning.ops._routes import Route
+
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+
+
+def _reference_unpool(self, indices, output_size, *_stride_padding):
+    """max_unpool by a scatter over each plane (the duplicates of max_pool's indices do not occur here)."""
+    planes = self.flatten(-len(output_size))
+    out = planes.new_zeros((*planes.shape[:-1], torch.Size(output_size).numel()))
+    return out.scatter(-1, indices.flatten(-len(output_size)), planes).view(
+        *self.shape[: -len(output_size)], *output_size
+    )
+
+
+@pytest.fixture
+def cpu_unpool_routes(monkeypatch):
+    """The max_unpool routes with a CPU implementation, installed at CPU; routing and deterministic mode restored."""
+    routed_aten_ops()  # every op module registers its routes
+    calls: list[str] = []
+    for name in ("max_unpool2d", "max_unpool3d"):
+        route = _routes.registered_routes()[name]
+
+        def deterministic(*args, _name=name):
+            calls.append(_name)
+            return _reference_unpool(*args)
+
+        monkeypatch.setitem(_routes._routes, name, Route(name, deterministic, shape_function=route.shape_function))
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    yield calls
+    _routes.disable_routes()
+    torch.use_deterministic_algorithms(was_deterministic)
+    torch._dynamo.reset()
+
+
+def _pooled(dims):
+    x = torch.randn(2, 3, *([8] * dims), generator=torch.Generator().manual_seed(0))
+    pool = F.max_pool2d if dims == 2 else F.max_pool3d
+    return pool(x, 2, return_indices=True)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("dims", [2, 3])
+def test_compiled_max_unpool_calls_the_route_in_deterministic_mode(cpu_unpool_routes, backend, dims):
+    unpool = F.max_unpool2d if dims == 2 else F.max_unpool3d
+    pooled, indices = _pooled(dims)
+    expected = _reference_unpool(pooled, indices, [8] * dims) * 2
+    _routes.enable_routes("CPU")
+    torch.use_deterministic_algorithms(True)
+    assert set(_tracing.installed_shape_functions()) == {"max_unpool2d", "max_unpool3d"}
+    leaf = pooled.clone().requires_grad_()
+    eager_grad = torch.autograd.grad((unpool(leaf, indices, 2) * 2).square().sum(), leaf)[0]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p, i: unpool(p, i, 2) * 2, backend=backend, fullgraph=True)
+    out = compiled(leaf, indices)
+    assert torch.equal(out.detach(), expected)
+    assert torch.equal(torch.autograd.grad(out.square().sum(), leaf)[0], eager_grad)  # the backward traces too
+    assert cpu_unpool_routes.count(f"max_unpool{dims}d") >= 2  # eager and the compiled graph called the route
+
+
+def test_without_the_routes_compiling_max_unpool_meets_pytorchs_refusal_and_the_tables_are_restored(
+    cpu_unpool_routes,
+):
+    from torch._decomp import meta_table
+
+    op = torch.ops.aten.max_unpool2d.default
+    before = (op in meta_table, dict(op.py_kernels).get(torch._C.DispatchKey.Meta))
+    _routes.enable_routes("CPU")
+    assert op in meta_table
+    _routes.disable_routes()
+    assert _tracing.installed_shape_functions() == []
+    assert (op in meta_table, dict(op.py_kernels).get(torch._C.DispatchKey.Meta)) == before
+    torch.use_deterministic_algorithms(True)
+    pooled, indices = _pooled(2)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="max_unpooling2d_forward_out does not have a deterministic implementation"):
+        torch.compile(lambda p, i: F.max_unpool2d(p, i, 2), backend="eager", fullgraph=True)(pooled, indices)
+    assert cpu_unpool_routes == []
