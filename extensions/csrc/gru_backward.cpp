@@ -80,18 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gru_cell_backward_cpu(const at::T
     at::parallel_for(0, batch, kRowGrain, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
         for (int64_t j = 0; j < size; ++j) {
-          const int64_t i = b * size + j;
-          const int64_t g3 = b * 3 * size + j;
-          const gru_gate_grads<scalar_t> out = gru_gate_backward<scalar_t>(
-              go[i], cy[i], m[b], gi[g3], gi[g3 + size], gi[g3 + 2 * size], gh[g3], gh[g3 + size],
-              gh[g3 + 2 * size], h[i]);
-          dgi[g3] = out.r_pre;
-          dgi[g3 + size] = out.z_pre;
-          dgi[g3 + 2 * size] = out.n_pre;
-          dgh[g3] = out.r_pre;
-          dgh[g3 + size] = out.z_pre;
-          dgh[g3 + 2 * size] = out.n_pre_times_r;
-          dh[i] = out.hidden;
+          gru_element_backward<scalar_t>(b, j, size, go, cy, m, gi, gh, h, dgi, dgh, dh);
         }
       }
     });

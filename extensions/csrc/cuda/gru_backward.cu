@@ -33,18 +33,8 @@ __global__ void gru_cell_backward_kernel(const scalar_t* __restrict__ grad_outpu
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t b = i / size;
-    const int64_t j = i - b * size;
-    const int64_t g3 = b * 3 * size + j;
-    const gru_gate_grads<scalar_t> out = gru_gate_backward<scalar_t>(
-        grad_output[i], carry[i], mask[b], input_gates[g3], input_gates[g3 + size], input_gates[g3 + 2 * size],
-        hidden_gates[g3], hidden_gates[g3 + size], hidden_gates[g3 + 2 * size], hidden[i]);
-    grad_input_gates[g3] = out.r_pre;
-    grad_input_gates[g3 + size] = out.z_pre;
-    grad_input_gates[g3 + 2 * size] = out.n_pre;
-    grad_hidden_gates[g3] = out.r_pre;
-    grad_hidden_gates[g3 + size] = out.z_pre;
-    grad_hidden_gates[g3 + 2 * size] = out.n_pre_times_r;
-    grad_hidden[i] = out.hidden;
+    gru_element_backward<scalar_t>(b, i - b * size, size, grad_output, carry, mask, input_gates, hidden_gates, hidden,
+                                   grad_input_gates, grad_hidden_gates, grad_hidden);
   }
 }
 
