@@ -64,24 +64,10 @@ def model_config(path: str | Path, overrides: list[str], device: str, quick: boo
 
 def _step_function(model: Any) -> Any:
     """One training step (rollout + loss + backward + Adam): a CUDA graph on the GPU, eager on the CPU."""
-    from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+    from deepep_lightning.deepep.graph_training import StandaloneStep
 
     model._ensure_rollout_state()
-    optimizer = model.configure_optimizers()  # Adam(capturable=True) when cuda_graph=True
-    if model.hparams.cuda_graph:
-        run = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator)
-    else:
-
-        def run() -> dict:
-            return model._whole_step(optimizer)
-
-    def step() -> dict:
-        model._seed_rollout()
-        outputs = run()
-        model._rollout_step += 1
-        return outputs
-
-    return step
+    return StandaloneStep(model, model.configure_optimizers())  # Adam(capturable=True) when cuda_graph=True
 
 
 def _build(config: dict[str, Any], seed: int, device: str) -> Any:

@@ -20,7 +20,7 @@ from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 if TYPE_CHECKING:
     from deepep_lightning.deepep.module import DeepEPModule
 
-__all__ = ["graph_capture_key", "graph_static_tensors", "graphed_training_step", "whole_step"]
+__all__ = ["StandaloneStep", "graph_capture_key", "graph_static_tensors", "graphed_training_step", "whole_step"]
 
 
 def graph_capture_key(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -87,3 +87,35 @@ def whole_step(module: DeepEPModule, optimizer: torch.optim.Optimizer) -> dict[s
         "episode_return_sum": rollout.episode_returns.sum(),
         "episodes": rollout.dones.sum(),
     }
+
+
+class StandaloneStep:
+    """``module``'s whole training step outside a Trainer, as ``training_step`` runs it (benchmarks, tests).
+
+    Each call seeds the rollout from ``(seed, rank, step)``, runs the module's :func:`whole_step` (rollout, loss,
+    backward, clipping, optimizer step) — one CUDA-graph replay when the module has ``cuda_graph=True``,
+    eagerly otherwise — and moves the module's rollout step on. ``optimizer`` must be capturable for the graph
+    (``module.configure_optimizers()`` makes one).
+
+    Attributes:
+        graphed: the :class:`GraphedTrainStep` of the graph path (its ``captures`` count), None eagerly.
+
+    Example::
+
+        step = StandaloneStep(model, model.configure_optimizers())
+        losses = [step()["loss"].clone() for _ in range(100)]
+    """
+
+    def __init__(self, module: DeepEPModule, optimizer: torch.optim.Optimizer) -> None:
+        module._ensure_rollout_state()
+        assert module._generator is not None
+        self.module, self.optimizer = module, optimizer
+        self.graphed: GraphedTrainStep | None = None
+        if module.hparams.cuda_graph:
+            self.graphed = GraphedTrainStep(lambda: module._whole_step(optimizer), module._generator)
+
+    def __call__(self) -> dict[str, torch.Tensor]:
+        self.module._seed_rollout()
+        outputs = self.graphed() if self.graphed is not None else self.module._whole_step(self.optimizer)
+        self.module._rollout_step += 1
+        return outputs

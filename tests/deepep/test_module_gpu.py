@@ -6,6 +6,7 @@ import torch
 
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.deepep.graph_training import StandaloneStep
 
 pytestmark = pytest.mark.gpu
 
@@ -18,19 +19,10 @@ STABILISED = dict(target_tau=0.05, target_entropy=0.69, kl_coef=0.3, expected_va
 def _train(steps, graph, fused=True, **kwargs):
     model = DeepEPModule(**SIZES, cuda_graph=graph, fused_value_head=fused, **kwargs).cuda()
     model._ensure_rollout_state()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph)
-    graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator) if graph else None
-    losses = []
-    for _ in range(steps):
-        model._seed_rollout()
-        if graph:
-            outputs = graphed()
-        else:
-            outputs = model._whole_step(optimizer)
-        losses.append(outputs["loss"].clone())
-        model._rollout_step += 1
+    step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
+    losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()
-    return model.state_dict(), torch.stack(losses)
+    return model.state_dict(), losses
 
 
 def test_graph_path_equals_eager_to_fp32_rounding():
@@ -180,15 +172,10 @@ def _train_configured(steps, graph, **kwargs):
     model = DeepEPModule(**SIZES, cuda_graph=graph, fused_value_head=True, **kwargs).cuda()
     model._ensure_rollout_state()
     optimizer = model.configure_optimizers()  # Adam(capturable=True) on the graph path
-    graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator) if graph else None
-    losses = []
-    for _ in range(steps):
-        model._seed_rollout()
-        outputs = graphed() if graphed is not None else model._whole_step(optimizer)
-        losses.append(outputs["loss"].clone())
-        model._rollout_step += 1
+    step = StandaloneStep(model, optimizer)
+    losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()
-    return model.state_dict(), torch.stack(losses), optimizer
+    return model.state_dict(), losses, optimizer
 
 
 def test_graph_path_with_the_policy_step_options_equals_eager_and_is_bitwise_reproducible():

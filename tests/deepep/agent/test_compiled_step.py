@@ -22,9 +22,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent import DeepEPAgent, compiled_step
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep, compile_unavailable_reason
-from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.agent.rollout import eager_timestep
 from deepep_lightning.deepep.envs import BatchedCartPole, BatchedEnv, CueRecall
+from deepep_lightning.deepep.graph_training import StandaloneStep
 
 REPO = Path(__file__).resolve().parents[3]
 B, H = 4, 8  # tiny: compile time, not arithmetic, is the cost here
@@ -304,17 +304,11 @@ def _train_gpu(steps, graph, compile_step, seed=5, fused_bptt=False):
         **{**GPU_SIZES, "seed": seed}, cuda_graph=graph, compile_step=compile_step, fused_bptt=fused_bptt
     ).cuda()
     model._ensure_rollout_state()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph)
-    graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator) if graph else None
-    losses = []
-    for _ in range(steps):
-        model._seed_rollout()
-        outputs = graphed() if graphed is not None else model._whole_step(optimizer)
-        losses.append(outputs["loss"].clone())
-        model._rollout_step += 1
+    step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
+    losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()
-    assert graphed is None or graphed.captures == 1
-    return model.state_dict(), torch.stack(losses)
+    assert step.graphed is None or step.graphed.captures == 1
+    return model.state_dict(), losses
 
 
 @pytest.mark.gpu

@@ -15,9 +15,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss, fused_bptt
 from deepep_lightning.deepep.agent.fused_bptt import collect_rollout_fused, gru_sequence
-from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.envs import BatchedCartPole
 from deepep_lightning.deepep.envs.base import StepResult
+from deepep_lightning.deepep.graph_training import StandaloneStep
 
 B, H, T = 6, 8, 13
 GRAD_RTOL = 1e-10  # float64: the two paths sum the same products in other orders
@@ -308,16 +308,10 @@ def _needs_cuda_kernels():
 def _train_gpu(steps, fused, graph, seed=5):
     model = DeepEPModule(**{**GPU_SIZES, "seed": seed}, fused_bptt=fused, cuda_graph=graph).cuda()
     model._ensure_rollout_state()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph)
-    graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator) if graph else None
-    losses = []
-    for _ in range(steps):
-        model._seed_rollout()
-        outputs = graphed() if graphed is not None else model._whole_step(optimizer)
-        losses.append(outputs["loss"].clone())
-        model._rollout_step += 1
+    step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
+    losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()
-    return model, torch.stack(losses), graphed
+    return model, losses, step.graphed
 
 
 @pytest.mark.gpu
