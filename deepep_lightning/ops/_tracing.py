@@ -6,8 +6,9 @@ Dynamo propagates fake tensors through every op it traces. An op without a Pytho
 could run; inductor would then also decompose the op into the ``index_put`` that refuses it. While a route is
 installed, :func:`install_shape_function` gives the op a shape function instead: fake tensors use it (as a Python
 meta function, and as the op's Meta kernel, which dynamo's Python dispatcher consults), and inductor's
-decomposition of the op is set aside, so the compiled graph calls the aten op itself — whose CUDA kernel the
-route overrides. :func:`remove_shape_function` puts everything back.
+decomposition of the op is set aside (in its table and in the copy of the table inductor caches after its first
+compile), so the compiled graph calls the aten op itself — whose CUDA kernel the route overrides.
+:func:`remove_shape_function` puts everything back.
 
 These are PyTorch internals (``torch._decomp.meta_table``, ``OpOverload.py_kernels``, inductor's decomposition
 table). Where one is missing, the op traces as PyTorch traces it (and raises as before), with one debug line.
@@ -40,6 +41,17 @@ def _tables() -> tuple[dict, dict | None]:
     return meta_table, decompositions
 
 
+def _forget_inductor_copies() -> None:
+    """Drop inductor's cached copy of its decomposition table, so the next compile reads the table as it is now."""
+    try:
+        from torch._inductor.decomposition import fast_random_decomps
+    except ImportError:
+        return
+    cache_clear = getattr(fast_random_decomps, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+
+
 def install_shape_function(aten_op: str, shape_function: Callable[..., torch.Tensor]) -> bool:
     """Make ``torch.ops.aten.<aten_op>`` trace with ``shape_function``; returns whether it is installed.
 
@@ -59,6 +71,7 @@ def install_shape_function(aten_op: str, shape_function: Callable[..., torch.Ten
         meta_table[op] = shape_function
         op.py_kernels[meta_key] = shape_function
         op._dispatch_cache.clear()
+        _forget_inductor_copies()
     except (AttributeError, ImportError, TypeError) as error:  # another PyTorch's internals
         log.debug("routes: %s keeps PyTorch's tracing (%s: %s)", aten_op, type(error).__name__, error)
         return False
@@ -82,6 +95,7 @@ def remove_shape_function(aten_op: str) -> None:
     if decompositions is not None and previous_decomposition is not _MISSING:
         decompositions[op] = previous_decomposition
     op._dispatch_cache.clear()
+    _forget_inductor_copies()
 
 
 def installed_shape_functions() -> list[str]:
