@@ -8,9 +8,11 @@ PyTorch's CUDA ``_bincount_cuda`` (with weights) and ``_histc_cuda`` (floating i
   weights give float32, any other weights float64; an empty input gives int64 zeros of ``minlength``).
 * :func:`histc` computes each value's bin with PyTorch's arithmetic (``int((x - min) * bins / (max - min))``
   in the accumulate type: float32 for float16/bfloat16/float32, float64 for float64), puts ``max`` in the
-  last bin, ignores values outside ``[min, max]`` (and NaN), and counts the bins exactly with a sort and
-  binary searches (:func:`~deepep_lightning.ops.reductions.sorted_segments`); the counts are integers
-  cast to the input's dtype.
+  last bin, ignores values outside ``[min, max]`` (and NaN), and counts the bins in int64 with
+  ``torch.ops.deepep.histc_counts`` (``extensions/csrc/histc_counts.cpp``; on CUDA one kernel whose integer
+  atomics are exact in any order, where PyTorch's adds floats); the counts are cast to the input's dtype.
+  :func:`histc_counts_reference` counts the same bins with a sort and binary searches (the fallback
+  without the extension and the tests' oracle).
 
 Both read values on the host where PyTorch does too: ``bincount``'s output length is ``max(input) + 1``,
 and ``histc`` with ``min == max`` takes the data's range. Those calls synchronise (and cannot be captured
@@ -26,12 +28,12 @@ import math
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
+from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason, register_fakes
 from deepep_lightning.ops._routes import Route, register_route
-from deepep_lightning.ops.reductions import sorted_segments
 from deepep_lightning.ops.scatter import _write_out, segment_scatter_add
+from deepep_lightning.ops.segments import sorted_segments
 
-__all__ = ["bincount", "histc"]
+__all__ = ["bincount", "histc", "histc_counts_reference"]
 
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _BINCOUNT_ERROR = "bincount only supports 1-d non-negative integral inputs."
@@ -108,7 +110,6 @@ def histc(self: Tensor, bins: int = 100, min: float = 0, max: float = 0) -> Tens
         raise ValueError(f"histc: self must be one of {list(FLOAT_DTYPES)}, got {self.dtype}")
     if isinstance(bins, bool) or not isinstance(bins, int) or bins <= 0:
         raise RuntimeError(f"torch.histc: bins must be > 0, but got {bins!r}")
-    accumulate = _accumulate_dtype(self.dtype)
     low, high = (torch.tensor(float(v), dtype=self.dtype).item() for v in (min, max))  # rounded as PyTorch
     if low > high:
         raise RuntimeError("torch.histc: max must be larger than min")
@@ -118,6 +119,16 @@ def histc(self: Tensor, bins: int = 100, min: float = 0, max: float = 0) -> Tens
         low, high = low - 1, high + 1
     if not (math.isfinite(low) and math.isfinite(high)):
         raise RuntimeError(f"torch.histc: range of [{low:g}, {high:g}] is not finite")
+    if kernels_reason(self) is not None:
+        return histc_counts_reference(self, bins, low, high).to(self.dtype)
+    return torch.ops.deepep.histc_counts.default(self, bins, float(low), float(high)).to(self.dtype)
+
+
+def histc_counts_reference(self: Tensor, bins: int, low: float, high: float) -> Tensor:
+    """``[bins]`` int64 counts of ``self``'s values in ``bins`` equal bins over ``[low, high]`` (finite,
+    ``low < high``), PyTorch's bin arithmetic; values outside and NaN are not counted. Pure PyTorch: the
+    bins are counted with a sort and binary searches."""
+    accumulate = _accumulate_dtype(self.dtype)
     values = self.reshape(-1).to(accumulate)
     lo = torch.tensor(low, dtype=accumulate, device=self.device)
     hi = torch.tensor(high, dtype=accumulate, device=self.device)
@@ -125,7 +136,14 @@ def histc(self: Tensor, bins: int = 100, min: float = 0, max: float = 0) -> Tens
     position = ((values - lo) * bins / (hi - lo)).nan_to_num(0.0).clamp(0, bins).to(torch.int64)
     keys = torch.where(inside, position.clamp(max=bins - 1), bins)  # bin `bins` collects what is not counted
     _, _, counts = sorted_segments(keys, bins + 1)
-    return counts[:bins].to(self.dtype)
+    return counts[:bins]
+
+
+def _histc_counts_fake(self: Tensor, bins: int, low: float, high: float) -> Tensor:
+    return self.new_empty((bins,), dtype=torch.int64)
+
+
+register_fakes({"deepep::histc_counts": _histc_counts_fake})
 
 
 # ---- routes ---------------------------------------------------------------------------------------------

@@ -8,11 +8,12 @@ every output element is reduced in one fixed order, independent of thread schedu
 
 * sums (``"mean"``, ``put_``) are one sorted, fixed-order :func:`segment_scatter_add` (floating dtypes;
   integer sums are exact in any order and use PyTorch's own ``index_add``/``index_put_``);
-* products, maxima and minima (:func:`segment_reduce`) sort the keys stably and run a segmented inclusive
-  scan (Hillis-Steele: ``ceil(log2(n))`` elementwise steps with a fixed pairing), then gather each
-  segment's last element. No logarithms, so zeros, signs and integer wrap-around are those of plain
-  products; float products differ from PyTorch's sequential CPU product only by rounding (integers, maxima
-  and minima are equal exactly; NaN propagates, as in PyTorch's ``"amax"``/``"amin"``).
+* products, maxima and minima sort the keys stably and combine each key's entries left to right, one
+  thread per output element (:func:`~deepep_lightning.ops.segments.segment_reduce`, one kernel launch).
+  No logarithms, so zeros, signs and integer wrap-around are those of plain products; the entries are
+  combined in PyTorch's sequential order and then with ``self``, so float products differ from PyTorch's
+  CPU product only by rounding (integers, maxima and minima are equal exactly; NaN propagates, as in
+  PyTorch's ``"amax"``/``"amin"``).
 
 ``include_self`` follows PyTorch: ``True`` combines the entries with ``self``; ``False`` starts every
 row that an index reaches from the reduction's identity, and rows that no index reaches keep ``self``.
@@ -29,90 +30,21 @@ assert on CUDA (a ``RuntimeError`` on CPU), as in PyTorch's kernels.
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
+from deepep_lightning.ops._guards import kernels_reason
 from deepep_lightning.ops._routes import Route, register_route
 from deepep_lightning.ops.scatter import _index_put, _index_put_covers, _write_out, segment_scatter_add
+from deepep_lightning.ops.segments import (
+    INDEX_DTYPES,
+    REDUCTION_DTYPES,
+    SEGMENT_COMBINE,
+    assert_in_range,
+    segment_reduce_unchecked,
+    sorted_segments,
+)
 
-__all__ = ["index_reduce", "put_accumulate", "scatter_reduce_prod", "segment_reduce"]
+__all__ = ["REDUCTION_DTYPES", "index_reduce", "put_accumulate", "scatter_reduce_prod"]
 
-#: Dtypes the reductions take: PyTorch's CUDA ``index_reduce``/``scatter_reduce`` dtypes without bool.
-REDUCTION_DTYPES = (*FLOAT_DTYPES, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_INDEX_DTYPES = (torch.int64, torch.int32)
 _INDEX_REDUCTIONS = ("prod", "mean", "amax", "amin")
-_SEGMENT_COMBINE = {"prod": torch.mul, "amax": torch.maximum, "amin": torch.minimum}
-
-
-def _assert_in_range(index: Tensor, low: int, high: int, op: str) -> None:
-    """Device-side assert (no host sync on CUDA; raises at once on CPU) that ``low <= index < high``."""
-    if index.numel():
-        torch._assert_async(((index >= low) & (index < high)).all(), f"{op}: index out of range [{low}, {high})")
-
-
-def sorted_segments(keys: Tensor, size: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Stable sort of ``keys`` (``[n]`` in ``[0, size)``) and each key's segment: ``(order, starts, counts)``.
-
-    ``order`` ([n]) permutes the entries into key order, entry order kept within a key; ``starts`` and
-    ``counts`` ([size], int64) locate key ``r``'s entries in that order. Sort and binary searches only: exact
-    and reproducible, no host sync.
-    """
-    sorted_keys, order = torch.sort(keys.to(torch.int64), stable=True)
-    rows = torch.arange(size, device=keys.device, dtype=torch.int64)
-    starts = torch.searchsorted(sorted_keys, rows)
-    ends = torch.searchsorted(sorted_keys, rows, right=True)
-    return order, starts, ends - starts
-
-
-def segment_reduce(values: Tensor, keys: Tensor, size: int, reduce: str = "prod") -> tuple[Tensor, Tensor]:
-    """Reduce the rows of ``values`` that share a key: ``out[r] = reduce(values[i] for keys[i] == r)``.
-
-    Args:
-        values: ``[n, *inner]`` tensor of one of :data:`REDUCTION_DTYPES`.
-        keys: ``[n]`` int32/int64 keys in ``[0, size)``.
-        size: number of output rows.
-        reduce: ``"prod"`` (default), ``"amax"`` or ``"amin"`` (NaN propagates, as ``torch.maximum``).
-
-    Returns:
-        ``(reduced, counts)``: ``reduced`` ``[size, *inner]`` (1 for ``"prod"``, 0 otherwise where a key has
-        no entry), ``counts`` ``[size]`` int64 entries per key. The pairing of the operands depends only on
-        the sorted keys, so the result is bitwise reproducible.
-
-    Raises:
-        ValueError: ``reduce`` unknown, or ``values``/``keys`` shapes, dtypes or devices that do not fit.
-
-    Example::
-
-        >>> segment_reduce(torch.tensor([2.0, 3.0, 5.0]), torch.tensor([1, 0, 1]), 3)[0]
-        tensor([ 3., 10.,  1.])
-    """
-    if reduce not in _SEGMENT_COMBINE:
-        raise ValueError(f"segment_reduce: reduce must be one of {tuple(_SEGMENT_COMBINE)}, got {reduce!r}")
-    if values.dim() == 0 or keys.dim() != 1 or keys.shape[0] != values.shape[0] or keys.dtype not in _INDEX_DTYPES:
-        raise ValueError(
-            f"segment_reduce: keys must be 1-D int32/int64 with one key per row of values, got keys "
-            f"{keys.dtype} {tuple(keys.shape)} for values {tuple(values.shape)}"
-        )
-    if values.dtype not in REDUCTION_DTYPES or keys.device != values.device:
-        raise ValueError(
-            f"segment_reduce: values must be one of {list(REDUCTION_DTYPES)} on keys' device {keys.device}, "
-            f"got {values.dtype} on {values.device}"
-        )
-    _assert_in_range(keys, 0, size, "segment_reduce")
-    combine = _SEGMENT_COMBINE[reduce]
-    order, starts, counts = sorted_segments(keys, size)
-    empty = torch.full((size, *values.shape[1:]), int(reduce == "prod"), dtype=values.dtype, device=values.device)
-    n = values.shape[0]
-    if n == 0:
-        return empty, counts
-    scan = values.index_select(0, order)  # [n, *inner] in key order
-    sorted_keys = keys.to(torch.int64).index_select(0, order)
-    step = 1
-    while step < n:  # after this step, scan[i] reduces its segment's entries in (i - 2 * step, i]
-        same = (sorted_keys[step:] == sorted_keys[:-step]).view((n - step,) + (1,) * (values.dim() - 1))
-        scan = torch.cat([scan[:step], torch.where(same, combine(scan[:-step], scan[step:]), scan[step:])])
-        step *= 2
-    last = (starts + counts - 1).clamp(min=0)
-    hit = (counts > 0).view((size,) + (1,) * (values.dim() - 1))
-    return torch.where(hit, scan.index_select(0, last), empty), counts
 
 
 def _along(flat: Tensor, dim: int, ndim: int) -> Tensor:
@@ -160,11 +92,11 @@ def index_reduce(
     if source.dtype != self.dtype:
         raise ValueError(f"index_reduce: source must have self's dtype {self.dtype}, got {source.dtype}")
     size = self.shape[dim]
-    _assert_in_range(index, 0, size, "index_reduce")
-    if reduce in _SEGMENT_COMBINE:
-        reduced, counts = segment_reduce(source.movedim(dim, 0), index, size, reduce)
+    assert_in_range(index, 0, size, "index_reduce")
+    if reduce in SEGMENT_COMBINE:
+        reduced, counts = segment_reduce_unchecked(source.movedim(dim, 0), index, size, reduce)
         reduced = reduced.movedim(0, dim)
-        combined = _SEGMENT_COMBINE[reduce](self, reduced) if include_self else reduced
+        combined = SEGMENT_COMBINE[reduce](self, reduced) if include_self else reduced
     else:
         _, _, counts = sorted_segments(index, size)
         base = self if include_self else torch.zeros_like(self)
@@ -225,9 +157,9 @@ def scatter_reduce_prod(self: Tensor, dim: int, index: Tensor, src: Tensor, incl
         )
     if src.dtype != self.dtype:
         raise ValueError(f"scatter_reduce_prod: src must have self's dtype {self.dtype}, got {src.dtype}")
-    _assert_in_range(index, 0, self.shape[dim], "scatter_reduce")
+    assert_in_range(index, 0, self.shape[dim], "scatter_reduce")
     values = src[tuple(slice(0, n) for n in index.shape)].reshape(-1)
-    products, counts = segment_reduce(values, _scatter_positions(self, dim, index), self.numel())
+    products, counts = segment_reduce_unchecked(values, _scatter_positions(self, dim, index), self.numel(), "prod")
     flat_self = self.reshape(-1)
     combined = flat_self * products if include_self else products
     return torch.where(counts > 0, combined, flat_self).view(self.shape)
@@ -264,7 +196,7 @@ def put_accumulate(self: Tensor, index: Tensor, source: Tensor) -> Tensor:
     if _index_put_covers(flat, indices, values, True) is None:
         _index_put(flat, indices, values, True)  # the deepep index-put kernel (floating dtypes, CUDA)
     else:  # integers (exact in any order) and CPU tensors: PyTorch's index_put_
-        _assert_in_range(indices[0], -flat.numel(), flat.numel(), "put_")
+        assert_in_range(indices[0], -flat.numel(), flat.numel(), "put_")
         flat.index_put_((indices[0],), values, accumulate=True)
     return flat.view(self.shape)
 
@@ -296,7 +228,7 @@ def _index_reduce_covers(self, dim, index, source, reduce, *, include_self=True,
     reason = _device_reason(self, index, source)
     if reason is not None:
         return reason
-    if self.dim() == 0 or not -self.dim() <= dim < self.dim() or index.dim() != 1 or index.dtype not in _INDEX_DTYPES:
+    if self.dim() == 0 or not -self.dim() <= dim < self.dim() or index.dim() != 1 or index.dtype not in INDEX_DTYPES:
         return "self must be at least 1-D, dim in range, index 1-D int32/int64"
     dim %= self.dim()
     if source.dim() != self.dim() or source.shape[dim] != index.shape[0]:

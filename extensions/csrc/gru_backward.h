@@ -2,14 +2,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/macros/Macros.h>
 
 #include <math.h>
-
-#ifdef __CUDACC__
-#define DEEPEP_HOST_DEVICE __host__ __device__
-#else
-#define DEEPEP_HOST_DEVICE
-#endif
 
 namespace deepep {
 
@@ -18,16 +13,16 @@ void check_gru_cell_backward_inputs(const at::Tensor& grad_output, const at::Ten
                                     const at::Tensor& input_gates, const at::Tensor& hidden_gates,
                                     const at::Tensor& hidden);
 
-DEEPEP_HOST_DEVICE inline float gru_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
-DEEPEP_HOST_DEVICE inline double gru_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
-DEEPEP_HOST_DEVICE inline float gru_tanh(float x) { return tanhf(x); }
-DEEPEP_HOST_DEVICE inline double gru_tanh(double x) { return tanh(x); }
+C10_HOST_DEVICE inline float gru_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+C10_HOST_DEVICE inline double gru_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+C10_HOST_DEVICE inline float gru_tanh(float x) { return tanhf(x); }
+C10_HOST_DEVICE inline double gru_tanh(double x) { return tanh(x); }
 
 // One element (row b, unit j) of the [B, H] state, the same code on CPU and CUDA: reads the unit's six gate
 // pre-activations, h, the two incoming gradients and the row's mask; writes its three columns of
 // grad_input_gates and grad_hidden_gates and its element of grad_hidden (the formula: gru_backward.cpp).
 template <typename scalar_t>
-DEEPEP_HOST_DEVICE inline void gru_element_backward(
+C10_HOST_DEVICE inline void gru_element_backward(
     int64_t b, int64_t j, int64_t size, const scalar_t* __restrict__ grad_output, const scalar_t* __restrict__ carry,
     const scalar_t* __restrict__ mask, const scalar_t* __restrict__ input_gates,
     const scalar_t* __restrict__ hidden_gates, const scalar_t* __restrict__ hidden,

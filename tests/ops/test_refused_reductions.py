@@ -16,7 +16,8 @@ from deepep_lightning.ops import reductions as reductions_module
 from deepep_lightning.ops._routes import Route, registered_routes
 from deepep_lightning.ops.histograms import bincount, histc
 from deepep_lightning.ops.median import median_dim, nanmedian_dim
-from deepep_lightning.ops.reductions import index_reduce, put_accumulate, scatter_reduce_prod, segment_reduce
+from deepep_lightning.ops.reductions import index_reduce, put_accumulate, scatter_reduce_prod
+from deepep_lightning.ops.segments import segment_reduce
 
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
 needs_extension = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")

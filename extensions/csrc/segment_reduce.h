@@ -1,0 +1,55 @@
+// Shared declarations of deepep::segment_reduce (CPU and CUDA kernels); what it computes: segment_reduce.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/macros/Macros.h>
+#include <ATen/NumericUtils.h>
+#include <ATen/OpMathType.h>
+
+namespace deepep {
+
+// The reductions, as the schema's `reduce` names them: "prod", "amax", "amin".
+enum class SegmentReduction : int { kProd = 0, kMax = 1, kMin = 2 };
+
+// Throws c10::Error naming the argument when a shape, dtype or device does not fit, or `reduce` is unknown.
+SegmentReduction check_segment_reduce_inputs(const at::Tensor& values, const at::Tensor& order,
+                                             const at::Tensor& starts, const at::Tensor& counts,
+                                             c10::string_view reduce);
+
+// a combined with b, computed in PyTorch's op-math type (float for float16/bfloat16) and rounded to
+// scalar_t, as torch.mul / torch.maximum / torch.minimum do; maxima and minima propagate NaN.
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t segment_combine(scalar_t a, scalar_t b, SegmentReduction reduction) {
+  using op_t = at::opmath_type<scalar_t>;
+  const op_t x = static_cast<op_t>(a), y = static_cast<op_t>(b);
+  if (reduction == SegmentReduction::kProd) return static_cast<scalar_t>(x * y);
+  if (at::_isnan(x)) return a;
+  if (at::_isnan(y)) return b;
+  if (reduction == SegmentReduction::kMax) return y > x ? b : a;
+  return y < x ? b : a;
+}
+
+// One output element (row, column) of the [size, inner] result, the same code on CPU and CUDA: combines
+// the row's entries values[order[starts[row] + k], column], k = 0 .. counts[row] - 1, left to right. A row
+// without entries gets the identity of a product (1), or 0 for maxima and minima.
+template <typename scalar_t>
+C10_HOST_DEVICE inline void segment_reduce_element(int64_t row, int64_t column, int64_t inner,
+                                                      const scalar_t* __restrict__ values,
+                                                      const int64_t* __restrict__ order,
+                                                      const int64_t* __restrict__ starts,
+                                                      const int64_t* __restrict__ counts, SegmentReduction reduction,
+                                                      scalar_t* __restrict__ out) {
+  const int64_t start = starts[row];
+  const int64_t count = counts[row];
+  if (count <= 0) {
+    out[row * inner + column] = static_cast<scalar_t>(reduction == SegmentReduction::kProd ? 1 : 0);
+    return;
+  }
+  scalar_t acc = values[order[start] * inner + column];
+  for (int64_t k = 1; k < count; ++k) {
+    acc = segment_combine<scalar_t>(acc, values[order[start + k] * inner + column], reduction);
+  }
+  out[row * inner + column] = acc;
+}
+
+}  // namespace deepep

@@ -1,0 +1,165 @@
+"""Tests of the kernels ``deepep::segment_reduce`` and ``deepep::histc_counts`` (ops/segments.py,
+ops/histograms.py), against their pure-PyTorch references.
+
+CPU: the compiled op equals the reference (exactly for integers, maxima, minima and counts; products to
+rounding, and exactly PyTorch's sequential product), every dtype, empty rows and inputs, a hot key, NaN,
+bins at and past the edges; the op's own argument errors. GPU (marked): the CUDA kernel is bitwise the CPU
+kernel (same element code, same order), repeats bitwise, and is captured in a CUDA graph. Run there:
+``python -m pytest tests/ops/test_segment_kernels.py -q``.
+"""
+
+import pytest
+import torch
+
+from deepep_lightning.ops import extension_available
+from deepep_lightning.ops.histograms import histc, histc_counts_reference
+from deepep_lightning.ops.segments import segment_reduce, segment_reduce_reference
+
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+
+DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8]
+
+
+def _entries(n, inner, size, dtype, seed=0, hot=False):
+    generator = torch.Generator().manual_seed(seed)
+    keys = torch.randint(0, size, (n,), generator=generator)
+    if hot:
+        keys[: n // 2] = size // 2  # half the entries on one key
+    if dtype.is_floating_point:
+        values = (torch.rand(n, *inner, generator=generator, dtype=torch.float64) + 0.5).to(dtype)
+    else:
+        values = torch.randint(-3, 4, (n, *inner), generator=generator).to(dtype)
+    return values, keys
+
+
+def _sequential(values, keys, size, reduce):
+    """PyTorch's own sequential CPU kernel: index_reduce with include_self=False, rows without entries 0/1."""
+    empty = torch.full((size, *values.shape[1:]), int(reduce == "prod"), dtype=values.dtype)
+    return empty.index_reduce(0, keys, values, reduce, include_self=False)
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", ["prod", "amax", "amin"])
+@pytest.mark.parametrize("shape", [(200, (), 17, False), (300, (3, 4), 40, False), (500, (5,), 9, True)])
+def test_segment_reduce_kernel_is_pytorchs_sequential_reduction(dtype, reduce, shape):
+    n, inner, size, hot = shape
+    values, keys = _entries(n, inner, size, dtype, hot=hot)
+    reduced, counts = segment_reduce(values, keys, size, reduce)
+    assert torch.equal(counts, torch.bincount(keys, minlength=size))
+    assert torch.equal(reduced, _sequential(values, keys, size, reduce))  # same order: bitwise, products too
+    reference, reference_counts = segment_reduce_reference(values, keys, size, reduce)
+    assert torch.equal(counts, reference_counts)
+    if reduce == "prod" and dtype.is_floating_point:  # the scan pairs the operands otherwise: rounding apart
+        rtol = {torch.float16: 2e-2, torch.bfloat16: 1e-1, torch.float32: 1e-5}.get(dtype, 1e-12)
+        torch.testing.assert_close(reduced, reference, rtol=rtol, atol=torch.finfo(dtype).tiny)  # underflow
+    else:
+        assert torch.equal(reduced, reference)
+
+
+def test_segment_reduce_kernel_empty_rows_nan_and_signed_zeros():
+    nan = float("nan")
+    values = torch.tensor([nan, 2.0, 5.0, -0.0, 0.0, 3.0])
+    keys = torch.tensor([0, 0, 1, 2, 2, 4])
+    maxima, counts = segment_reduce(values, keys, 6, "amax")
+    assert counts.tolist() == [2, 1, 2, 0, 1, 0]
+    assert torch.isnan(maxima[0]) and maxima[[1, 3, 4, 5]].tolist() == [5.0, 0.0, 3.0, 0.0]
+    assert torch.signbit(maxima[2])  # ties keep the first entry (-0.0), as torch.maximum
+    products, _ = segment_reduce(values, keys, 6, "prod")
+    assert products[[3, 5]].tolist() == [1.0, 1.0]  # rows without entries: the product's identity
+    none, counts = segment_reduce(torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64), 3, "amin")
+    assert torch.equal(none, torch.zeros(3, 2)) and counts.tolist() == [0, 0, 0]
+
+
+def test_segment_reduce_op_refuses_bad_arguments():
+    op = torch.ops.deepep.segment_reduce.default
+    values, order = torch.ones(4, 2), torch.arange(4)
+    starts, counts = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="reduce must be 'prod', 'amax' or 'amin', got 'sum'"):
+        op(values, order, starts, counts, "sum")
+    with pytest.raises(RuntimeError, match="values must be 2-D"):
+        op(torch.ones(4), order, starts, counts, "prod")
+    with pytest.raises(RuntimeError, match="order must be \\[4\\]"):
+        op(values, order[:3], starts, counts, "prod")
+    with pytest.raises(RuntimeError, match="starts and counts must be 1-D of one length"):
+        op(values, order, starts, counts[:2], "prod")
+    with pytest.raises(RuntimeError, match="must be int64"):
+        op(values, order.int(), starts, counts, "prod")
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        segment_reduce(values, order, 4, "sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bins, low, high", [(10, -1.0, 1.0), (7, 0.0, 0.5), (1, -2.0, 2.0), (9000, -3.0, 3.0)])
+def test_histc_counts_kernel_equals_the_reference_and_pytorch(dtype, bins, low, high):
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(5000, generator=generator, dtype=torch.float64).to(dtype)
+    values[:4] = torch.tensor([low, high, float("nan"), high + 1.0], dtype=torch.float64).to(dtype)  # edges
+    counts = torch.ops.deepep.histc_counts.default(values, bins, low, high)
+    assert counts.dtype == torch.int64 and torch.equal(counts, histc_counts_reference(values, bins, low, high))
+    if dtype in (torch.float64, torch.float32):  # PyTorch's CPU histc takes these
+        assert torch.equal(histc(values, bins, low, high), torch.histc(values, bins, low, high))
+
+
+def test_histc_counts_op_refuses_bad_arguments():
+    op = torch.ops.deepep.histc_counts.default
+    with pytest.raises(RuntimeError, match="self must be floating point"):
+        op(torch.ones(3, dtype=torch.int64), 4, 0.0, 1.0)
+    with pytest.raises(RuntimeError, match="bins must be > 0"):
+        op(torch.ones(3), 0, 0.0, 1.0)
+    with pytest.raises(RuntimeError, match="low < high"):
+        op(torch.ones(3), 4, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="finite"):
+        op(torch.ones(3), 4, 0.0, float("inf"))
+    assert torch.equal(op(torch.ones(0), 3, 0.0, 1.0), torch.zeros(3, dtype=torch.int64))
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduce", ["prod", "amax", "amin"])
+def test_segment_reduce_cuda_is_bitwise_the_cpu_kernel(dtype, reduce):
+    for n, inner, size, hot in [(100_000, (), 10_000, False), (20_000, (64,), 1000, True), (7, (3,), 50, False)]:
+        values, keys = _entries(n, inner, size, dtype, seed=n, hot=hot)
+        cpu, cpu_counts = segment_reduce(values, keys, size, reduce)
+        cuda, cuda_counts = segment_reduce(values.cuda(), keys.cuda(), size, reduce)
+        assert torch.equal(cuda_counts.cpu(), cpu_counts)
+        assert torch.equal(cuda.cpu(), cpu)  # same element code, same order
+        for _ in range(5):
+            assert torch.equal(segment_reduce(values.cuda(), keys.cuda(), size, reduce)[0], cuda)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bins", [1, 100, 8192, 8193, 100_000])  # shared-memory counts up to 8192 bins
+def test_histc_counts_cuda_equals_the_cpu_kernel(dtype, bins):
+    generator = torch.Generator().manual_seed(bins)
+    values = torch.randn(1_000_003, generator=generator, dtype=torch.float64).to(dtype)
+    values[:3] = torch.tensor([-4.0, 4.0, float("nan")], dtype=torch.float64).to(dtype)
+    cpu = torch.ops.deepep.histc_counts.default(values, bins, -4.0, 4.0)
+    cuda = torch.ops.deepep.histc_counts.default(values.cuda(), bins, -4.0, 4.0)
+    assert torch.equal(cuda.cpu(), cpu) and int(cpu.sum()) == values.numel() - 1  # NaN is not counted
+
+
+@pytest.mark.gpu
+def test_segment_kernels_are_captured_in_a_cuda_graph():
+    values, keys = _entries(4096, (8,), 300, torch.float32)
+    values, keys = values.cuda(), keys.cuda()
+    samples = torch.randn(10_000, device="cuda")
+    eager = (segment_reduce(values, keys, 300, "prod")[0], torch.ops.deepep.histc_counts.default(samples, 50, -2, 2))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture
+        segment_reduce(values, keys, 300, "prod")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = (
+            segment_reduce(values, keys, 300, "prod")[0],
+            torch.ops.deepep.histc_counts.default(samples, 50, -2.0, 2.0),
+        )
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))
