@@ -14,11 +14,15 @@
 //        indices the largest j wins (PyTorch's CPU loop order); never-written cells are 0.
 //
 // PyTorch's CUDA kernels scatter with float atomicAdd (or racing stores, for max_unpool) and refuse
-// deterministic mode. The CUDA kernels (cuda/max_pool_backward.cu) gather instead: one thread per
-// input cell visits, in a fixed order, the few output windows that can hold it; max_unpool takes an
-// integer atomicMax of the position per output cell (integer max is order-free) and then gathers.
-// The CPU kernels run the same gather (max_pool_windows.h) and a sequential max_unpool. The gather reads only windows that
-// can hold a cell, so indices must be the forward's (an index outside its window is not counted).
+// deterministic mode. The CUDA kernels (cuda/max_pool_backward.cu) sum each cell's terms in a fixed order
+// instead, one of two ways (max_pool_windows.h): where at most kMaxScatterPasses passes of pairwise
+// disjoint windows cover all windows (a kernel-3 stride-2 pooling takes 4 passes in 2-D, 8 in 3-D),
+// each pass scatters its windows' gradients with plain adds, the passes in a fixed order (a non-overlapping
+// pooling is one pass); otherwise one thread per input cell gathers, in ascending order, from the few
+// windows that can hold it. max_unpool takes an integer atomicMax of the position per output cell (integer
+// max is order-free) and then gathers. The CPU kernels run the same passes or gather and a sequential
+// max_unpool. Only windows that can hold a cell count it, so indices must be the forward's (an index
+// outside its window is not counted).
 //
 // Arguments are validated in Python before these ops run (DESIGN.md section 7); the checks here guard
 // direct torch.ops callers.
@@ -128,12 +132,25 @@ at::Tensor argmax_window_backward_cpu(const at::Tensor& grad_output, const at::T
   const PoolWindows w = pool_windows(grad_output, input_size, kernel_size, stride, padding, dilation);
   const at::Tensor grad_c = grad_output.contiguous();
   const at::Tensor indices_c = indices.contiguous();
-  // The same gather as the CUDA kernel (max_pool_windows.h), one cell after the other.
+  int classes[3];
+  const int passes = pool_scatter_passes(w, classes);
+  const int64_t planes = grad_input.numel() / (static_cast<int64_t>(w.in[0]) * w.in[1] * w.in[2]);
+  // The same passes or gather as the CUDA kernel (max_pool_windows.h), one window or cell after the other.
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_c.scalar_type(), "argmax_window_backward_cpu", [&] {
-    using acc_t = at::acc_type<scalar_t, false>;
+    using acc_t = at::acc_type<scalar_t, true>;  // the CUDA kernel's accumulate type: float for float
     const scalar_t* grad_data = grad_c.data_ptr<scalar_t>();
     const int64_t* index_data = indices_c.data_ptr<int64_t>();
     scalar_t* out = grad_input.data_ptr<scalar_t>();
+    if (passes <= kMaxScatterPasses) {
+      for (int pass = 0; pass < passes; ++pass) {
+        const ScatterPass p = scatter_pass(w, classes, pass);
+        const int64_t windows = planes * p.count[0] * p.count[1] * p.count[2];
+        for (int64_t item = 0; item < windows; ++item) {
+          pool_scatter_one<scalar_t, acc_t>(w, p, item, grad_data, index_data, out);
+        }
+      }
+      return;
+    }
     for (int64_t item = 0; item < grad_input.numel(); ++item) {
       out[item] = pool_gather_one<scalar_t, acc_t>(w, item, grad_data, index_data);
     }

@@ -179,3 +179,34 @@ def test_argmax_window_backward_opcheck_and_errors():
         torch.ops.deepep.argmax_window_backward(grad, indices[..., :2], [9, 7], [], [], [], [])
     with pytest.raises(RuntimeError, match="must all be empty"):
         torch.ops.deepep.argmax_window_backward(grad, indices, [9, 7], [2, 2], [], [], [])
+
+
+@needs_extension
+@pytest.mark.parametrize("kernel,stride,passes", [(3, 2, 4), (2, 2, 1), (3, 1, 9)])
+def test_a_cell_that_is_the_max_of_several_windows_gets_every_term(kernel, stride, passes):
+    """One input cell is the max of every window that holds it: the windows of 1 (disjoint), 4 (scattered in
+    passes of disjoint windows) and 9 (more passes than are worth launching: gathered) classes all add to it."""
+    x = torch.zeros(1, 2, 5, 5, dtype=torch.float64)
+    x[..., 2, 2] = 10.0
+    out, indices = F.max_pool2d(x, kernel, stride, return_indices=True)
+    grad = _randn(*out.shape, seed=1)
+    expected = aten.max_pool2d_with_indices_backward(
+        grad, x, [kernel] * 2, [stride] * 2, [0, 0], [1, 1], False, indices
+    )
+    ours = torch.ops.deepep.argmax_window_backward(grad, indices, [5, 5], [kernel] * 2, [stride] * 2, [0, 0], [1, 1])
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-14)
+    holding = int((indices[0, 0] == 12).sum())  # windows whose max is cell (2, 2), per plane
+    assert holding == {4: 4, 1: 1, 9: 9}[passes]
+    torch.testing.assert_close(ours[..., 2, 2], (grad * (indices == 12)).sum((-2, -1)), rtol=0, atol=1e-14)
+
+
+@needs_extension
+@pytest.mark.parametrize("kernel,stride", [(3, 2), (3, 1)])  # scattered in passes, gathered
+def test_an_index_outside_its_window_is_not_counted(kernel, stride):
+    x = _randn(1, 1, 7, 7)
+    out, indices = F.max_pool2d(x, kernel, stride, return_indices=True)
+    grad = torch.ones_like(out)
+    planted = indices.clone()
+    planted.view(-1)[0] = 48  # window (0, 0) cannot hold cell (6, 6)
+    ours = torch.ops.deepep.argmax_window_backward(grad, planted, [7, 7], [kernel] * 2, [stride] * 2, [0, 0], [1, 1])
+    assert ours.sum() == grad.numel() - 1 and ours[0, 0, 6, 6] == (indices == 48).sum()

@@ -296,3 +296,18 @@ def test_max_unpool_under_torch_compile_calls_the_route(name, deterministic_rout
     again = _autograd_result(compiled, leaf)
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert all(torch.equal(a, b) for a, b in zip(first, eager))  # the same kernels as eager: bitwise
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel,stride", [(2, 2), (3, 2), (3, 1), ((3, 2, 2), 2)])  # 1, 8, 27 (gather), 4 passes
+def test_argmax_window_backward_cuda_is_bitwise_the_cpu_kernel(dtype, kernel, stride):
+    """The passes of disjoint windows (or the gather, past 8 passes) add each cell's terms in the order the CPU
+    kernel does (max_pool_windows.h): the two devices give the same bits."""
+    x = _randn(2, 16, 9, 20, 22, dtype=dtype)
+    out, indices = F.max_pool3d(x, kernel, stride, padding=1, return_indices=True)
+    grad = _randn(*out.shape, dtype=dtype, seed=3)
+    triple = [kernel] * 3 if isinstance(kernel, int) else list(kernel)
+    args = ([9, 20, 22], triple, [stride] * 3, [1, 1, 1], [1, 1, 1])
+    cuda = torch.ops.deepep.argmax_window_backward(grad, indices, *args)
+    cpu = torch.ops.deepep.argmax_window_backward(grad.cpu(), indices.cpu(), *args)
+    assert torch.equal(cuda.cpu(), cpu)

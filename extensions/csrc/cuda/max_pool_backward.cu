@@ -1,12 +1,15 @@
 // Deterministic CUDA argmax_window_backward and max_unpool_forward (schemas, CPU kernels: ../max_pool_backward.cpp).
 //
-// argmax_window_backward gathers: one thread per input cell (p, d, h, w) visits the output cells whose
-// window can hold it -- for a max pooling the od in [p_start, p_end) of PyTorch's own max_pool2d
-// backward (at most ceil(((k - 1) dilation + 1) / stride) per dim), for an adaptive pooling the o in
-// [floor(i n / m), ceil((i + 1) n / m)) -- in ascending (od, oh, ow) order, and adds grad_output where
-// the saved index is this cell. No float atomics, no sort, one pass: which terms a cell sums and their
-// order depend on the shapes alone, so the result is bitwise reproducible and a sample's gradient does
-// not depend on the batch. Sums run in acc_type (float for half/bfloat16/float, double for double).
+// argmax_window_backward, where at most kMaxScatterPasses passes of pairwise disjoint windows cover the
+// windows (../max_pool_windows.h): a memset, then one launch per pass, one thread per window of the pass,
+// each adding its grad_output to its argmax cell with a plain read-modify-write (no two windows of a pass
+// share a cell; the launches on one stream order the passes). Otherwise it gathers: one thread per input
+// cell (p, d, h, w) visits the output cells whose window can hold it -- for a max pooling the od in
+// [p_start, p_end) of PyTorch's own max_pool2d backward, for an adaptive pooling the o in
+// [floor(i n / m), ceil((i + 1) n / m)) -- in ascending (od, oh, ow) order, and adds grad_output where the
+// saved index is this cell. No float atomics, no sort: which terms a cell sums and their order depend on
+// the shapes alone, so the result is bitwise reproducible and a sample's gradient does not depend on the
+// batch. Sums run in acc_type (float for half/bfloat16/float, double for double).
 //
 // max_unpool_forward: pass 1, one thread per input entry j of plane p, atomicMax(winner[p, indices[p, j]], j)
 // on int32 (integer max is order-free: the winner is the same whatever the thread order); pass 2, one
@@ -54,6 +57,17 @@ __global__ void argmax_window_backward_kernel(const int64_t total, const PoolWin
   for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < total;
        item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     grad_input[item] = pool_gather_one<scalar_t, acc_t>(w, item, grad_output, indices);
+  }
+}
+
+template <typename scalar_t>
+__global__ void argmax_window_scatter_kernel(const int64_t windows, const PoolWindows w, const ScatterPass pass,
+                                             const scalar_t* __restrict__ grad_output,
+                                             const int64_t* __restrict__ indices, scalar_t* __restrict__ grad_input) {
+  using acc_t = at::acc_type<scalar_t, true>;
+  for (int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; item < windows;
+       item += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    pool_scatter_one<scalar_t, acc_t>(w, pass, item, grad_output, indices, grad_input);
   }
 }
 
@@ -105,7 +119,23 @@ at::Tensor argmax_window_backward_cuda(const at::Tensor& grad_output, const at::
   const at::Tensor grad_c = grad_output.contiguous();
   const at::Tensor indices_c = indices.contiguous();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  int classes[3];
+  const int passes = pool_scatter_passes(w, classes);
+  const int64_t planes = total / (static_cast<int64_t>(w.in[0]) * w.in[1] * w.in[2]);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_c.scalar_type(), "argmax_window_backward_cuda", [&] {
+    if (passes <= kMaxScatterPasses) {
+      C10_CUDA_CHECK(cudaMemsetAsync(grad_input.data_ptr(), 0, sizeof(scalar_t) * total, stream));
+      for (int index = 0; index < passes; ++index) {
+        const ScatterPass pass = scatter_pass(w, classes, index);
+        const int64_t windows = planes * pass.count[0] * pass.count[1] * pass.count[2];
+        if (windows == 0) continue;
+        argmax_window_scatter_kernel<scalar_t><<<blocks_for(windows), kThreads, 0, stream>>>(
+            windows, w, pass, grad_c.data_ptr<scalar_t>(), indices_c.data_ptr<int64_t>(),
+            grad_input.data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      return;
+    }
     argmax_window_backward_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(
         total, w, grad_c.data_ptr<scalar_t>(), indices_c.data_ptr<int64_t>(), grad_input.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
