@@ -71,6 +71,29 @@ def test_segment_reduce_kernel_empty_rows_nan_and_signed_zeros():
     assert torch.equal(none, torch.zeros(3, 2)) and counts.tolist() == [0, 0, 0]
 
 
+def test_without_the_kernels_the_references_run(monkeypatch):
+    from deepep_lightning.ops import histograms as histograms_module
+    from deepep_lightning.ops import segments as segments_module
+
+    values, keys = _entries(300, (2,), 20, torch.float64)
+    samples = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    kernel = segment_reduce(values, keys, 20, "amax")[0], histc(samples, 12, -1.0, 1.0)
+    calls = []
+    original = torch.ops.deepep.segment_reduce.default
+
+    def spy(*args):
+        calls.append(args)
+        return original(*args)
+
+    monkeypatch.setattr(torch.ops.deepep.segment_reduce, "default", spy)
+    segment_reduce(values, keys, 20, "amax")
+    assert len(calls) == 1  # negative control: with the kernels, the op runs
+    for module in (segments_module, histograms_module):
+        monkeypatch.setattr(module, "kernels_reason", lambda tensor: "no extension here")
+    fallback = segment_reduce(values, keys, 20, "amax")[0], histc(samples, 12, -1.0, 1.0)
+    assert len(calls) == 1 and all(torch.equal(a, b) for a, b in zip(fallback, kernel))
+
+
 def test_segment_reduce_op_refuses_bad_arguments():
     op = torch.ops.deepep.segment_reduce.default
     values, order = torch.ones(4, 2), torch.arange(4)
