@@ -16,6 +16,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.deepep.lr_decay import decay_module_lrs
 
 if TYPE_CHECKING:
     from deepep_lightning.deepep.module import DeepEPModule
@@ -92,8 +93,9 @@ def whole_step(module: DeepEPModule, optimizer: torch.optim.Optimizer) -> dict[s
 class StandaloneStep:
     """``module``'s whole training step outside a Trainer, as ``training_step`` runs it (benchmarks, tests).
 
-    Each call seeds the rollout from ``(seed, rank, step)``, runs the module's :func:`whole_step` (rollout, loss,
-    backward, clipping, optimizer step) — one CUDA-graph replay when the module has ``cuda_graph=True``,
+    Each call applies the module's learning-rate decay for the step, seeds the rollout from ``(seed, rank,
+    step)``, runs the module's :func:`whole_step` (rollout, loss, backward, clipping, optimizer step) — one
+    CUDA-graph replay when the module has ``cuda_graph=True`` (re-captured when a learning rate changes),
     eagerly otherwise — and moves the module's rollout step on. ``optimizer`` must be capturable for the graph
     (``module.configure_optimizers()`` makes one).
 
@@ -112,9 +114,14 @@ class StandaloneStep:
         self.module, self.optimizer = module, optimizer
         self.graphed: GraphedTrainStep | None = None
         if module.hparams.cuda_graph:
-            self.graphed = GraphedTrainStep(lambda: module._whole_step(optimizer), module._generator)
+            self.graphed = GraphedTrainStep(
+                lambda: module._whole_step(optimizer),
+                module._generator,
+                capture_key=lambda: graph_capture_key(optimizer),
+            )
 
     def __call__(self) -> dict[str, torch.Tensor]:
+        decay_module_lrs(self.module, self.module._rollout_step, self.optimizer)
         self.module._seed_rollout()
         outputs = self.graphed() if self.graphed is not None else self.module._whole_step(self.optimizer)
         self.module._rollout_step += 1

@@ -32,6 +32,7 @@ from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.envs import BatchedEnv
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
 from deepep_lightning.deepep.graph_training import graph_capture_key, graphed_training_step, whole_step
+from deepep_lightning.deepep.lr_decay import decay_module_lrs
 from deepep_lightning.deepep.module_arguments import check_arguments
 from deepep_lightning.deepep.rollout_loss import fused_bptt_on, rollout_and_loss
 from deepep_lightning.deepep.rollout_state import ensure_rollout_state, load_rollout_state_dict, rollout_state_dict
@@ -141,6 +142,9 @@ class DeepEPModule(pl.LightningModule):
             recurrent cell are the same either way.
         chrono_horizon: chrono initialisation of the GRU's update gate for memory over up to this many
             steps (``>= 2``); None: PyTorch's default initialisation.
+        lr_decay_steps: decay every learning rate over this many training steps, stepwise and linearly, to
+            ``1/lr_decay_stages`` of it (:mod:`~deepep_lightning.deepep.lr_decay`); None: constant rates.
+        lr_decay_stages: the decay's stairs (each one re-captures the CUDA-graph step).
         max_grad_norm: clip the gradients' global norm to this (None: no clipping). Works on both
             paths, inside the graph for ``cuda_graph=True`` (where Lightning's ``gradient_clip_val``,
             an automatic-optimisation feature, is unavailable); eager runs may use either.
@@ -216,6 +220,8 @@ class DeepEPModule(pl.LightningModule):
         logit_bound: float | None = None,
         policy_reads_hidden: bool = True,
         chrono_horizon: int | None = None,
+        lr_decay_steps: int | None = None,
+        lr_decay_stages: int = 10,
         max_grad_norm: float | None = None,
         detach_feedback: bool = True,
         bptt_truncation: int | None = None,
@@ -411,6 +417,8 @@ class DeepEPModule(pl.LightningModule):
         trainer = _lightning_compat.attached_trainer(self)
         writes_logs = trainer is not None and self._lightning_writes_logs_after(trainer.global_step)
         self._ensure_rollout_state()
+        if trainer is not None:
+            decay_module_lrs(self, trainer.global_step)
         if self._virtual:
             return virtual_training_step(self, batch_idx, writes_logs)
         self._seed_rollout()

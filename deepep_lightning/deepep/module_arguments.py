@@ -104,6 +104,8 @@ def check_arguments(hp: AttributeDict) -> BatchedEnv:
             f"`DeepEPModule(kl_coef=...)` must be 0 without target networks, got {hp.kl_coef!r} with target_tau=None"
             " (HINT: set target_tau, e.g. 0.05)"
         )
+    _require_positive_int("lr_decay_steps", hp.lr_decay_steps, allow_none=True)
+    _checks.int_at_least("DeepEPModule", "lr_decay_stages", hp.lr_decay_stages, 1)
     if hp.chrono_horizon is not None:
         _checks.int_at_least("DeepEPModule", "chrono_horizon", hp.chrono_horizon, 2)
     if hp.max_grad_norm is not None:

@@ -49,6 +49,27 @@ def test_deepep_transient_gradient_fault_is_invisible(
     assert torch.equal(a["hidden"], b["hidden"]) and all(torch.equal(a["env"][k], b["env"][k]) for k in a["env"])
 
 
+def test_deepep_transient_fault_under_lr_decay_is_invisible(tmp_path):
+    """The replay after the rollback runs its steps at their stairs' rates: the weights end as the clean run's."""
+
+    def make():
+        return DeepEPModule(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False,
+                            lr_decay_steps=8, lr_decay_stages=4)  # fmt: skip
+
+    def callbacks(health):
+        return [health, NaNRollbackCallback(snapshot_every_n_steps=2)]
+
+    _, clean = fit(tmp_path, callbacks(NumericalHealthCallback(check_every_n_steps=1)), max_steps=8, module=make)
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    _, faulty = fit(
+        tmp_path, [FaultInjectionCallback("gradient", steps=[5]), *callbacks(health)], max_steps=8, module=make
+    )
+    _, undecayed = fit(tmp_path, callbacks(NumericalHealthCallback()), max_steps=8, module=_make)
+    assert [(e["kind"], e["step"]) for e in health.events.events][:2] == [("detected", 5), ("rollback", 4)]
+    assert state_equal(clean.state_dict(), faulty.state_dict())
+    assert not state_equal(clean.state_dict(), undecayed.state_dict())  # negative control: the decay acts
+
+
 def test_deepep_persistent_loss_fault_skipped_and_diagnosed(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip")
