@@ -189,3 +189,16 @@ def test_graph_path_with_the_policy_step_options_equals_eager_and_is_bitwise_rep
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     plain_state, _, _ = _train_configured(8, graph=True)
     assert any(not torch.equal(state_a[k], plain_state[k]) for k in plain_state)  # negative control
+
+
+def test_graph_path_under_lr_decay_recaptures_once_per_stair_and_equals_eager():
+    decay = dict(lr_decay_steps=8, lr_decay_stages=4)
+    model = DeepEPModule(**SIZES, cuda_graph=True, fused_value_head=True, **decay).cuda()
+    step = StandaloneStep(model, model.configure_optimizers())
+    graph_losses = torch.stack([step()["loss"].clone() for _ in range(8)])
+    assert step.graphed is not None and step.graphed.captures == 3  # stairs 2-4 (stair 1 is in the warm-up)
+    assert step.optimizer.param_groups[0]["lr"] == pytest.approx(0.25 * step.optimizer.param_groups[0]["initial_lr"])
+    _, eager_losses, _ = _train_configured(8, graph=False, **decay)
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-4, atol=1e-5)
+    _, constant_losses, _ = _train_configured(8, graph=False)
+    assert not torch.allclose(eager_losses[-2:], constant_losses[-2:])  # negative control: the decay acts
