@@ -3,13 +3,16 @@
 The backward of a max pooling sends each output cell's gradient to the input element its saved index
 points at; PyTorch's CUDA kernels for adaptive and 3-D max pooling do that with float ``atomicAdd`` and
 refuse deterministic mode (``adaptive_max_pool2d_backward_cuda does not have a deterministic
-implementation``). Here :func:`argmax_window_backward` gathers instead
-(``torch.ops.deepep.argmax_window_backward``, ``extensions/csrc/cuda/max_pool_backward.cu``): one thread
-per input element visits, in a fixed order, the few output windows that can hold it (bounded by kernel,
-stride and dilation, or by the adaptive window arithmetic) and sums the gradients whose saved index is
-this element. One pass, no sort, no float atomics: bitwise reproducible, and a sample's result does not
-depend on the batch. It reads only the windows that can hold an element, so the indices must be the
-forward's (as for PyTorch's own max_pool2d backward).
+implementation``). Here :func:`argmax_window_backward` (``torch.ops.deepep.argmax_window_backward``,
+``extensions/csrc/cuda/max_pool_backward.cu``) sums each element's terms in a fixed order instead. Windows
+``c`` apart along a dim (``c`` from kernel, stride and dilation, or from the adaptive window arithmetic)
+never share an element, so where at most 8 such passes of disjoint windows cover the windows (a
+non-overlapping pooling is one pass; kernel 3, stride 2 is 4 in 2-D and 8 in 3-D) each pass adds its
+windows' gradients to their argmax elements with plain adds, pass after pass; past 8 passes one thread per
+input element gathers, in a fixed order, from the few windows that can hold it. No sort, no float atomics:
+bitwise reproducible, the same bits on CPU and CUDA, and a sample's result does not depend on the batch.
+Only windows that can hold an element count it, so the indices must be the forward's (as for PyTorch's
+own max_pool2d backward).
 
 Fractional max pooling's windows are known only through the saved indices, and ``embedding_bag``'s
 "max" rows are arbitrary: those are one sorted, fixed-order
@@ -113,7 +116,7 @@ def argmax_window_backward(
     padding: list[int] | None = None,
     dilation: list[int] | None = None,
 ) -> Tensor:
-    """``grad_input`` of a max pooling by gathering over the windows that can hold each input element.
+    """``grad_input`` of a max pooling: each input element's sum over the windows whose saved index it is.
 
     Args:
         grad_output: ``[*planes, *out_spatial]`` gradient of the pooled output.
