@@ -7,10 +7,11 @@ implementation``). Here :func:`argmax_window_backward` (``torch.ops.deepep.argma
 ``extensions/csrc/cuda/max_pool_backward.cu``) sums each element's terms in a fixed order instead. Windows
 ``c`` apart along a dim (``c`` from kernel, stride and dilation, or from the adaptive window arithmetic)
 never share an element, so where at most 8 such passes of disjoint windows cover the windows (a
-non-overlapping pooling is one pass; kernel 3, stride 2 is 4 in 2-D and 8 in 3-D) each pass adds its
-windows' gradients to their argmax elements with plain adds, pass after pass; past 8 passes one thread per
-input element gathers, in a fixed order, from the few windows that can hold it. No sort, no float atomics:
-bitwise reproducible, the same bits on CPU and CUDA, and a sample's result does not depend on the batch.
+non-overlapping pooling is one pass; kernel 3, stride 2 is 4 in 2-D and 8 in 3-D; float16/bfloat16 only
+one pass, so no partial sum is rounded to the narrow type) each pass adds its windows' gradients to their
+argmax elements with plain adds, pass after pass; otherwise one thread per input element gathers (in float),
+in a fixed order, from the few windows that can hold it. No sort, no float atomics: bitwise reproducible,
+the same bits on CPU and CUDA, and a sample's result does not depend on the batch.
 Only windows that can hold an element count it, so the indices must be the forward's (as for PyTorch's
 own max_pool2d backward).
 

@@ -16,9 +16,10 @@
 // PyTorch's CUDA kernels scatter with float atomicAdd (or racing stores, for max_unpool) and refuse
 // deterministic mode. The CUDA kernels (cuda/max_pool_backward.cu) sum each cell's terms in a fixed order
 // instead, one of two ways (max_pool_windows.h): where at most kMaxScatterPasses passes of pairwise
-// disjoint windows cover all windows (a kernel-3 stride-2 pooling takes 4 passes in 2-D, 8 in 3-D),
-// each pass scatters its windows' gradients with plain adds, the passes in a fixed order (a non-overlapping
-// pooling is one pass); otherwise one thread per input cell gathers, in ascending order, from the few
+// disjoint windows cover all windows (a kernel-3 stride-2 pooling takes 4 passes in 2-D, 8 in 3-D; for
+// float16/bfloat16 only a single pass, so no partial sum is rounded to the narrow type), each pass scatters
+// its windows' gradients with plain adds, the passes in a fixed order (a non-overlapping pooling is one
+// pass); otherwise one thread per input cell gathers, in ascending order, from the few
 // windows that can hold it. max_unpool takes an integer atomicMax of the position per output cell (integer
 // max is order-free) and then gathers. The CPU kernels run the same passes or gather and a sequential
 // max_unpool. Only windows that can hold a cell count it, so indices must be the forward's (an index
@@ -141,7 +142,7 @@ at::Tensor argmax_window_backward_cpu(const at::Tensor& grad_output, const at::T
     const scalar_t* grad_data = grad_c.data_ptr<scalar_t>();
     const int64_t* index_data = indices_c.data_ptr<int64_t>();
     scalar_t* out = grad_input.data_ptr<scalar_t>();
-    if (passes <= kMaxScatterPasses) {
+    if (pool_scatter_in_passes(passes, sizeof(scalar_t) < sizeof(float))) {
       for (int pass = 0; pass < passes; ++pass) {
         const ScatterPass p = scatter_pass(w, classes, pass);
         const int64_t windows = planes * p.count[0] * p.count[1] * p.count[2];

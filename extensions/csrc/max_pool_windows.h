@@ -77,6 +77,13 @@ C10_HOST_DEVICE inline scalar_t pool_gather_one(const PoolWindows& w, int64_t it
 // Most passes worth launching; beyond it the gather (pool_gather_one) runs instead.
 constexpr int kMaxScatterPasses = 8;
 
+// Whether to scatter in `passes` passes rather than gather. A float16/bfloat16 cell would round its partial
+// sum to the narrow type after every pass, while the gather sums in float: narrow types scatter only when
+// one pass (no partial sums) covers the windows.
+inline bool pool_scatter_in_passes(int passes, bool narrow) {
+  return passes == 1 || (!narrow && passes <= kMaxScatterPasses);
+}
+
 // The least c such that windows o and o + c along dim are disjoint for every o.
 inline int pool_window_classes(const PoolWindows& w, int dim) {
   const int n_in = w.in[dim], n_out = w.out[dim];

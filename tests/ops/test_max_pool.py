@@ -210,3 +210,15 @@ def test_an_index_outside_its_window_is_not_counted(kernel, stride):
     planted.view(-1)[0] = 48  # window (0, 0) cannot hold cell (6, 6)
     ours = torch.ops.deepep.argmax_window_backward(grad, planted, [7, 7], [kernel] * 2, [stride] * 2, [0, 0], [1, 1])
     assert ours.sum() == grad.numel() - 1 and ours[0, 0, 6, 6] == (indices == 48).sum()
+
+
+@needs_extension
+def test_a_half_precision_cell_of_several_windows_is_summed_in_float():
+    """float16 with overlapping windows gathers in float: 1024 + 0.5 + 0.5 + 0.5 = 1025.5 rounds to 1026 once, where
+    adding pass by pass in float16 would round each partial sum (1024.5 -> 1024) and end at 1024."""
+    x = torch.zeros(1, 1, 5, 5, dtype=torch.float16)
+    x[..., 2, 2] = 10.0
+    out, indices = F.max_pool2d(x.float(), 3, 2, return_indices=True)
+    grad = torch.tensor([[[[1024.0, 0.5], [0.5, 0.5]]]], dtype=torch.float16)
+    ours = torch.ops.deepep.argmax_window_backward(grad, indices, [5, 5], [3, 3], [2, 2], [0, 0], [1, 1])
+    assert ours.dtype == torch.float16 and ours[0, 0, 2, 2].item() == 1026.0

@@ -1,7 +1,7 @@
 // Deterministic CUDA argmax_window_backward and max_unpool_forward (schemas, CPU kernels: ../max_pool_backward.cpp).
 //
 // argmax_window_backward, where at most kMaxScatterPasses passes of pairwise disjoint windows cover the
-// windows (../max_pool_windows.h): a memset, then one launch per pass, one thread per window of the pass,
+// windows (one pass for float16/bfloat16; ../max_pool_windows.h): a memset, then one launch per pass, one thread per window of the pass,
 // each adding its grad_output to its argmax cell with a plain read-modify-write (no two windows of a pass
 // share a cell; the launches on one stream order the passes). Otherwise it gathers: one thread per input
 // cell (p, d, h, w) visits the output cells whose window can hold it -- for a max pooling the od in
@@ -123,7 +123,7 @@ at::Tensor argmax_window_backward_cuda(const at::Tensor& grad_output, const at::
   const int passes = pool_scatter_passes(w, classes);
   const int64_t planes = total / (static_cast<int64_t>(w.in[0]) * w.in[1] * w.in[2]);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_c.scalar_type(), "argmax_window_backward_cuda", [&] {
-    if (passes <= kMaxScatterPasses) {
+    if (pool_scatter_in_passes(passes, sizeof(scalar_t) < sizeof(float))) {
       C10_CUDA_CHECK(cudaMemsetAsync(grad_input.data_ptr(), 0, sizeof(scalar_t) * total, stream));
       for (int index = 0; index < passes; ++index) {
         const ScatterPass pass = scatter_pass(w, classes, index);
