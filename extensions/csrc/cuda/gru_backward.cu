@@ -13,14 +13,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
+#include "gather_launch.cuh"
+
 #include <tuple>
 
 namespace deepep {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 65535;
+using gather::grid_blocks;
+using gather::kThreads;
 
 template <typename scalar_t>
 __global__ void gru_cell_backward_kernel(const scalar_t* __restrict__ grad_output, const scalar_t* __restrict__ carry,
@@ -54,10 +55,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gru_cell_backward_cuda(const at::
   at::Tensor grad_h = at::empty_like(h_c);    // [B, H]
   const int64_t total = batch * size;
   if (total == 0) return std::make_tuple(grad_gi, grad_gh, grad_h);
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, kMaxBlocks);
+  const unsigned int blocks = grid_blocks(total);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(h_c.scalar_type(), "gru_cell_backward_cuda", [&] {
-    gru_cell_backward_kernel<scalar_t><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
+    gru_cell_backward_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
         go_c.data_ptr<scalar_t>(), carry_c.data_ptr<scalar_t>(), mask_c.data_ptr<scalar_t>(),
         gi_c.data_ptr<scalar_t>(), gh_c.data_ptr<scalar_t>(), h_c.data_ptr<scalar_t>(), grad_gi.data_ptr<scalar_t>(),
         grad_gh.data_ptr<scalar_t>(), grad_h.data_ptr<scalar_t>(), batch, size);

@@ -13,14 +13,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
+#include "gather_launch.cuh"
+
 #include <cstdint>
 
 namespace deepep {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 1024;
+using gather::grid_blocks;
+using gather::kThreads;
 constexpr int64_t kSharedBins = 8192;  // 32 KiB of 32-bit counters per block
 
 using Count = unsigned long long int;  // atomicAdd's 64-bit integer type; int64 counts are stored in it
@@ -62,11 +63,11 @@ at::Tensor histc_counts_cuda(const at::Tensor& self, int64_t bins, double low, d
   if (n == 0) return counts;
   const bool shared = bins <= kSharedBins && n < (int64_t{1} << 32);
   const size_t shared_bytes = shared ? static_cast<size_t>(bins) * sizeof(unsigned int) : 0;
-  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, kMaxBlocks);
+  const unsigned int blocks = grid_blocks(n);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, values.scalar_type(), "histc_counts_cuda", [&] {
     using acc_t = histc_acc_t<scalar_t>;
-    histc_counts_kernel<scalar_t><<<static_cast<unsigned int>(blocks), kThreads, shared_bytes, stream>>>(
+    histc_counts_kernel<scalar_t><<<blocks, kThreads, shared_bytes, stream>>>(
         values.data_ptr<scalar_t>(), n, static_cast<acc_t>(low), static_cast<acc_t>(high), bins, shared,
         reinterpret_cast<Count*>(counts.data_ptr<int64_t>()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();

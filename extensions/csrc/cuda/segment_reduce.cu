@@ -15,13 +15,14 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <algorithm>
+#include "gather_launch.cuh"
+
 
 namespace deepep {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 65535;
+using gather::grid_blocks;
+using gather::kThreads;
 
 template <typename scalar_t>
 __global__ void segment_reduce_kernel(const scalar_t* __restrict__ values, const int64_t* __restrict__ order,
@@ -47,10 +48,10 @@ at::Tensor segment_reduce_cuda(const at::Tensor& values, const at::Tensor& order
   at::Tensor out = at::empty({size, inner}, values_c.options());
   const int64_t total = size * inner;
   if (total == 0) return out;
-  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, kMaxBlocks);
+  const unsigned int blocks = grid_blocks(total);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, values_c.scalar_type(), "segment_reduce_cuda", [&] {
-    segment_reduce_kernel<scalar_t><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(
+    segment_reduce_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
         values_c.data_ptr<scalar_t>(), order_c.data_ptr<int64_t>(), starts_c.data_ptr<int64_t>(),
         counts_c.data_ptr<int64_t>(), reduction, out.data_ptr<scalar_t>(), size, inner);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
