@@ -26,6 +26,7 @@ then include that sharing, say so when quoting them).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing
@@ -166,9 +167,10 @@ def plot(runs: list[dict[str, Any]], path: Path, title: str, ylabel: str, thresh
     for run in runs:
         groups.setdefault(run.get("horizon"), []).append(run)
     for horizon, members in sorted(groups.items(), key=lambda item: item[0] or 0):
-        steps = [c[0] for c in members[0]["checkpoints"]]
+        # runs ended by --memory-seconds stop at different checkpoints: the shorter ones are NaN past their end
+        steps = [c[0] for c in max(members, key=lambda run: len(run["checkpoints"]))["checkpoints"]]
         values = [[c[2] for c in run["checkpoints"]] for run in members]
-        columns = list(zip(*values))
+        columns = list(itertools.zip_longest(*values, fillvalue=float("nan")))
         finite = [[v for v in column if not math.isnan(v)] or [float("nan")] for column in columns]
         label = f"horizon {horizon}" if horizon is not None else f"{len(members)} seeds"
         axes.plot(steps, [sum(c) / len(c) for c in finite], label=f"{label}: mean")
