@@ -16,6 +16,7 @@ from typing_extensions import override
 from deepep_lightning import _checks
 from deepep_lightning.health.events import INCIDENT_KINDS, EventKind, run_log_dir
 from deepep_lightning.health.health_callback import NumericalHealthCallback
+from deepep_lightning.health.rollback import NaNRollbackCallback
 
 __all__ = ["RunSummaryCallback"]
 
@@ -27,13 +28,20 @@ class RunSummaryCallback(Callback):
 
     The line names the run's log directory with the ``tensorboard --logdir`` command that shows it,
     the final value of each metric in ``metrics`` (read from ``trainer.callback_metrics``; ``n/a``
-    when the module does not log it), and the health events of every
+    when the module does not log it), where a :class:`~deepep_lightning.NaNRollbackCallback` that stopped
+    the run left the weights (the metrics were logged before the stop; the weights are a snapshot's, with
+    its value of the regression trigger's metric), and the health events of every
     :class:`~deepep_lightning.NumericalHealthCallback` in the trainer: incidents detected, rollbacks,
     transient faults, recoveries and stops. For example::
 
         deepep_lightning: fit ended at step 1000 | logs: runs/cartpole/version_0 (tensorboard --logdir
         runs/cartpole/version_0) | train/episode_return_100=487.2 | health: 1 detected, 1 rolled back,
         1 transient, 0 recovered, 0 stopped
+
+    and after a stop at the retry cap of a regression rollback::
+
+        deepep_lightning: fit ended at step 1640 | logs: ... | train/episode_return_100=142.5 | stopped at step
+        1640 with the weights of step 1150 (train/episode_return_100=487.3 there) | health: 6 detected, ...
 
     It is printed on the ``lightning.pytorch`` logger, which Lightning shows by default; the summary
     is also kept in :attr:`last_summary`. Reading the metrics is one host read at the end of the run.
@@ -67,6 +75,7 @@ class RunSummaryCallback(Callback):
             parts.append("logs: none (no logger)")
         for name in self.metrics:
             parts.append(f"{name}={_format_metric(trainer.callback_metrics.get(name))}")
+        parts.extend(_stop_summaries(trainer))
         parts.append(_health_summary(trainer))
         return " | ".join(parts)
 
@@ -88,6 +97,24 @@ def _format_metric(value: Any) -> str:
         return "n/a"
     number = float(value.item() if isinstance(value, torch.Tensor) else value)
     return f"{number:.4g}" if math.isfinite(number) else repr(number)
+
+
+def _stop_summaries(trainer: pl.Trainer) -> list[str]:
+    """Where each rollback callback that stopped the run left the weights: the metrics above were logged
+    before the stop, the weights are the restored snapshot's (with its monitored value when there is one)."""
+    parts = []
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        report = getattr(callback, "stop_report", None) if isinstance(callback, NaNRollbackCallback) else None
+        if not report:
+            continue
+        stopped, weights = report.get("stopped_at_step"), report.get("weights_at_step")
+        part = f"stopped at step {stopped} with the weights of step {weights}"
+        metric = report.get("weights_metric")
+        if metric:
+            name, value = next(iter(metric.items()))
+            part += f" ({name}={_format_metric(value)} there)"
+        parts.append(part)
+    return parts
 
 
 def _health_summary(trainer: pl.Trainer) -> str:

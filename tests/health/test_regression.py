@@ -7,6 +7,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from deepep_lightning import RegressionTrigger
 from deepep_lightning.health import NaNRollbackCallback, NumericalHealthCallback
+from deepep_lightning.summary import RunSummaryCallback
 
 from .conftest import ToyModule, checkpoint_round_trip, fit
 
@@ -201,3 +202,26 @@ def test_deepep_entropy_collapse_is_rolled_back(tmp_path):
     kinds = [e["kind"] for e in health.events.events]
     assert kinds == ["regression", "rollback", "policy"] and health.events.events[0]["step"] == 14
     assert float(trainer.callback_metrics["train/entropy"]) > 0.6  # exploring again (log 2 = 0.69)
+
+
+def test_the_run_summary_says_which_weights_a_stop_left(tmp_path):
+    """The metrics the summary reads were logged before the stop; the line also names the restored snapshot and
+    its monitored value, so a run stopped after a collapse does not read as a collapsed model."""
+    summary = RunSummaryCallback(["train/score"])
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop", regression=_trigger())
+    with pytest.warns(UserWarning, match="stopped training"):
+        fit(tmp_path, [Collapse(20), health, rollback, summary], max_steps=MAX_STEPS, module=ScoredModule)
+    at_snapshot = rollback.stop_report["weights_metric"]["train/score"]
+    assert at_snapshot == rollback._snapshot_metric[20] > rollback.incidents[0]["value"]  # the best, not the collapse
+    line = summary.last_summary
+    assert f"stopped at step 24 with the weights of step 20 (train/score={at_snapshot:.4g} there)" in line
+    assert line.index("train/score=") < line.index("stopped at step") < line.index("health:")
+
+
+def test_the_run_summary_of_a_recovered_run_names_no_stop(tmp_path):
+    summary = RunSummaryCallback(["train/score"])
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", regression=_trigger())
+    fit(tmp_path, [Collapse(20), health, rollback, summary], max_steps=MAX_STEPS, module=ScoredModule)
+    assert rollback.incidents[0]["outcome"] == "recovered" and "stopped at step" not in summary.last_summary
