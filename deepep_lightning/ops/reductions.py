@@ -9,11 +9,12 @@ every output element is reduced in one fixed order, independent of thread schedu
 * sums (``"mean"``, ``put_``) are one sorted, fixed-order :func:`segment_scatter_add` (floating dtypes;
   integer sums are exact in any order and use PyTorch's own ``index_add``/``index_put_``);
 * products, maxima and minima sort the keys stably and combine each key's entries left to right, one
-  thread per output element (:func:`~deepep_lightning.ops.segments.segment_reduce`, one kernel launch).
+  thread per output element, then combine with ``self`` in the same launch
+  (:func:`~deepep_lightning.ops.segments.segment_reduce`: one op call, the sort and two kernels on CUDA).
   No logarithms, so zeros, signs and integer wrap-around are those of plain products; the entries are
-  combined in PyTorch's sequential order and then with ``self``, so float products differ from PyTorch's
-  CPU product only by rounding (integers, maxima and minima are equal exactly; NaN propagates, as in
-  PyTorch's ``"amax"``/``"amin"``).
+  combined from ``self`` on in PyTorch's sequential order, so the results are those of PyTorch's CPU
+  ``index_reduce`` bitwise (of its ``scatter_reduce`` too, except float16/bfloat16, which it keeps in
+  float between entries); NaN propagates, as in PyTorch's ``"amax"``/``"amin"``.
 
 ``include_self`` follows PyTorch: ``True`` combines the entries with ``self``; ``False`` starts every
 row that an index reaches from the reduction's identity, and rows that no index reaches keep ``self``.
@@ -92,20 +93,21 @@ def index_reduce(
     if source.dtype != self.dtype:
         raise ValueError(f"index_reduce: source must have self's dtype {self.dtype}, got {source.dtype}")
     size = self.shape[dim]
+    if reduce in SEGMENT_COMBINE:  # one op: sort, segments (and the index's range), reduce, combine with self
+        base, values = (self, source) if dim == 0 else (self.movedim(dim, 0), source.movedim(dim, 0))
+        reduced, _ = segment_reduce_unchecked(values, index, size, reduce, base, include_self)
+        if dim == 0 and self.is_contiguous():
+            return reduced
+        return torch.empty_like(self).copy_(reduced.movedim(0, dim))  # self's layout, as PyTorch's result
     assert_in_range(index, 0, size, "index_reduce")
-    if reduce in SEGMENT_COMBINE:
-        reduced, counts = segment_reduce_unchecked(source.movedim(dim, 0), index, size, reduce)
-        reduced = reduced.movedim(0, dim)
-        combined = SEGMENT_COMBINE[reduce](self, reduced) if include_self else reduced
-    else:
-        _, _, counts = sorted_segments(index, size)
-        base = self if include_self else torch.zeros_like(self)
-        if self.is_floating_point():
-            sums = segment_scatter_add(source, index, size, dim, base.contiguous())
-        else:  # integer sums are exact whatever the order
-            sums = base.index_add(dim, index, source)
-        divisor = _along(counts + int(include_self), dim, self.dim()).clamp(min=1).to(self.dtype)
-        combined = sums / divisor if self.is_floating_point() else torch.div(sums, divisor, rounding_mode="floor")
+    _, _, counts = sorted_segments(index, size)
+    base = self if include_self else torch.zeros_like(self)
+    if self.is_floating_point():
+        sums = segment_scatter_add(source, index, size, dim, base.contiguous())
+    else:  # integer sums are exact whatever the order
+        sums = base.index_add(dim, index, source)
+    divisor = _along(counts + int(include_self), dim, self.dim()).clamp(min=1).to(self.dtype)
+    combined = sums / divisor if self.is_floating_point() else torch.div(sums, divisor, rounding_mode="floor")
     return torch.where(_along(counts > 0, dim, self.dim()), combined, self)
 
 
@@ -159,10 +161,9 @@ def scatter_reduce_prod(self: Tensor, dim: int, index: Tensor, src: Tensor, incl
         raise ValueError(f"scatter_reduce_prod: src must have self's dtype {self.dtype}, got {src.dtype}")
     assert_in_range(index, 0, self.shape[dim], "scatter_reduce")
     values = src[tuple(slice(0, n) for n in index.shape)].reshape(-1)
-    products, counts = segment_reduce_unchecked(values, _scatter_positions(self, dim, index), self.numel(), "prod")
-    flat_self = self.reshape(-1)
-    combined = flat_self * products if include_self else products
-    return torch.where(counts > 0, combined, flat_self).view(self.shape)
+    positions = _scatter_positions(self, dim, index)
+    products, _ = segment_reduce_unchecked(values, positions, self.numel(), "prod", self.reshape(-1), include_self)
+    return products.view(self.shape)
 
 
 def put_accumulate(self: Tensor, index: Tensor, source: Tensor) -> Tensor:

@@ -1,13 +1,14 @@
-"""Reductions over the entries that share a key: ``deepep::segment_reduce`` and the sort that feeds it.
+"""Reductions over the entries that share a key: ``deepep::segment_reduce``.
 
-:func:`sorted_segments` sorts the keys stably and locates each key's entries (a sort and two binary
-searches: exact, no host sync). :func:`segment_reduce` then combines each key's entries with one
-``torch.ops.deepep.segment_reduce`` launch (``extensions/csrc/segment_reduce.cpp``, CUDA kernel in
-``extensions/csrc/cuda/segment_reduce.cu``): every output element is reduced by one thread, left to right
-in entry order, so it is bitwise reproducible and its order is that of PyTorch's sequential CPU kernels.
-:func:`segment_reduce_reference` is the same reduction in pure PyTorch (a segmented inclusive scan: the
-fallback without the extension and the tests' oracle); its products pair the operands in another fixed
-order, so they agree with the kernel's to rounding (integers, maxima and minima exactly).
+:func:`segment_reduce` combines each key's entries with one ``torch.ops.deepep.segment_reduce`` call
+(``extensions/csrc/segment_reduce.cpp``, CUDA kernels in ``extensions/csrc/cuda/segment_reduce.cu``): a stable
+sort of the keys, a binary search per output row for its entries (which also checks the keys' range), and
+one thread per output element that reduces left to right in entry order, so it is bitwise reproducible and
+its order is that of PyTorch's sequential CPU kernels. An optional ``base`` is combined in the same launch
+(``index_reduce``'s ``include_self``). :func:`segment_reduce_reference` is the same reduction in pure
+PyTorch (a segmented inclusive scan: the fallback without the extension and the tests' oracle); its
+products pair the operands in another fixed order, so they agree with the kernel's to rounding (integers,
+maxima and minima exactly). :func:`sorted_segments` is the sort and the binary searches in PyTorch ops.
 """
 
 import math
@@ -74,7 +75,7 @@ def segment_reduce(values: Tensor, keys: Tensor, size: int, reduce: str = "prod"
 
     Args:
         values: ``[n, *inner]`` tensor of one of :data:`REDUCTION_DTYPES`.
-        keys: ``[n]`` int32/int64 keys in ``[0, size)``.
+        keys: ``[n]`` int32/int64 keys in ``[0, size)`` (checked: on CPU an error, on CUDA a device assert).
         size: number of output rows.
         reduce: ``"prod"`` (default), ``"amax"`` or ``"amin"`` (NaN propagates, as ``torch.maximum``).
 
@@ -91,18 +92,27 @@ def segment_reduce(values: Tensor, keys: Tensor, size: int, reduce: str = "prod"
         tensor([ 3., 10.,  1.])
     """
     _check(values, keys, reduce)
-    assert_in_range(keys, 0, size, "segment_reduce")
     return segment_reduce_unchecked(values, keys, size, reduce)
 
 
-def segment_reduce_unchecked(values: Tensor, keys: Tensor, size: int, reduce: str) -> tuple[Tensor, Tensor]:
-    """:func:`segment_reduce` for a caller that has checked the arguments and asserted the keys' range."""
+def segment_reduce_unchecked(
+    values: Tensor, keys: Tensor, size: int, reduce: str, base: Tensor | None = None, include_base: bool = True
+) -> tuple[Tensor, Tensor]:
+    """:func:`segment_reduce` for a caller that has checked the arguments, with an optional ``base``
+    (``[size, *inner]``, ``values``' dtype): rows with entries become ``combine(base[r], reduced[r])`` (with
+    ``include_base``) or ``reduced[r]``, rows without entries ``base[r]``. The keys' range is checked here."""
+    inner = values.shape[1:]
     if kernels_reason(values) is not None:
-        return segment_reduce_reference(values, keys, size, reduce)
-    order, starts, counts = sorted_segments(keys, size)
-    flat = values.reshape(values.shape[0], math.prod(values.shape[1:]))
-    reduced = torch.ops.deepep.segment_reduce.default(flat, order, starts, counts, reduce)
-    return reduced.view(size, *values.shape[1:]), counts
+        reduced, counts = segment_reduce_reference(values, keys, size, reduce)
+        if base is None:
+            return reduced, counts
+        hit = (counts > 0).view((size,) + (1,) * len(inner))
+        combined = SEGMENT_COMBINE[reduce](base, reduced) if include_base else reduced
+        return torch.where(hit, combined, base), counts
+    flat = values.reshape(values.shape[0], math.prod(inner))
+    flat_base = None if base is None else base.reshape(size, flat.shape[1])
+    reduced, counts = torch.ops.deepep.segment_reduce.default(flat, keys, size, reduce, flat_base, include_base)
+    return reduced.view(size, *inner), counts
 
 
 def segment_reduce_reference(values: Tensor, keys: Tensor, size: int, reduce: str = "prod") -> tuple[Tensor, Tensor]:
@@ -129,9 +139,11 @@ def segment_reduce_reference(values: Tensor, keys: Tensor, size: int, reduce: st
     return torch.where(hit, scan.index_select(0, last), empty), counts
 
 
-def _segment_reduce_fake(values: Tensor, order: Tensor, starts: Tensor, counts: Tensor, reduce: str) -> Tensor:
+def _segment_reduce_fake(
+    values: Tensor, keys: Tensor, size: int, reduce: str, base: Tensor | None = None, include_base: bool = True
+) -> tuple[Tensor, Tensor]:
     torch._check(values.dim() == 2, lambda: f"deepep::segment_reduce: values must be 2-D, got {values.dim()}-D")
-    return values.new_empty((starts.shape[0], values.shape[1]))
+    return values.new_empty((size, values.shape[1])), keys.new_empty((size,), dtype=torch.int64)
 
 
 register_fakes({"deepep::segment_reduce": _segment_reduce_fake})

@@ -6,18 +6,42 @@
 #include <ATen/NumericUtils.h>
 #include <ATen/OpMathType.h>
 
+#include <optional>
+
 namespace deepep {
 
 // The reductions, as the schema's `reduce` names them: "prod", "amax", "amin".
 enum class SegmentReduction : int { kProd = 0, kMax = 1, kMin = 2 };
 
 // Throws c10::Error naming the argument when a shape, dtype or device does not fit, or `reduce` is unknown.
-SegmentReduction check_segment_reduce_inputs(const at::Tensor& values, const at::Tensor& order,
-                                             const at::Tensor& starts, const at::Tensor& counts,
-                                             c10::string_view reduce);
+SegmentReduction check_segment_reduce_inputs(const at::Tensor& values, const at::Tensor& keys, int64_t size,
+                                             c10::string_view reduce, const std::optional<at::Tensor>& base);
+
+// The keys as int64 in a stable ascending sort, and the entry order that sort makes (entry order kept
+// within a key): (sorted_keys [n], order [n]), on the keys' device.
+std::tuple<at::Tensor, at::Tensor> sort_segment_keys(const at::Tensor& keys);
+
+// Row `row`'s segment in the sorted keys, by two binary searches: starts[row] = the first position whose key
+// is >= row, counts[row] = how many keys equal row. The same code on CPU and CUDA.
+C10_HOST_DEVICE inline void segment_bounds_element(int64_t row, int64_t n, const int64_t* __restrict__ sorted_keys,
+                                                   int64_t* __restrict__ starts, int64_t* __restrict__ counts) {
+  int64_t low = 0, high = n;
+  while (low < high) {
+    const int64_t mid = low + (high - low) / 2;
+    if (sorted_keys[mid] < row) low = mid + 1; else high = mid;
+  }
+  const int64_t begin = low;
+  high = n;
+  while (low < high) {
+    const int64_t mid = low + (high - low) / 2;
+    if (sorted_keys[mid] <= row) low = mid + 1; else high = mid;
+  }
+  starts[row] = begin;
+  counts[row] = low - begin;
+}
 
 // a combined with b, computed in PyTorch's op-math type (float for float16/bfloat16) and rounded to
-// scalar_t, as torch.mul / torch.maximum / torch.minimum do; maxima and minima propagate NaN.
+// scalar_t, as torch.mul / torch.maximum / torch.minimum do; maxima and minima propagate NaN, ties keep a.
 template <typename scalar_t>
 C10_HOST_DEVICE inline scalar_t segment_combine(scalar_t a, scalar_t b, SegmentReduction reduction) {
   using op_t = at::opmath_type<scalar_t>;
@@ -30,26 +54,31 @@ C10_HOST_DEVICE inline scalar_t segment_combine(scalar_t a, scalar_t b, SegmentR
 }
 
 // One output element (row, column) of the [size, inner] result, the same code on CPU and CUDA: combines
-// the row's entries values[order[starts[row] + k], column], k = 0 .. counts[row] - 1, left to right. A row
-// without entries gets the identity of a product (1), or 0 for maxima and minima.
+// the row's entries values[order[starts[row] + k], column], k = 0 .. counts[row] - 1, left to right,
+// starting from base[row, column] with `base` and `include_base` (PyTorch's sequential CPU index_reduce
+// with include_self). A row without entries gets base[row, column], or without `base` the identity of a
+// product (1), or 0 for maxima and minima.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void segment_reduce_element(int64_t row, int64_t column, int64_t inner,
-                                                      const scalar_t* __restrict__ values,
-                                                      const int64_t* __restrict__ order,
-                                                      const int64_t* __restrict__ starts,
-                                                      const int64_t* __restrict__ counts, SegmentReduction reduction,
-                                                      scalar_t* __restrict__ out) {
+                                                   const scalar_t* __restrict__ values,
+                                                   const int64_t* __restrict__ order,
+                                                   const int64_t* __restrict__ starts,
+                                                   const int64_t* __restrict__ counts,
+                                                   const scalar_t* __restrict__ base, bool include_base,
+                                                   SegmentReduction reduction, scalar_t* __restrict__ out) {
+  const int64_t at = row * inner + column;
   const int64_t start = starts[row];
   const int64_t count = counts[row];
   if (count <= 0) {
-    out[row * inner + column] = static_cast<scalar_t>(reduction == SegmentReduction::kProd ? 1 : 0);
+    out[at] = base != nullptr ? base[at] : static_cast<scalar_t>(reduction == SegmentReduction::kProd ? 1 : 0);
     return;
   }
-  scalar_t acc = values[order[start] * inner + column];
-  for (int64_t k = 1; k < count; ++k) {
+  const bool from_base = base != nullptr && include_base;
+  scalar_t acc = from_base ? base[at] : values[order[start] * inner + column];
+  for (int64_t k = from_base ? 0 : 1; k < count; ++k) {
     acc = segment_combine<scalar_t>(acc, values[order[start + k] * inner + column], reduction);
   }
-  out[row * inner + column] = acc;
+  out[at] = acc;
 }
 
 }  // namespace deepep

@@ -96,20 +96,56 @@ def test_without_the_kernels_the_references_run(monkeypatch):
 
 def test_segment_reduce_op_refuses_bad_arguments():
     op = torch.ops.deepep.segment_reduce.default
-    values, order = torch.ones(4, 2), torch.arange(4)
-    starts, counts = torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)
+    values, keys = torch.ones(4, 2), torch.tensor([0, 2, 2, 1])
     with pytest.raises(RuntimeError, match="reduce must be 'prod', 'amax' or 'amin', got 'sum'"):
-        op(values, order, starts, counts, "sum")
+        op(values, keys, 3, "sum")
     with pytest.raises(RuntimeError, match="values must be 2-D"):
-        op(torch.ones(4), order, starts, counts, "prod")
-    with pytest.raises(RuntimeError, match="order must be \\[4\\]"):
-        op(values, order[:3], starts, counts, "prod")
-    with pytest.raises(RuntimeError, match="starts and counts must be 1-D of one length"):
-        op(values, order, starts, counts[:2], "prod")
-    with pytest.raises(RuntimeError, match="must be int64"):
-        op(values, order.int(), starts, counts, "prod")
+        op(torch.ones(4), keys, 3, "prod")
+    with pytest.raises(RuntimeError, match="keys must be \\[4\\]"):
+        op(values, keys[:3], 3, "prod")
+    with pytest.raises(RuntimeError, match="keys must be int64 or int32"):
+        op(values, keys.double(), 3, "prod")
+    with pytest.raises(RuntimeError, match="size must be >= 0"):
+        op(values, keys, -1, "prod")
+    with pytest.raises(RuntimeError, match="base must be \\[3, 2\\]"):
+        op(values, keys, 3, "prod", torch.ones(3, 3))
+    with pytest.raises(RuntimeError, match="base must have values' dtype"):
+        op(values, keys, 3, "prod", torch.ones(3, 2, dtype=torch.float64))
+    for bad in (torch.tensor([0, 3, 1, 1]), torch.tensor([0, -1, 1, 1])):  # the sorted keys' two ends
+        with pytest.raises(RuntimeError, match="index out of range \\[0, 3\\)"):
+            op(values, bad, 3, "prod")
+    with pytest.raises(RuntimeError, match="index out of range \\[0, 0\\)"):
+        op(values, keys, 0, "amax")  # keys into an empty output
     with pytest.raises(ValueError, match="reduce must be one of"):
-        segment_reduce(values, order, 4, "sum")
+        segment_reduce(values, keys, 4, "sum")
+
+
+def test_segment_reduce_opcheck():
+    """Schema, fake (meta) function and dispatch of the op agree (torch.library.opcheck)."""
+    values, keys = _entries(60, (3,), 10, torch.float32, seed=2)
+    base = torch.rand(10, 3, generator=torch.Generator().manual_seed(3))
+    op = torch.ops.deepep.segment_reduce.default
+    torch.library.opcheck(op, (values, keys, 10, "prod"))
+    torch.library.opcheck(op, (values, keys.int(), 10, "amax", base, False))
+    torch.library.opcheck(op, (values[:0], keys[:0], 10, "amin", base, True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int32])
+@pytest.mark.parametrize("reduce", ["prod", "amax", "amin"])
+@pytest.mark.parametrize("include_base", [True, False])
+def test_segment_reduce_op_combines_the_base_as_pytorchs_index_reduce(dtype, reduce, include_base):
+    """With ``base``, the op is PyTorch's sequential ``index_reduce`` along dim 0 (``include_self``), bitwise;
+    rows without entries keep the base. The same op without ``base`` differs (negative control)."""
+    values, keys = _entries(400, (3,), 30, dtype, seed=7, hot=True)
+    base = _entries(30, (3,), 1, dtype, seed=8)[0]
+    base[5] = 0 if reduce == "prod" else base[5]  # keys 5.. hit; a zero base row, a row without entries
+    keys[keys == 11] = 12
+    out, counts = torch.ops.deepep.segment_reduce.default(values, keys, 30, reduce, base, include_base)
+    expected = base.index_reduce(0, keys, values, reduce, include_self=include_base)
+    assert torch.equal(out, expected) and torch.equal(counts, torch.bincount(keys, minlength=30))
+    assert torch.equal(out[11], base[11])  # no entries: the base row
+    without_base, _ = torch.ops.deepep.segment_reduce.default(values, keys, 30, reduce)
+    assert not torch.equal(without_base, expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
@@ -152,6 +188,14 @@ def test_segment_reduce_cuda_is_bitwise_the_cpu_kernel(dtype, reduce):
         assert torch.equal(cuda.cpu(), cpu)  # same element code, same order
         for _ in range(5):
             assert torch.equal(segment_reduce(values.cuda(), keys.cuda(), size, reduce)[0], cuda)
+        base = _entries(size, inner, 1, dtype, seed=n + 1)[0].reshape(size, -1)
+        flat = values.reshape(n, -1)
+        for include_base in (True, False):  # the base combined in the same launch
+            on_cpu = torch.ops.deepep.segment_reduce.default(flat, keys.int(), size, reduce, base, include_base)
+            on_gpu = torch.ops.deepep.segment_reduce.default(
+                flat.cuda(), keys.int().cuda(), size, reduce, base.cuda(), include_base
+            )
+            assert all(torch.equal(g.cpu(), c) for g, c in zip(on_gpu, on_cpu))
 
 
 @pytest.mark.gpu
