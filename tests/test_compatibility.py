@@ -227,6 +227,34 @@ def test_torch_compile_runs_bitwise_and_rolls_back(boring_module, quiet_trainer)
         torch._dynamo.reset()  # each run compiled a new module: leave no cached graphs to the next test
 
 
+# ---------------------------------------------------------------- Lightning's SpikeDetection
+def test_lightning_spike_detection_loses_the_run_where_the_rollback_recovers(boring_module, quiet_trainer):
+    """Lightning's ``SpikeDetection`` ends the run at a non-finite loss and cannot restore its own state; the
+    plugin's rollback finishes the same run bitwise as the clean one, and its trigger's state round-trips."""
+    from lightning.fabric.utilities.spike import TrainingSpikeException
+    from lightning.pytorch.callbacks import SpikeDetection
+
+    def run(callbacks: list[pl.Callback]) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        model = boring_module(dropout=0.5)
+        _fit(quiet_trainer, model, callbacks)
+        return _weights(model)
+
+    fault = dl.FaultInjectionCallback("loss", steps=[5], mode="once")
+    with pytest.raises(TrainingSpikeException):
+        run([dl.DeterminismCallback(3, log_fingerprint=False), fault, SpikeDetection(warmup=2)])
+    with pytest.raises(AttributeError, match="running"):  # its load_state_dict reads an attribute it never sets
+        SpikeDetection().load_state_dict(SpikeDetection().state_dict())
+
+    assert _equal(run(_health(fault_at=5)), run(_health()))
+    trigger = dl.RegressionTrigger("train/loss", mode="min", patience=2)
+    for step, value in enumerate([3.0, 2.0, 9.0]):
+        trigger.update(value, step)
+    restored = dl.RegressionTrigger("train/loss", mode="min", patience=2)
+    restored.load_state_dict(trigger.state_dict())
+    assert restored.state_dict() == trigger.state_dict() and restored.update(9.0, 3)  # resumes mid-collapse
+
+
 # ---------------------------------------------------------------- Lightning Fabric
 def _fabric_run(seed: int, checkpoint: Path, *, stop_at: int | None = None, resume: bool = False, seek: bool = True):
     """16 SGD steps (2 epochs of 8 batches) in a Fabric loop built from the plugin's pieces; returns the weights."""
