@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,3 +42,20 @@ def test_a_memory_run_stops_at_the_first_checkpoint_after_its_time_budget(tmp_pa
 def test_a_budget_that_is_not_positive_is_refused_by_name(tmp_path):
     done = _bench(tmp_path, "--memory-seconds", "0", timeout=120)
     assert done.returncode == 2 and "--memory-seconds must be > 0, got 0.0" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_step_scalars_copy_each_steps_outputs_and_read_them_in_step_order(dtype, monkeypatch):
+    """The benchmark reads the per-step scalars once per checkpoint; a CUDA-graph step overwrites the same output
+    tensors at every replay, so each step's values must be copied when they are added."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import bench_learning
+
+    total, episodes = torch.zeros((), dtype=dtype), torch.zeros((), dtype=torch.int64)
+    scalars = bench_learning.StepScalars()
+    for step in range(5):
+        total.fill_(10.0 * step)  # one output tensor, overwritten in place, as by a graph replay
+        episodes.fill_(step)
+        scalars.add({"episode_return_sum": total, "episodes": episodes})
+    assert scalars.read() == [(10.0 * step, float(step)) for step in range(5)]
+    assert scalars.read() == []  # read once
