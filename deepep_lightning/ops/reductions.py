@@ -33,7 +33,7 @@ from torch import Tensor
 
 from deepep_lightning.ops._guards import kernels_reason
 from deepep_lightning.ops._routes import Route, register_route
-from deepep_lightning.ops.scatter import _index_put, _index_put_covers, _write_out, segment_scatter_add
+from deepep_lightning.ops.scatter import _unsupported_reason, _write_out, segment_scatter_add
 from deepep_lightning.ops.segments import (
     INDEX_DTYPES,
     REDUCTION_DTYPES,
@@ -167,8 +167,8 @@ def scatter_reduce_prod(self: Tensor, dim: int, index: Tensor, src: Tensor, incl
 
 
 def put_accumulate(self: Tensor, index: Tensor, source: Tensor) -> Tensor:
-    """Deterministic ``self.clone().put_(index, source, accumulate=True)``: the index-put route on the
-    flattened tensor (negative indices count from the end, as in ``put_``).
+    """Deterministic ``self.clone().put_(index, source, accumulate=True)``: one fixed-order
+    :func:`segment_scatter_add` over the flat positions (negative indices count from the end, as in ``put_``).
 
     Args:
         self: tensor of one of :data:`REDUCTION_DTYPES`.
@@ -192,14 +192,15 @@ def put_accumulate(self: Tensor, index: Tensor, source: Tensor) -> Tensor:
             f"put_accumulate: source must have self's dtype {self.dtype} and one element per index "
             f"({index.numel()}), got {source.dtype} with {source.numel()}"
         )
-    flat = self.reshape(-1).clone()
-    indices, values = [index.reshape(-1)], source.reshape(-1)
-    if _index_put_covers(flat, indices, values, True) is None:
-        _index_put(flat, indices, values, True)  # the deepep index-put kernel (floating dtypes, CUDA)
-    else:  # integers (exact in any order) and CPU tensors: PyTorch's index_put_
-        assert_in_range(indices[0], -flat.numel(), flat.numel(), "put_")
-        flat.index_put_((indices[0],), values, accumulate=True)
-    return flat.view(self.shape)
+    flat_index, values, numel = index.reshape(-1), source.reshape(-1), self.numel()
+    assert_in_range(flat_index, -numel, numel, "put_")
+    base = self.reshape(-1)
+    if values.numel() and self.is_floating_point() and _unsupported_reason(values, flat_index, numel, 0, base) is None:
+        # one fixed-order segment sum over the flat positions (negative ones wrapped, as put_ does)
+        summed = torch.ops.deepep.segment_scatter_add.default(values, flat_index.remainder(numel), numel, 0, base, 1.0)
+        return summed.view(self.shape)
+    # integers (exact in any order), no extension, or too many entries: PyTorch's index_put_
+    return base.clone().index_put_((flat_index,), values, accumulate=True).view(self.shape)
 
 
 # ---- routes ---------------------------------------------------------------------------------------------

@@ -191,12 +191,16 @@ def test_scatter_reduce_prod_include_self_and_empty():
 
 @needs_extension
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.int64, torch.int32])
-def test_put_accumulate_matches_pytorch(dtype):
+def test_put_accumulate_matches_pytorch(dtype, monkeypatch):
     generator = torch.Generator().manual_seed(4)
     self = _values((3, 4), dtype, generator)
     index = torch.randint(-12, 12, (2, 10), generator=generator)  # negative indices count from the end
     source = _values((20,), dtype, generator)
+    calls = []
+    kernel = torch.ops.deepep.segment_scatter_add.default
+    monkeypatch.setattr(torch.ops.deepep.segment_scatter_add, "default", lambda *a: calls.append(a) or kernel(*a))
     ours = put_accumulate(self, index, source)
+    assert len(calls) == int(dtype.is_floating_point)  # floats: the fixed-order kernel; integers: PyTorch's sum
     _assert_matches(ours, self.clone().put_(index, source, accumulate=True))
     assert not torch.equal(ours, self.clone().put_(index, source, accumulate=False))  # negative control
     assert torch.equal(put_accumulate(self, index[:0], source[:0]), self)
