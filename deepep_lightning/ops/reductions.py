@@ -6,8 +6,11 @@ PyTorch's CUDA kernels for these ops combine with atomics (``index_reduce_cuda``
 ``scatter_reduce_cuda_prod_``, ``put_``) and refuse ``torch.use_deterministic_algorithms(True)``. Here
 every output element is reduced in one fixed order, independent of thread scheduling:
 
-* sums (``"mean"``, ``put_``) are one sorted, fixed-order :func:`segment_scatter_add` (floating dtypes;
-  integer sums are exact in any order and use PyTorch's own ``index_add``/``index_put_``);
+* ``"mean"`` runs in the same one-op reduction as products (below): entries summed from ``self`` on in
+  entry order (float16/bfloat16 in float), divided by the count; without the extension it is a
+  :func:`segment_scatter_add` sum and a division;
+* ``put_`` sums are one sorted, fixed-order :func:`segment_scatter_add` (floating dtypes; integer sums are
+  exact in any order and use PyTorch's own ``index_put_``);
 * products, maxima and minima sort the keys stably and combine each key's entries left to right, one
   thread per output element, then combine with ``self`` in the same launch
   (:func:`~deepep_lightning.ops.segments.segment_reduce`: one op call, the sort and two kernels on CUDA).
@@ -93,7 +96,8 @@ def index_reduce(
     if source.dtype != self.dtype:
         raise ValueError(f"index_reduce: source must have self's dtype {self.dtype}, got {source.dtype}")
     size = self.shape[dim]
-    if reduce in SEGMENT_COMBINE:  # one op: sort, segments (and the index's range), reduce, combine with self
+    if reduce in SEGMENT_COMBINE or kernels_reason(self) is None:
+        # one op: sort, segments (and the index's range), reduce from self on; "mean" needs the kernel
         base, values = (self, source) if dim == 0 else (self.movedim(dim, 0), source.movedim(dim, 0))
         reduced, _ = segment_reduce_unchecked(values, index, size, reduce, base, include_self)
         if dim == 0 and self.is_contiguous():

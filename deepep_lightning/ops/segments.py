@@ -102,7 +102,7 @@ def segment_reduce_unchecked(
     (``[size, *inner]``, ``values``' dtype): rows with entries become ``combine(base[r], reduced[r])`` (with
     ``include_base``) or ``reduced[r]``, rows without entries ``base[r]``. The keys' range is checked here."""
     inner = values.shape[1:]
-    if kernels_reason(values) is not None:
+    if kernels_reason(values) is not None:  # the reference: prod/amax/amin (index_reduce's mean has its own)
         reduced, counts = segment_reduce_reference(values, keys, size, reduce)
         if base is None:
             return reduced, counts

@@ -1,4 +1,4 @@
-// deepep::segment_reduce: the product, maximum or minimum of the rows of `values` that share a key.
+// deepep::segment_reduce: the product, maximum, minimum or mean of the rows of `values` that share a key.
 //
 //   segment_reduce(values [n, inner], keys [n], size, reduce, base [size, inner]?, include_base)
 //       -> (out [size, inner], counts [size] int64)
@@ -8,9 +8,10 @@
 // from left to right in entry order, starting from base[r, j] with `base` and `include_base`
 // (index_reduce's include_self), so every output element is reduced by one thread in one fixed order:
 // no atomics, bitwise reproducible, and the order is that of PyTorch's sequential CPU kernels. A row
-// without entries is base[r, j], or 1 ("prod") / 0 without `base`. Products are plain
-// products in the values' dtype (zeros, signs, integer wrap-around as PyTorch's); maxima and minima
-// propagate NaN. A key outside [0, size) is an error (CPU: c10::Error; CUDA: a device assert).
+// without entries is base[r, j], or 1 ("prod") / 0 without `base`. A mean divides the sum by the entry count
+// (plus one for the base): see segment_mean for its types.
+// Products are plain products in the values' dtype (zeros, signs, integer wrap-around as PyTorch's); maxima
+// and minima propagate NaN. A key outside [0, size) is an error (CPU: c10::Error; CUDA: a device assert).
 // One op call for what would otherwise be a sort, two binary searches, a range check and the combine with
 // `base` as separate PyTorch ops: the sort, one bounds launch and one reduce launch on CUDA.
 // The Python layer (deepep_lightning/ops/segments.py) validates before this op runs (DESIGN.md section 7);
@@ -31,8 +32,10 @@ SegmentReduction check_segment_reduce_inputs(const at::Tensor& values, const at:
     reduction = SegmentReduction::kMax;
   } else if (reduce == "amin") {
     reduction = SegmentReduction::kMin;
+  } else if (reduce == "mean") {
+    reduction = SegmentReduction::kMean;
   } else {
-    TORCH_CHECK(reduce == "prod", op, ": reduce must be 'prod', 'amax' or 'amin', got '", reduce, "'");
+    TORCH_CHECK(reduce == "prod", op, ": reduce must be 'prod', 'amax', 'amin' or 'mean', got '", reduce, "'");
   }
   TORCH_CHECK(values.dim() == 2, op, ": values must be 2-D [n, inner], got shape ", values.sizes());
   TORCH_CHECK(keys.dim() == 1 && keys.size(0) == values.size(0), op, ": keys must be [", values.size(0), "], got ",

@@ -7,11 +7,12 @@
 #include <ATen/OpMathType.h>
 
 #include <optional>
+#include <type_traits>
 
 namespace deepep {
 
-// The reductions, as the schema's `reduce` names them: "prod", "amax", "amin".
-enum class SegmentReduction : int { kProd = 0, kMax = 1, kMin = 2 };
+// The reductions, as the schema's `reduce` names them: "prod", "amax", "amin", "mean".
+enum class SegmentReduction : int { kProd = 0, kMax = 1, kMin = 2, kMean = 3 };
 
 // Throws c10::Error naming the argument when a shape, dtype or device does not fit, or `reduce` is unknown.
 SegmentReduction check_segment_reduce_inputs(const at::Tensor& values, const at::Tensor& keys, int64_t size,
@@ -53,6 +54,39 @@ C10_HOST_DEVICE inline scalar_t segment_combine(scalar_t a, scalar_t b, SegmentR
   return y < x ? b : a;
 }
 
+// a / b rounded toward negative infinity, as PyTorch's integer div(rounding_mode="floor") (a divisor that
+// wrapped negative in a narrow integer type included).
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t segment_divide(scalar_t a, scalar_t b) {
+  const int64_t x = static_cast<int64_t>(a), y = static_cast<int64_t>(b);
+  const int64_t quotient = x / y;
+  return static_cast<scalar_t>((x % y != 0 && (x < 0) != (y < 0)) ? quotient - 1 : quotient);
+}
+
+// The "mean" of one output element: the entries summed left to right (from base[row, column] with
+// `include_base`, else from 0) and divided by their count (plus one for the base). Floating types sum in the
+// op-math type (float for float16/bfloat16) and divide by the exact count, which for float32/float64 is
+// PyTorch's sequential CPU index_reduce bit for bit; integers sum and count in their own type and floor-divide,
+// as PyTorch's does (a narrow type wraps both, and a count that wraps to 0 divides by 1).
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t segment_mean(const scalar_t* __restrict__ values, const int64_t* __restrict__ order,
+                                             int64_t start, int64_t count, int64_t inner, int64_t column,
+                                             scalar_t from, bool from_base) {
+  if constexpr (std::is_integral_v<scalar_t>) {
+    scalar_t sum = from, entries = static_cast<scalar_t>(from_base ? 1 : 0);
+    for (int64_t k = 0; k < count; ++k) {
+      sum = static_cast<scalar_t>(sum + values[order[start + k] * inner + column]);
+      entries = static_cast<scalar_t>(entries + 1);
+    }
+    return segment_divide<scalar_t>(sum, entries == 0 ? static_cast<scalar_t>(1) : entries);
+  } else {
+    using op_t = at::opmath_type<scalar_t>;
+    op_t sum = static_cast<op_t>(from);
+    for (int64_t k = 0; k < count; ++k) sum += static_cast<op_t>(values[order[start + k] * inner + column]);
+    return static_cast<scalar_t>(sum / static_cast<op_t>(count + (from_base ? 1 : 0)));
+  }
+}
+
 // One output element (row, column) of the [size, inner] result, the same code on CPU and CUDA: combines
 // the row's entries values[order[starts[row] + k], column], k = 0 .. counts[row] - 1, left to right,
 // starting from base[row, column] with `base` and `include_base` (PyTorch's sequential CPU index_reduce
@@ -74,6 +108,11 @@ C10_HOST_DEVICE inline void segment_reduce_element(int64_t row, int64_t column, 
     return;
   }
   const bool from_base = base != nullptr && include_base;
+  if (reduction == SegmentReduction::kMean) {
+    out[at] = segment_mean<scalar_t>(values, order, start, count, inner, column,
+                                     from_base ? base[at] : static_cast<scalar_t>(0), from_base);
+    return;
+  }
   scalar_t acc = from_base ? base[at] : values[order[start] * inner + column];
   for (int64_t k = from_base ? 0 : 1; k < count; ++k) {
     acc = segment_combine<scalar_t>(acc, values[order[start + k] * inner + column], reduction);

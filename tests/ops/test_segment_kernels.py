@@ -97,7 +97,7 @@ def test_without_the_kernels_the_references_run(monkeypatch):
 def test_segment_reduce_op_refuses_bad_arguments():
     op = torch.ops.deepep.segment_reduce.default
     values, keys = torch.ones(4, 2), torch.tensor([0, 2, 2, 1])
-    with pytest.raises(RuntimeError, match="reduce must be 'prod', 'amax' or 'amin', got 'sum'"):
+    with pytest.raises(RuntimeError, match="reduce must be 'prod', 'amax', 'amin' or 'mean', got 'sum'"):
         op(values, keys, 3, "sum")
     with pytest.raises(RuntimeError, match="values must be 2-D"):
         op(torch.ones(4), keys, 3, "prod")
@@ -130,19 +130,28 @@ def test_segment_reduce_opcheck():
     torch.library.opcheck(op, (values[:0], keys[:0], 10, "amin", base, True))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.int32])
-@pytest.mark.parametrize("reduce", ["prod", "amax", "amin"])
+@pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int8])
+@pytest.mark.parametrize("reduce", ["prod", "amax", "amin", "mean"])
 @pytest.mark.parametrize("include_base", [True, False])
 def test_segment_reduce_op_combines_the_base_as_pytorchs_index_reduce(dtype, reduce, include_base):
     """With ``base``, the op is PyTorch's sequential ``index_reduce`` along dim 0 (``include_self``), bitwise;
-    rows without entries keep the base. The same op without ``base`` differs (negative control)."""
-    values, keys = _entries(400, (3,), 30, dtype, seed=7, hot=True)
+    rows without entries keep the base, and an int8 mean's 300-entry sum and count wrap as PyTorch's do. Means of
+    float16/bfloat16 sum in float (on these entries: the float64 mean rounded once). Without ``base`` the op
+    differs (negative control)."""
+    values, keys = _entries(600, (3,), 30, dtype, seed=7, hot=True)
     base = _entries(30, (3,), 1, dtype, seed=8)[0]
     base[5] = 0 if reduce == "prod" else base[5]  # keys 5.. hit; a zero base row, a row without entries
     keys[keys == 11] = 12
     out, counts = torch.ops.deepep.segment_reduce.default(values, keys, 30, reduce, base, include_base)
     expected = base.index_reduce(0, keys, values, reduce, include_self=include_base)
-    assert torch.equal(out, expected) and torch.equal(counts, torch.bincount(keys, minlength=30))
+    assert torch.equal(counts, torch.bincount(keys, minlength=30))
+    if reduce == "mean" and dtype in (torch.float16, torch.bfloat16):  # summed in float, by the exact count
+        exact = base.double().index_reduce(0, keys, values.double(), "mean", include_self=include_base).to(dtype)
+        torch.testing.assert_close(out, exact, rtol=0, atol=0)
+        assert not torch.equal(out, expected) or dtype == torch.float16  # PyTorch's bfloat16 mean is off here
+    else:
+        assert torch.equal(out, expected)
     assert torch.equal(out[11], base[11])  # no entries: the base row
     without_base, _ = torch.ops.deepep.segment_reduce.default(values, keys, 30, reduce)
     assert not torch.equal(without_base, expected)
@@ -178,18 +187,18 @@ def test_histc_counts_op_refuses_bad_arguments():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("reduce", ["prod", "amax", "amin"])
+@pytest.mark.parametrize("reduce", ["prod", "amax", "amin", "mean"])
 def test_segment_reduce_cuda_is_bitwise_the_cpu_kernel(dtype, reduce):
     for n, inner, size, hot in [(100_000, (), 10_000, False), (20_000, (64,), 1000, True), (7, (3,), 50, False)]:
         values, keys = _entries(n, inner, size, dtype, seed=n, hot=hot)
-        cpu, cpu_counts = segment_reduce(values, keys, size, reduce)
-        cuda, cuda_counts = segment_reduce(values.cuda(), keys.cuda(), size, reduce)
+        flat, op = values.reshape(n, -1), torch.ops.deepep.segment_reduce.default
+        cpu, cpu_counts = op(flat, keys, size, reduce)
+        cuda, cuda_counts = op(flat.cuda(), keys.cuda(), size, reduce)
         assert torch.equal(cuda_counts.cpu(), cpu_counts)
         assert torch.equal(cuda.cpu(), cpu)  # same element code, same order
         for _ in range(5):
-            assert torch.equal(segment_reduce(values.cuda(), keys.cuda(), size, reduce)[0], cuda)
+            assert torch.equal(op(flat.cuda(), keys.cuda(), size, reduce)[0], cuda)
         base = _entries(size, inner, 1, dtype, seed=n + 1)[0].reshape(size, -1)
-        flat = values.reshape(n, -1)
         for include_base in (True, False):  # the base combined in the same launch
             on_cpu = torch.ops.deepep.segment_reduce.default(flat, keys.int(), size, reduce, base, include_base)
             on_gpu = torch.ops.deepep.segment_reduce.default(
