@@ -103,10 +103,8 @@ def _stop_summaries(trainer: pl.Trainer) -> list[str]:
     """Where each rollback callback that stopped the run left the weights: the metrics above were logged
     before the stop, the weights are the restored snapshot's (with its monitored value when there is one)."""
     parts = []
-    for callback in trainer.callbacks:  # type: ignore[attr-defined]
-        report = getattr(callback, "stop_report", None) if isinstance(callback, NaNRollbackCallback) else None
-        if not report:
-            continue
+    rollbacks = [c for c in trainer.callbacks if isinstance(c, NaNRollbackCallback)]  # type: ignore[attr-defined]
+    for report in (rollback.stop_report for rollback in rollbacks if rollback.stop_report):
         stopped, weights = report.get("stopped_at_step"), report.get("weights_at_step")
         part = f"stopped at step {stopped} with the weights of step {weights}"
         metric = report.get("weights_metric")

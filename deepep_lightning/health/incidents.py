@@ -280,12 +280,14 @@ class _IncidentHandling:
         self.stopped = True
         trainer.should_stop = True
         incident["outcome"] = Outcome.STOPPED.value
-        metric = None if snapshot is None or self.regression is None else self._snapshot_metric.get(snapshot.step)
+        # the regression trigger's metric when the restored snapshot was taken
+        metric = None
+        if snapshot is not None and self.regression is not None and snapshot.step in self._snapshot_metric:
+            metric = {self.regression.monitor: self._snapshot_metric[snapshot.step]}
         self.stop_report = {
             "why": why,
             "weights_at_step": snapshot.step if snapshot is not None else stopped_at,
-            # the monitored metric when the restored snapshot was taken (a regression trigger's monitor)
-            "weights_metric": None if metric is None else {self.regression.monitor: metric},  # type: ignore[union-attr]
+            "weights_metric": metric,
             "stopped_at_step": stopped_at,
             "policy": self.policy,
             "skipped_steps": sorted(self._skip_steps),
