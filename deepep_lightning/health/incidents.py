@@ -52,7 +52,8 @@ class Outcome(StrEnum):
     """How an incident ended."""
 
     TRANSIENT = "transient"  # the first replay was clean
-    RECOVERED = "recovered"  # a replay after the policy was clean
+    RECOVERED = "recovered"  # a replay after the policy was clean; a regression's rollback that held
+    ROLLED_BACK = "rolled_back"  # a regression rolled back, the metric not yet seen to hold
     STOPPED = "stopped"  # gave up: weights at the last healthy snapshot, training stopped
 
 

@@ -18,11 +18,12 @@ its state cannot be restored.
 from __future__ import annotations
 
 import math
+from enum import Enum
 from typing import Any, Literal, get_args
 
 from deepep_lightning import _checks
 
-__all__ = ["RegressionTrigger"]
+__all__ = ["RegressionTrigger", "RegressionVerdict"]
 
 #: Whether larger (``"max"``, a return) or smaller (``"min"``, a loss) values of the metric are better.
 Mode = Literal["max", "min"]
@@ -30,6 +31,14 @@ Mode = Literal["max", "min"]
 ThresholdMode = Literal["rel", "abs"]
 _MODES: tuple[str, ...] = get_args(Mode)
 _THRESHOLD_MODES: tuple[str, ...] = get_args(ThresholdMode)
+
+
+class RegressionVerdict(Enum):
+    """What one check means to the rollback."""
+
+    NONE = "none"  # nothing to do
+    COLLAPSED = "collapsed"  # past the threshold for ``patience`` checks: roll back now
+    RECOVERED = "recovered"  # a rollback has held for ``patience`` checks: the collapse is over
 
 
 class RegressionTrigger:
@@ -78,8 +87,9 @@ class RegressionTrigger:
         self.best: float | None = None
         self.best_step: int | None = None
         self.bad_checks = 0  # checks in a row past the threshold
+        self.held_checks = 0  # checks in a row within the threshold since the last rollback
         self.checks = 0
-        self.attempts = 0  # rollbacks since the best last improved
+        self.attempts = 0  # rollbacks of the current collapse (0 once the metric has held or improved)
 
     def _better(self, value: float, than: float) -> bool:
         return value > than if self.mode == "max" else value < than
@@ -93,19 +103,41 @@ class RegressionTrigger:
         margin = self.threshold * abs(self.best) if self.threshold_mode == "rel" else self.threshold
         return value < self.best - margin if self.mode == "max" else value > self.best + margin
 
-    def update(self, value: float, step: int) -> bool:
-        """Take the value of one check at ``step``; True when the rollback must act now."""
+    def update(self, value: float, step: int) -> RegressionVerdict:
+        """Take the value of one check at ``step``: whether the rollback must act now, or a rollback has held.
+
+        After a rollback the collapse counts as recovered once the metric sets a new best or stays
+        within the threshold for ``patience`` checks in a row; a later collapse is a new one, with
+        ``max_retries`` rollbacks of its own. A metric at its ceiling (a return of 500 out of 500)
+        cannot improve, so holding is the only way such a run recovers.
+        """
         self.checks += 1
         if self.checks <= self.warmup_checks:
-            return False
+            return RegressionVerdict.NONE
         if math.isfinite(value) and (self.best is None or self._better(value, self.best)):
-            self.best, self.best_step, self.bad_checks, self.attempts = float(value), int(step), 0, 0
-            return False
+            self.best, self.best_step, self.bad_checks = float(value), int(step), 0
+            return self._held(self.patience)
         if not self.collapsed(value):
             self.bad_checks = 0
-            return False
+            return self._held(self.held_checks + 1)
+        self.held_checks = 0
         self.bad_checks += 1
-        return self.bad_checks >= self.patience
+        return RegressionVerdict.COLLAPSED if self.bad_checks >= self.patience else RegressionVerdict.NONE
+
+    def _held(self, checks: int) -> RegressionVerdict:
+        """Count a healthy check after a rollback; RECOVERED when that makes ``patience`` of them."""
+        if self.attempts == 0:
+            return RegressionVerdict.NONE
+        self.held_checks = checks
+        if self.held_checks < self.patience:
+            return RegressionVerdict.NONE
+        self.attempts, self.held_checks = 0, 0
+        return RegressionVerdict.RECOVERED
+
+    def rolled_back(self) -> None:
+        """A rollback of the current collapse: one more attempt, and the counts start again from the snapshot."""
+        self.attempts += 1
+        self.bad_checks = self.held_checks = 0
 
     def rank(self, values: dict[int, float]) -> list[int]:
         """Steps of ``values`` (snapshot step -> metric value there) from the best value to the worst."""
@@ -123,6 +155,7 @@ class RegressionTrigger:
             "best": self.best,
             "best_step": self.best_step,
             "bad_checks": self.bad_checks,
+            "held_checks": self.held_checks,
             "checks": self.checks,
             "attempts": self.attempts,
         }
@@ -131,5 +164,6 @@ class RegressionTrigger:
         self.best = state_dict.get("best")
         self.best_step = state_dict.get("best_step")
         self.bad_checks = int(state_dict.get("bad_checks", 0))
+        self.held_checks = int(state_dict.get("held_checks", 0))
         self.checks = int(state_dict.get("checks", 0))
         self.attempts = int(state_dict.get("attempts", 0))

@@ -64,7 +64,7 @@ class _RegressionHandling(_IncidentHandling):
         if snapshot is None or self.policy == "stop" or trigger.attempts >= self.max_retries:
             self._stop(trainer, pl_module, incident, why, weights_from=snapshot)
             return
-        trigger.attempts += 1
+        trigger.rolled_back()
         incident["attempts"] = trigger.attempts
         snapshot.restore_weights(trainer, pl_module)
         self._emit(trainer, EventKind.ROLLBACK, snapshot.step, to_step=snapshot.step, weights_only=True)
@@ -73,10 +73,16 @@ class _RegressionHandling(_IncidentHandling):
         self._apply_lr_scale(trainer, snapshot.lr_scale)
         dropped = [snapshot.step, step]
         self._emit(trainer, EventKind.POLICY, step, policy=self.policy, lr_scale=self._lr_scale, dropped_steps=dropped)
-        incident["outcome"] = Outcome.RECOVERED.value
+        incident["outcome"] = Outcome.ROLLED_BACK.value  # RECOVERED once the metric holds (_regression_held)
         # the older snapshots lead to the collapse (a NaN replay from them would redo it): start afresh here
-        trigger.bad_checks = 0
         best = self._snapshot_metric.get(snapshot.step, trigger.best)
         self.ring.clear()
         self._snapshot_metric = {}
         self._snapshot(trainer, pl_module, best)
+
+    def _regression_held(self, trainer: pl.Trainer) -> None:
+        """The metric held after a rollback: the collapse is over (``recovered``); a later one is a new incident."""
+        incident = next(i for i in reversed(self.incidents) if i["reason"] == "regression")
+        incident["outcome"] = Outcome.RECOVERED.value
+        incident["recovered_at"] = trainer.global_step
+        self._emit(trainer, EventKind.RECOVERED, incident["step"], **_public(incident))

@@ -27,7 +27,7 @@ from deepep_lightning.health._step_hooks import (
 from deepep_lightning.health.events import EventKind, run_log_dir
 from deepep_lightning.health.health_callback import NumericalHealthCallback
 from deepep_lightning.health.incidents import _POLICIES, Classification, Outcome, Policy
-from deepep_lightning.health.regression import RegressionTrigger
+from deepep_lightning.health.regression import RegressionTrigger, RegressionVerdict
 from deepep_lightning.health.regression_handling import _RegressionHandling
 from deepep_lightning.health.snapshot import Snapshot, SnapshotRing, clone_update_state, restore_update_state
 from deepep_lightning.health.verdict import HealthVerdict
@@ -116,7 +116,8 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
             :class:`~deepep_lightning.health.regression.RegressionTrigger`): restore the weights and
             optimizer state of the snapshot with the best value, then ``policy`` — ``"lower_lr"``
             scales every LR, ``"skip"`` drops the steps since that snapshot (the data moves on), and
-            ``"stop"`` stops — at most ``max_retries`` times until the metric sets a new best.
+            ``"stop"`` stops — at most ``max_retries`` times per collapse: a collapse is over (``recovered``)
+            once the metric sets a new best or holds within the threshold for ``patience`` checks.
 
     Raises:
         MisconfigurationException: an invalid argument, or no NumericalHealthCallback in the trainer.
@@ -329,9 +330,16 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
             self._emit(trainer, EventKind.SPIKE_IGNORED, verdict.bad_step, details=verdict.details)
         # an ignored loss spike still has a metric to judge: a collapse often moves the loss as well
         metric = self._monitored(trainer) if self.regression is not None else None
-        if metric is not None and self.regression is not None and self.regression.update(metric, trainer.global_step):
+        regression = RegressionVerdict.NONE
+        if metric is not None and self.regression is not None:
+            regression = self.regression.update(metric, trainer.global_step)
+        if regression is RegressionVerdict.COLLAPSED:
+            assert metric is not None  # only a read metric collapses
             self._handle_regression(trainer, pl_module, metric)
-        elif verdict.healthy and (
+            return
+        if regression is RegressionVerdict.RECOVERED:
+            self._regression_held(trainer)
+        if verdict.healthy and (
             is_last or trainer.global_step - (self._last_snapshot_step or 0) >= self.snapshot_every_n_steps
         ):
             self._snapshot(trainer, pl_module, metric)  # never a snapshot of a spiking state

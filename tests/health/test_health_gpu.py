@@ -318,7 +318,7 @@ def test_graph_regression_trigger_reads_only_at_checks_and_restores_in_place(tmp
     from .test_regression import deepep_regression_run, entropy_trigger
 
     trainer, module, health = deepep_regression_run(tmp_path, entropy_trigger(), accelerator="gpu", cuda_graph=True)
-    assert [e["kind"] for e in health.events.events] == ["regression", "rollback", "policy"]
+    assert [e["kind"] for e in health.events.events] == ["regression", "rollback", "policy", "recovered"]
     assert module._graphed.captures == 1  # weights restored in place: the graph kept its pointers
     assert float(trainer.callback_metrics["train/entropy"]) > 0.6
 

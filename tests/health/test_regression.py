@@ -7,6 +7,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from deepep_lightning import RegressionTrigger
 from deepep_lightning.health import NaNRollbackCallback, NumericalHealthCallback
+from deepep_lightning.health.regression import RegressionVerdict as V
 from deepep_lightning.summary import RunSummaryCallback
 
 from .conftest import ToyModule, checkpoint_round_trip, fit
@@ -71,10 +72,11 @@ def test_collapse_restores_the_best_snapshot_and_recovers(tmp_path):
 
     trainer, module, health, rollback = _run(tmp_path / "rollback", _trigger())
     kinds = [(e["kind"], e["step"]) for e in health.events.events]
-    assert [k for k, _ in kinds] == ["regression", "rollback", "policy"]
-    # two checks (patience=2, every 2 steps) after the collapse at step 20; the snapshot of step 20 is the best
-    assert kinds == [("regression", 24), ("rollback", 20), ("policy", 24)]
+    # two checks (patience=2, every 2 steps) after the collapse at step 20; the snapshot of step 20 is the best;
+    # the next check beats that best, so the collapse is over (recovered, named by the incident's step)
+    assert kinds == [("regression", 24), ("rollback", 20), ("policy", 24), ("recovered", 24)]
     assert rollback.incidents[0]["best_step"] == 20 and rollback.incidents[0]["outcome"] == "recovered"
+    assert rollback.incidents[0]["recovered_at"] == 26
     assert trainer.global_step == MAX_STEPS and rollback.state_dict()["lr_scale"] == 0.5
     assert _score(module) > 2 * _score(clean)  # recovered: near the clean run (scores are negative)
     assert _score(module) > 100 * _score(collapsed)
@@ -128,17 +130,63 @@ def test_trigger_state_round_trips_through_the_checkpoint(tmp_path):
 
 def test_trigger_rule():
     trigger = RegressionTrigger("m", mode="min", threshold=0.5, threshold_mode="abs", patience=2, warmup_checks=1)
-    assert not trigger.update(100.0, 0)  # warm-up: not a best yet
+    assert trigger.update(100.0, 0) is V.NONE  # warm-up: not a best yet
     assert [trigger.update(v, s) for s, v in enumerate([1.0, 1.4, 1.6, 1.2, 1.6, 1.7], start=1)] == [
-        False,  # best 1.0
-        False,  # within 0.5
-        False,  # past it, 1 of 2
-        False,  # back within: the count restarts
-        False,
-        True,  # 2 checks in a row past it
+        V.NONE,  # best 1.0
+        V.NONE,  # within 0.5
+        V.NONE,  # past it, 1 of 2
+        V.NONE,  # back within: the count restarts
+        V.NONE,
+        V.COLLAPSED,  # 2 checks in a row past it
     ]
     assert trigger.best == 1.0 and trigger.best_step == 1
     assert trigger.rank({4: 2.0, 8: 1.0, 12: float("nan"), 16: 1.0}) == [16, 8, 4]  # best first, newest on a tie
+
+
+def test_a_rollback_that_holds_ends_the_collapse_at_the_metrics_ceiling():
+    """A return at its ceiling (500 of 500) cannot set a new best: holding within the threshold for ``patience``
+    checks ends the collapse, so a later one gets ``max_retries`` rollbacks of its own."""
+    trigger = RegressionTrigger("m", mode="max", threshold=0.5, patience=2)
+    assert [trigger.update(v, s) for s, v in enumerate([500.0, 100.0, 100.0])] == [V.NONE, V.NONE, V.COLLAPSED]
+    trigger.rolled_back()
+    # one check within, one past (the count restarts), then two within: recovered, the attempts start again
+    assert [trigger.update(v, s) for s, v in enumerate([500.0, 100.0, 500.0, 490.0], start=3)] == [
+        V.NONE,
+        V.NONE,
+        V.NONE,
+        V.RECOVERED,
+    ]
+    assert trigger.attempts == 0 and trigger.best == 500.0
+    # negative control: a collapse right after the rollback is the same collapse, its attempts add up
+    trigger.update(100.0, 7)
+    assert trigger.update(100.0, 8) is V.COLLAPSED
+    trigger.rolled_back()
+    assert [trigger.update(v, s) for s, v in enumerate([500.0, 100.0, 100.0], start=9)] == [V.NONE, V.NONE, V.COLLAPSED]
+    assert trigger.attempts == 1
+
+
+class CeilingModule(ScoredModule):
+    """Logs ``train/score`` capped at a ceiling it reaches early (a return of 500 out of 500): no new best after it."""
+
+    def training_step(self, batch, batch_idx):
+        output = super().training_step(batch, batch_idx)
+        self.log("train/score", torch.clamp(self.trainer.callback_metrics["train/score"], max=-2.0))
+        return output
+
+
+def test_collapses_that_each_recover_are_each_rolled_back_at_the_ceiling(tmp_path):
+    """Two collapses (steps 12 and 26) with a held recovery between them: max_retries=1 rolls back both and the run
+    ends recovered. Counting rollbacks until a new best instead, the second collapse would stop the run."""
+    health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", max_retries=1, regression=_trigger())
+    trainer, module = fit(
+        tmp_path, [Collapse(12), Collapse(26), health, rollback], max_steps=MAX_STEPS, module=CeilingModule
+    )
+    kinds = [e["kind"] for e in health.events.events]
+    assert kinds == ["regression", "rollback", "policy", "recovered"] * 2
+    assert not rollback.stopped and trainer.global_step == MAX_STEPS
+    assert [i["outcome"] for i in rollback.incidents] == ["recovered", "recovered"]
+    assert rollback.regression.best == -2.0 and _score(module) > -2.0
 
 
 @pytest.mark.parametrize(
@@ -200,7 +248,7 @@ def test_deepep_entropy_collapse_is_rolled_back(tmp_path):
     assert float(trainer.callback_metrics["train/entropy"]) < 0.3  # negative control: it stays collapsed
     trainer, _, health = deepep_regression_run(tmp_path / "on", entropy_trigger())
     kinds = [e["kind"] for e in health.events.events]
-    assert kinds == ["regression", "rollback", "policy"] and health.events.events[0]["step"] == 14
+    assert kinds == ["regression", "rollback", "policy", "recovered"] and health.events.events[0]["step"] == 14
     assert float(trainer.callback_metrics["train/entropy"]) > 0.6  # exploring again (log 2 = 0.69)
 
 

@@ -45,6 +45,7 @@ def test_regression_on_one_rank_rolls_back_every_rank(tmp_path, fit_process):
     """Rank 1's metric collapses alone: the metric averaged over ranks triggers the same rollback on both."""
     ranks = _run(fit_process, tmp_path, "regression", ["regression"])["regression"]
     for rank in ranks:
-        assert [tuple(e) for e in rank["events"]] == [("regression", 24), ("rollback", 20), ("policy", 24)]
+        events = [tuple(e) for e in rank["events"]]
+        assert events == [("regression", 24), ("rollback", 20), ("policy", 24), ("recovered", 24)]
         assert rank["step"] == 30 and rank["rollback"]["lr_scale"] == 0.5
     assert ranks[0]["state"] == ranks[1]["state"]  # rank 1's blown-up weights were replaced on both: in sync again
