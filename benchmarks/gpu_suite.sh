@@ -12,6 +12,7 @@
 #   audit             audit_gpu.py                refused_ops       bench_refused_ops.py, twice
 #   refused_ops_list  list_refused_ops.py         ddp, ddp_ablation bench_ddp.py, ddp_ablation.py (2 GPUs)
 #   gpu-tests         every test marked gpu and not multigpu; gpu-tests-multi: the multigpu tests (2 GPUs)
+#                     (GPU_TESTS="tests/ops/test_x.py ..." runs those files instead of tests/)
 #
 # Each section writes its result files to /tmp/r/results/<section>/ (the layout of benchmarks/results/) and its
 # logs to /tmp/r/logs/ (<run>.txt, status.txt with one exit code per run). /tmp/r is packed into
@@ -84,13 +85,14 @@ PY
   pack
 }
 
-gpu_tests() {  # gpu_tests NAME LIMIT_S MARKER: pytest -m MARKER over tests/; per-file summary in results/NAME/NAME.json
-  local name=$1 limit=$2 marker=$3
+gpu_tests() {  # gpu_tests NAME LIMIT_S MARKER: pytest -m MARKER over $GPU_TESTS (tests/); summary in results/NAME/NAME.json
+  local name=$1 limit=$2 marker=$3 paths=${GPU_TESTS:-tests}
   rm -f "$LOGS/$name.xml"
-  run "$name" "$limit" python3 -m pytest -q -rs -m "$marker" tests --junitxml="$LOGS/$name.xml"
+  # shellcheck disable=SC2086 # $paths is a list of test paths
+  run "$name" "$limit" python3 -m pytest -q -rs -m "$marker" $paths --junitxml="$LOGS/$name.xml"
   mkdir -p "$RESULTS/$name"
   python3 - "$LOGS/$name.xml" "$LOGS/$name.txt" "$RESULTS/$name/$name.json" "$RC" \
-    "python3 -m pytest -q -rs -m \"$marker\" tests" <<'PY'
+    "python3 -m pytest -q -rs -m \"$marker\" $paths" <<'PY'
 import json, os, sys
 import xml.etree.ElementTree as ET
 
