@@ -9,7 +9,10 @@ Variants: ``eager`` (op by op), ``graph`` (the step captured as one CUDA graph),
 (``compile_step=True``: the timestep fused by inductor, the step run eagerly) and ``compiled_graph``
 (the compiled timestep inside the CUDA graph), all with ``fused_bptt=False``; the ``fused_*`` variants
 are the same with ``fused_bptt=True`` (the timesteps run without autograd and the backward through time
-is one recurrent op of two kernels per timestep, :mod:`deepep_lightning.deepep.agent.fused_bptt`).
+is one recurrent op of two kernels per timestep, :mod:`deepep_lightning.deepep.agent.fused_bptt`), op by op;
+the ``rollout_kernel_*`` variants add ``fused_rollout=True`` (the no-gradient timesteps as one
+``deepep::cartpole_rollout`` launch, :mod:`deepep_lightning.deepep.agent.fused_rollout`; ``--rollout-rows``
+sets its rows per block).
 Per shape (``--horizons``, default 256 and ``configs/gpu.yaml``'s 32): medians of ``--repeats`` steps
 after warm-up, the set-up time of each variant (compile, warm-up, capture), a kernel census per
 timestep (torch.profiler: CUDA kernels of one step / T, of a graph replay and of the same step run
@@ -34,6 +37,7 @@ from _timing import median_ms, write_json
 from torch._dynamo.utils import counters
 
 from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.agent import fused_rollout
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 
 VARIANTS = (
@@ -45,6 +49,8 @@ VARIANTS = (
     "fused_graph",
     "fused_compiled_eager",
     "fused_compiled_graph",
+    "rollout_kernel_eager",
+    "rollout_kernel_graph",
 )
 GRAPH_BAR_MS = 30.0  # issue 18's bar for the graph step at B=256, T=256, H=256
 KERNELS_PER_TIMESTEP_BAR = 20  # issue 18's bar for the graph step's kernels per timestep
@@ -65,7 +71,8 @@ class _Variant:
     """One variant's model, optimizer and step function (one call = one training step)."""
 
     def __init__(self, name: str, args: argparse.Namespace, horizon: int) -> None:
-        graph, compiled, fused = name.endswith("graph"), "compiled" in name, name.startswith("fused")
+        graph, compiled, kernel = name.endswith("graph"), "compiled" in name, name.startswith("rollout_kernel")
+        fused = name.startswith("fused") or kernel
         self.model = DeepEPModule(
             num_envs=args.batch,
             rollout_length=horizon,
@@ -75,6 +82,7 @@ class _Variant:
             cuda_graph=graph,
             compile_step=compiled,
             fused_bptt=fused,
+            fused_rollout=kernel,
         ).to(args.device)
         self.model._ensure_rollout_state()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4, capturable=graph)
@@ -189,6 +197,7 @@ def main() -> None:
     parser.add_argument("--top-kernels", type=int, default=30, help="kernel names listed per variant in the census")
     parser.add_argument("--fp32-peak-tflops", type=float, default=H200_FP32_PEAK_TFLOPS)
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: B=8, H=16, T=4, 2 repeats")
+    parser.add_argument("--rollout-rows", type=int, default=None, help="rows per block of the rollout kernel")
     parser.add_argument(
         "--deterministic",
         action="store_true",
@@ -210,6 +219,8 @@ def main() -> None:
     if not args.variants:
         parser.error("no variant left to run on this device (the graph variants need CUDA)")
 
+    if args.rollout_rows is not None:
+        fused_rollout.default_rows_per_block = lambda batch, device: args.rollout_rows
     shapes = [bench_shape(args, horizon) for horizon in args.horizons]
     main_shape = next((s for s in shapes if (s["batch"], s["horizon"], s["hidden"]) == (256, 256, 256)), None)
     graph_ms = {k: v for k, v in (main_shape or {}).get("median_ms_per_step", {}).items() if k.endswith("graph")}

@@ -168,6 +168,13 @@ class DeepEPModule(pl.LightningModule):
             with ``cuda_graph`` the graph's warm-up compiles and the capture holds the generated kernels.
             Where torch.compile is unavailable (no C++ compiler, no triton) the timestep runs eagerly after
             one warning.
+        fused_rollout: with ``fused_bptt``, run the rollout's no-gradient timesteps on CartPole as one
+            ``deepep::cartpole_rollout`` launch (:mod:`~deepep_lightning.deepep.agent.fused_rollout`: the agent's
+            step, the sample and CartPole's step of every timestep in one kernel, the same random draws; actions
+            and states equal the op-by-op loop's to rounding). None: on with CUDA where the kernel runs it (the
+            extension's CUDA kernels, CartPole, float32/float64, ``compile_step=False``), resolved at each rollout;
+            off otherwise. True: also on CPU (the CPU kernel), and a rollout it cannot run raises naming why.
+            Needs ``fused_bptt`` not False and ``compile_step=False``.
         env_kwargs: extra environment arguments, e.g. ``{"horizon": 512}`` for ``"memory"``.
         log_throughput: log ``perf/env_steps_per_s`` at the steps Lightning writes. Off by default: a
             wall-clock figure differs between two bitwise-identical runs (the configs turn it on;
@@ -230,6 +237,7 @@ class DeepEPModule(pl.LightningModule):
         atomic_value_head: bool = False,
         cuda_graph: bool = False,
         compile_step: bool = False,
+        fused_rollout: bool | None = None,
         env_kwargs: dict[str, Any] | None = None,
         log_throughput: bool = False,
     ) -> None:

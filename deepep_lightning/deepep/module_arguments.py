@@ -40,7 +40,8 @@ def check_arguments(hp: AttributeDict) -> BatchedEnv:
     Raises:
         MisconfigurationException: an argument out of its range or of the wrong type, or two that do not go
             together (e.g. ``optimizer="sgd"`` with ``cuda_graph=True``).
-        ValueError: ``fused_bptt=True`` with ``detach_feedback=False``.
+        ValueError: ``fused_bptt=True`` with ``detach_feedback=False``; ``fused_rollout=True`` with
+            ``fused_bptt=False``, ``compile_step=True`` or ``detach_feedback=False``.
     """
     if hp.env not in ENVIRONMENTS:
         raise MisconfigurationException(
@@ -121,6 +122,15 @@ def check_arguments(hp: AttributeDict) -> BatchedEnv:
             f"`DeepEPModule(fused_bptt=...)` must be None or False with detach_feedback=False, got {hp.fused_bptt!r}:"
             " the fused backward follows the gradient through the recurrent state alone, and a fed-back value"
             " with gradient adds paths through the cell's input (HINT: leave fused_bptt at None)"
+        )
+    if hp.fused_rollout is not None:
+        _checks.strict_bool("DeepEPModule", "fused_rollout", hp.fused_rollout)
+    if hp.fused_rollout and (hp.fused_bptt is False or hp.compile_step or not hp.detach_feedback):
+        raise ValueError(
+            f"`DeepEPModule(fused_rollout=...)` must be None or False with fused_bptt={hp.fused_bptt!r}, "
+            f"compile_step={hp.compile_step!r}, detach_feedback={hp.detach_feedback!r}, got {hp.fused_rollout!r}:"
+            " the kernel runs the no-gradient timesteps of the fused BPTT rollout, in place of the compiled timestep"
+            " (HINT: leave fused_rollout at None)"
         )
     if isinstance(hp.seed, bool) or not isinstance(hp.seed, int):
         raise MisconfigurationException(f"`DeepEPModule(seed=...)` must be an int, got {hp.seed!r}")

@@ -14,12 +14,13 @@ import torch
 from deepep_lightning.deepep.agent import collect_rollout, deepep_loss
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
 from deepep_lightning.deepep.agent.fused_bptt import collect_rollout_fused
+from deepep_lightning.deepep.agent.fused_rollout import fused_rollout_unsupported_reason
 from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
 
 if TYPE_CHECKING:
     from deepep_lightning.deepep.module import DeepEPModule
 
-__all__ = ["fused_bptt_on", "rollout_and_loss"]
+__all__ = ["fused_bptt_on", "fused_rollout_on", "rollout_and_loss"]
 
 
 def rollout_and_loss(module: DeepEPModule, first_of_step: bool = True) -> tuple[Any, Any]:
@@ -38,16 +39,12 @@ def rollout_and_loss(module: DeepEPModule, first_of_step: bool = True) -> tuple[
         )
     if hp.compile_step and (module._compiled_timestep is None or module._compiled_timestep.env is not module._env):
         module._compiled_timestep = CompiledTimestep(module.agent, module._env)
-    collect = collect_rollout_fused if module._fused_bptt_on() else collect_rollout
-    rollout = collect(
-        module.agent,
-        module._env,
-        module._hidden.clone(),
-        hp.rollout_length,
-        module._generator,
-        hp.bptt_truncation,
-        timestep=module._compiled_timestep if hp.compile_step else None,
-    )
+    timestep = module._compiled_timestep if hp.compile_step else None
+    args = (module.agent, module._env, module._hidden.clone(), hp.rollout_length, module._generator, hp.bptt_truncation)
+    if module._fused_bptt_on():
+        rollout = collect_rollout_fused(*args, timestep=timestep, fused_rollout=fused_rollout_on(module))
+    else:
+        rollout = collect_rollout(*args, timestep=timestep)
     module._hidden.copy_(rollout.final_hidden)
     # with virtual ranks every process adds the K rollouts in order instead (virtual_ranks.end_virtual_step)
     if not module._virtual:
@@ -94,6 +91,24 @@ def fused_bptt_on(module: DeepEPModule) -> bool:
     if choice is not None:
         return bool(choice)
     return module.hparams.detach_feedback and module.device.type == "cuda" and _cuda_kernels_load()
+
+
+def fused_rollout_on(module: DeepEPModule) -> bool:
+    """``fused_rollout`` resolved for this rollout (None: on with CUDA where the kernel runs the agent and env).
+
+    Raises:
+        ValueError: ``fused_rollout=True`` and the kernel cannot run this rollout (the reason named).
+    """
+    choice = module.hparams.get("fused_rollout")
+    if choice is False or module.hparams.compile_step:
+        return False
+    assert module._env is not None
+    reason = fused_rollout_unsupported_reason(module.agent, module._env)
+    if choice is None:
+        return reason is None and module.device.type == "cuda"
+    if reason is not None:
+        raise ValueError(f"`DeepEPModule(fused_rollout=True)`: {reason} (HINT: leave fused_rollout at None)")
+    return True
 
 
 def _cuda_kernels_load() -> bool:

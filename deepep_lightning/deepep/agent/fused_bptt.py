@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from deepep_lightning.deepep.agent.fused_rollout import rollout_steps, rollout_steps_fused
 from deepep_lightning.deepep.agent.network import DeepEPAgent
-from deepep_lightning.deepep.agent.rollout import Rollout, Timestep, eager_timestep
+from deepep_lightning.deepep.agent.rollout import Rollout, Timestep
 from deepep_lightning.deepep.envs.base import BatchedEnv
 from deepep_lightning.ops.gru_backward import check_gru_cell_backward_inputs, gru_cell_backward_unchecked
 
@@ -203,48 +204,41 @@ def collect_rollout_fused(
     generator: torch.Generator,
     bptt_truncation: int | None = None,
     timestep: Timestep | None = None,
+    fused_rollout: bool = False,
 ) -> Rollout:
     """:func:`~deepep_lightning.deepep.agent.rollout.collect_rollout` with the backward through time as one op.
 
     Same arguments, same :class:`Rollout` (the module docstring says how and what differs: the rounding of
     ``logits`` and ``q``). ``timestep`` runs each timestep of the no-gradient loop (a
-    :class:`~deepep_lightning.deepep.agent.compiled_step.CompiledTimestep` compiles it for inference).
-    ``hidden`` is read without gradient, as the module's recurrent state (a buffer) always is.
+    :class:`~deepep_lightning.deepep.agent.compiled_step.CompiledTimestep` compiles it for inference);
+    ``fused_rollout=True`` runs the whole loop as one ``deepep::cartpole_rollout`` launch instead
+    (:mod:`~deepep_lightning.deepep.agent.fused_rollout`). ``hidden`` is read without gradient, as the module's
+    recurrent state (a buffer) always is.
 
     Raises:
-        ValueError: the agent is one this path cannot train exactly (:func:`fused_bptt_unsupported_reason`).
+        ValueError: the agent is one this path cannot train exactly (:func:`fused_bptt_unsupported_reason`), or
+            ``fused_rollout=True`` where the kernel does not run (its reason named).
     """
     reason = fused_bptt_unsupported_reason(agent)
     if reason is not None:
         raise ValueError(f"collect_rollout_fused: {reason}. HINT: use collect_rollout")
+    if length < 1:
+        raise ValueError(f"collect_rollout_fused: length must be >= 1, got {length!r}")
     initial = hidden.detach()
-    observations, inputs, states, actions, rewards, dones, terminateds, returns = [], [], [], [], [], [], [], []
-    obs = env.observe()  # [B, obs_dim]
+    if fused_rollout:
+        steps = rollout_steps_fused(agent, env, initial, length, generator)
+    else:
+        steps = rollout_steps(agent, env, initial, length, generator, timestep)
+    obs = env.observe()  # [B, obs_dim] s_T
+    stored = steps.states  # [T, B, H]: h_1..h_T
     with torch.no_grad():
-        for _ in range(length):
-            if timestep is None:
-                step, result, hidden = eager_timestep(agent, env, obs, hidden, generator)
-            else:
-                step, result, hidden = timestep(obs, hidden, generator)
-            assert step.feedback is not None
-            observations.append(obs)
-            inputs.append(step.feedback)
-            states.append(hidden)
-            actions.append(step.action)
-            rewards.append(result.reward)
-            dones.append(result.done)
-            terminateds.append(result.terminated)
-            returns.append(result.episode_return)
-            obs = result.obs
-        last_logits, last_q = agent.evaluate(obs, hidden)
+        last_logits, last_q = agent.evaluate(obs, stored[-1])
         bootstrap = (torch.softmax(last_logits, dim=-1) * last_q).sum(dim=-1)
-    observed = torch.stack(observations)  # [T, B, obs_dim]
-    stored = torch.stack(states)  # [T, B, H]: h_1..h_T
-    done = torch.stack(dones)  # [T, B]
+    observed, done = steps.observations, steps.dones  # [T, B, obs_dim], [T, B]
     read = initial.unsqueeze(0)  # [T, B, H]: h_0..h_{T-1} as the value head reads them, with gradient
     if length > 1:  # h_T is read without gradient (bootstrap, features): the last step is not differentiated
         masks = (~done[:-1]).to(stored.dtype)
-        recurrent = gru_sequence(torch.stack(inputs[:-1]), initial, masks, stored[:-1], agent.rnn_cell, bptt_truncation)
+        recurrent = gru_sequence(steps.feedback[:-1], initial, masks, stored[:-1], agent.rnn_cell, bptt_truncation)
         read = torch.cat((read, recurrent), dim=0)
     rows = length * env.num_envs
     q = agent.value_head(torch.cat((observed, read), dim=-1).reshape(rows, -1)).view(length, env.num_envs, -1)
@@ -256,13 +250,13 @@ def collect_rollout_fused(
     return Rollout(
         logits,
         q,
-        torch.stack(actions),
-        torch.stack(rewards),
+        steps.actions,
+        steps.rewards,
         done,
-        torch.stack(terminateds),
-        torch.stack(returns),
+        steps.terminateds,
+        steps.returns,
         bootstrap,
-        hidden.detach(),
+        stored[-1].detach(),
         features,
         last_logits,
     )

@@ -306,7 +306,9 @@ def _needs_cuda_kernels():
 
 
 def _train_gpu(steps, fused, graph, seed=5):
-    model = DeepEPModule(**{**GPU_SIZES, "seed": seed}, fused_bptt=fused, cuda_graph=graph).cuda()
+    # the op-by-op no-gradient timesteps (the rollout kernel's tests are test_fused_rollout.py)
+    model = DeepEPModule(**{**GPU_SIZES, "seed": seed}, fused_bptt=fused, cuda_graph=graph, fused_rollout=False)
+    model = model.cuda()
     model._ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])

@@ -1,0 +1,250 @@
+"""The no-gradient timesteps of a CartPole rollout as one kernel launch: ``deepep::cartpole_rollout``.
+
+:func:`~deepep_lightning.deepep.agent.fused_bptt.collect_rollout_fused` runs its T timesteps without autograd
+and differentiates them afterwards. Op by op, each timestep is some 20-130 kernels on ``B x H`` tensors
+(the policy, the value head, the sample, the GRU cell, CartPole's step), so a T=256 step is bound by kernel
+count. Every quantity of a timestep belongs to one environment, though, so one kernel can run the whole
+rollout: a block owns a few environments for all T timesteps (``extensions/csrc/cartpole_rollout.h``).
+
+The random numbers are drawn before the launch, per timestep and in the op-by-op order (the action's
+uniform, then CartPole's reset noise), so the kernel sees the numbers :func:`rollout_steps` sees; the
+actions, rewards and states equal the op-by-op loop's to rounding (a sum of another order can flip an action
+whose uniform lies within rounding of the CDF: the two paths then follow different trajectories).
+
+:func:`rollout_steps` (the agent's and the env's own ops) is the reference; :func:`rollout_steps_fused` runs
+the kernel on what :func:`fused_rollout_unsupported_reason` accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepep_lightning.deepep.agent.network import DeepEPAgent
+from deepep_lightning.deepep.agent.rollout import Timestep, eager_timestep
+from deepep_lightning.deepep.envs.base import BatchedEnv
+from deepep_lightning.deepep.envs.cartpole import BatchedCartPole
+from deepep_lightning.ops._loader import on_extension_loaded
+
+__all__ = ["RolloutSteps", "fused_rollout_unsupported_reason", "rollout_steps", "rollout_steps_fused"]
+
+#: Rows per block of the CUDA kernel, at most (``kMaxRows`` in cartpole_rollout.h).
+MAX_ROWS_PER_BLOCK = 8
+#: Shared memory a block may use (bytes): the H200's opt-in maximum is 227 KiB.
+MAX_SHARED_BYTES = 227 * 1024
+_LANES, _OBS, _ACTIONS = 32, 4, 2
+
+
+@dataclass
+class RolloutSteps:
+    """T no-gradient timesteps of B environments; every tensor is ``[T, B, ...]``."""
+
+    observations: torch.Tensor  # [T, B, obs_dim] obs_t
+    feedback: torch.Tensor  # [T, B, obs_dim + A + 1] the recurrent cell's input [obs_t; onehot(a_t); v_t]
+    states: torch.Tensor  # [T, B, H] h_{t+1}, zeroed where the episode ended at t
+    actions: torch.Tensor  # [T, B] long
+    rewards: torch.Tensor  # [T, B]
+    dones: torch.Tensor  # [T, B] bool
+    terminateds: torch.Tensor  # [T, B] bool
+    returns: torch.Tensor  # [T, B] the finished episode's return where done, else 0
+
+
+def rollout_steps(
+    agent: DeepEPAgent,
+    env: BatchedEnv,
+    hidden: torch.Tensor,
+    length: int,
+    generator: torch.Generator,
+    timestep: Timestep | None = None,
+) -> RolloutSteps:
+    """``length`` timesteps op by op, without gradient (``timestep``: how each runs; None: :func:`eager_timestep`)."""
+    fields: dict[str, list[torch.Tensor]] = {name: [] for name in RolloutSteps.__dataclass_fields__}
+    obs = env.observe()  # [B, obs_dim]
+    with torch.no_grad():
+        for _ in range(length):
+            step, result, hidden = (timestep or _eager(agent, env))(obs, hidden, generator)
+            assert step.feedback is not None
+            for name, value in (
+                ("observations", obs),
+                ("feedback", step.feedback),
+                ("states", hidden),
+                ("actions", step.action),
+                ("rewards", result.reward),
+                ("dones", result.done),
+                ("terminateds", result.terminated),
+                ("returns", result.episode_return),
+            ):
+                fields[name].append(value)
+            obs = result.obs
+    return RolloutSteps(**{name: torch.stack(values) for name, values in fields.items()})
+
+
+def _eager(agent: DeepEPAgent, env: BatchedEnv) -> Timestep:
+    return lambda obs, hidden, generator: eager_timestep(agent, env, obs, hidden, generator)
+
+
+def _policy_layers(agent: DeepEPAgent) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    first, last = agent.policy_net[0], agent.policy_net[2]
+    assert isinstance(first, torch.nn.Linear) and isinstance(last, torch.nn.Linear)
+    return first, last
+
+
+def shared_memory_bytes(agent: DeepEPAgent, dtype: torch.dtype) -> int:
+    """Shared memory per block of the kernel (``shared_scalars`` in cartpole_rollout.h, for ``kMaxRows`` rows)."""
+    rows, size = MAX_ROWS_PER_BLOCK, agent.hidden_size
+    policy_hidden = _policy_layers(agent)[0].out_features
+    value_hidden = agent.value_head.input_layer.out_features
+    scalars = rows * (
+        (_OBS + size) + policy_hidden + value_hidden + 4 * _ACTIONS * _LANES + 2 * _ACTIONS + 7 + 1 + size + _OBS + 2
+    )
+    return scalars * torch.empty((), dtype=dtype).element_size()
+
+
+def fused_rollout_unsupported_reason(agent: DeepEPAgent, env: BatchedEnv) -> str | None:
+    """Why ``deepep::cartpole_rollout`` cannot run ``agent`` on ``env``, or None when it can.
+
+    It runs DeepEP on CartPole (two actions, four observations), float32 or float64 everywhere, with the
+    extension's kernel for the device, the module's standard layers (biases included) and a block's
+    shared memory within the device's limit.
+    """
+    from deepep_lightning.ops import cuda_kernels_available, extension_available
+
+    if type(env) is not BatchedCartPole:
+        return f"the fused rollout steps CartPole only, got {type(env).__name__}"
+    if (agent.obs_dim, agent.num_actions) != (_OBS, _ACTIONS):
+        return f"the fused rollout needs obs_dim=4 and 2 actions, got {agent.obs_dim} and {agent.num_actions}"
+    layers = (*_policy_layers(agent), agent.value_head.input_layer)
+    if any(layer.bias is None for layer in layers) or not agent.rnn_cell.bias:
+        return "the fused rollout needs the policy's, the value head's and the GRU cell's biases"
+    dtype = agent.rnn_cell.weight_hh.dtype
+    tensors = [*agent.parameters(), env.state, env.episode_return, env.episode_length]
+    if dtype not in (torch.float32, torch.float64) or any(t.dtype != dtype for t in tensors):
+        return f"the fused rollout needs float32 or float64 for every weight and env state, got {dtype} and others"
+    if any(t.device != env.device for t in tensors):
+        return f"the fused rollout needs the agent and the env on one device ({env.device})"
+    if not extension_available() or (env.device.type == "cuda" and not cuda_kernels_available()):
+        return f"the extension's {env.device.type} kernels are not available"
+    if env.device.type not in ("cpu", "cuda"):
+        return f"the fused rollout runs on cpu and cuda, not {env.device.type}"
+    if shared_memory_bytes(agent, dtype) > MAX_SHARED_BYTES:
+        return f"hidden_size={agent.hidden_size} needs more shared memory per block than {MAX_SHARED_BYTES} bytes"
+    return None
+
+
+def _weights(agent: DeepEPAgent) -> list[torch.Tensor]:
+    """The op's weights, in its order; the input layers transposed to ``[in, out]``."""
+    policy_in, policy_out = _policy_layers(agent)
+    head, cell = agent.value_head, agent.rnn_cell
+    return [
+        policy_in.weight.t().contiguous(),
+        policy_in.bias,
+        policy_out.weight,
+        policy_out.bias,
+        head.input_layer.weight.t().contiguous(),
+        head.input_layer.bias,
+        head.action_embedding,
+        head.output_weight,
+        head.output_bias,
+        cell.weight_ih.t().contiguous(),
+        cell.bias_ih,
+        cell.weight_hh.t().contiguous(),
+        cell.bias_hh,
+    ]
+
+
+def default_rows_per_block(batch: int, device: torch.device) -> int:
+    """Rows per block: each block reads every weight once per timestep for its rows, so blocks own as many rows as
+    keeps every SM busy (B / rows blocks), up to ``MAX_ROWS_PER_BLOCK``."""
+    if device.type != "cuda":
+        return MAX_ROWS_PER_BLOCK
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    rows = 1
+    while rows < MAX_ROWS_PER_BLOCK and batch // (rows * 2) >= sms // 4:
+        rows *= 2
+    return rows
+
+
+def rollout_steps_fused(
+    agent: DeepEPAgent,
+    env: BatchedEnv,
+    hidden: torch.Tensor,
+    length: int,
+    generator: torch.Generator,
+    rows_per_block: int | None = None,
+) -> RolloutSteps:
+    """:func:`rollout_steps` as one ``deepep::cartpole_rollout`` launch; the env's state moves on in place.
+
+    Raises:
+        ValueError: what :func:`fused_rollout_unsupported_reason` names, or ``rows_per_block`` outside
+            ``[1, 8]``; both before the compiled op runs.
+    """
+    reason = fused_rollout_unsupported_reason(agent, env)
+    if reason is not None:
+        raise ValueError(f"rollout_steps_fused: {reason}. HINT: use rollout_steps")
+    if rows_per_block is None:
+        rows_per_block = default_rows_per_block(env.num_envs, env.device)
+    if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or not 1 <= rows_per_block <= 8:
+        raise ValueError(f"rollout_steps_fused: rows_per_block must be an int in [1, 8], got {rows_per_block!r}")
+    if tuple(hidden.shape) != (env.num_envs, agent.hidden_size):
+        raise ValueError(
+            f"rollout_steps_fused: hidden must be [{env.num_envs}, {agent.hidden_size}], got {tuple(hidden.shape)}"
+        )
+    assert isinstance(env, BatchedCartPole)
+    uniforms, noise = [], []
+    for _ in range(length):  # the op-by-op order of draws: the action's uniform, then the env's step noise
+        uniforms.append(torch.rand(env.num_envs, device=env.device, generator=generator))
+        noise.append(env.draw_step_noise(generator))
+    bound = float(agent.logit_bound) if agent.logit_bound is not None else 0.0
+    with torch.no_grad():
+        out = torch.ops.deepep.cartpole_rollout.default(
+            env.state,
+            env.episode_return,
+            env.episode_length,
+            hidden.detach().to(env.state.dtype),
+            torch.stack(uniforms).to(env.state.dtype),
+            torch.stack(noise).to(env.state.dtype),
+            _weights(agent),
+            bound,
+            env.max_episode_steps,
+            rows_per_block,
+        )
+    env.state.copy_(out[8])
+    env.episode_return.copy_(out[9])
+    env.episode_length.copy_(out[10])
+    return RolloutSteps(*out[:8])
+
+
+def _fake(
+    state: torch.Tensor,
+    episode_return: torch.Tensor,
+    episode_length: torch.Tensor,
+    hidden: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    weights: list[torch.Tensor],
+    logit_bound: float,
+    max_episode_steps: int,
+    rows_per_block: int,
+) -> tuple[torch.Tensor, ...]:
+    steps, (batch, size) = uniforms.shape[0], hidden.shape
+    return (
+        hidden.new_empty(steps, batch, _OBS),
+        hidden.new_empty(steps, batch, _OBS + _ACTIONS + 1),
+        hidden.new_empty(steps, batch, size),
+        hidden.new_empty(steps, batch, dtype=torch.long),
+        hidden.new_empty(steps, batch),
+        hidden.new_empty(steps, batch, dtype=torch.bool),
+        hidden.new_empty(steps, batch, dtype=torch.bool),
+        hidden.new_empty(steps, batch),
+        state.new_empty(state.shape),
+        episode_return.new_empty(episode_return.shape),
+        episode_length.new_empty(episode_length.shape),
+    )
+
+
+def _register() -> None:
+    torch.library.register_fake("deepep::cartpole_rollout")(_fake)
+
+
+on_extension_loaded(_register)

@@ -1,0 +1,268 @@
+"""deepep::cartpole_rollout: the rollout's no-gradient timesteps in one launch equal the op-by-op timesteps.
+
+CPU: the CPU kernel (the same stage code as the CUDA kernel) against the agent's and CartPole's own ops in
+float64 and float32, bitwise repeats, the schema (opcheck), the refusals, and the module switch. GPU (marked):
+the CUDA kernel against the op-by-op timesteps and the CPU kernel, bitwise repeats, inside a CUDA graph, and
+the training step with it (eager and graph) repeating bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.agent import DeepEPAgent
+from deepep_lightning.deepep.agent.fused_rollout import (
+    RolloutSteps,
+    fused_rollout_unsupported_reason,
+    rollout_steps,
+    rollout_steps_fused,
+)
+from deepep_lightning.deepep.envs import BatchedCartPole, CueRecall
+from deepep_lightning.deepep.graph_training import StandaloneStep
+from deepep_lightning.ops import extension_available
+
+pytestmark = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep extension")
+
+FIELDS = tuple(RolloutSteps.__dataclass_fields__)
+
+
+def _setup(dtype=torch.float64, batch=10, hidden=24, device="cpu", seed=0, episode=30, **agent_args):
+    """An agent, a CartPole env (short episodes: resets happen), a recurrent state and a generator, all in dtype."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the env's state and its random draws in dtype, as the agent
+    try:
+        torch.manual_seed(seed)
+        agent = DeepEPAgent(4, 2, hidden, **agent_args).to(device)
+        env = BatchedCartPole(batch, device, max_episode_steps=episode)
+        generator = torch.Generator(device).manual_seed(seed + 1)
+        env.reset(generator)
+        state = torch.randn(batch, hidden, device=device) * 0.5
+    finally:
+        torch.set_default_dtype(previous)
+    return agent, env, state, generator
+
+
+def _both(length=40, dtype=torch.float64, rows_per_block=3, device="cpu", **kwargs):
+    """The op-by-op timesteps and the kernel's from twin set-ups; the two envs after them."""
+    agent, env, state, generator = _setup(dtype, device=device, **kwargs)
+    twin_agent, twin_env, twin_state, twin_generator = _setup(dtype, device=device, **kwargs)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the action's uniforms in dtype on both paths
+    try:
+        want = rollout_steps(agent, env, state, length, generator)
+        got = rollout_steps_fused(twin_agent, twin_env, twin_state, length, twin_generator, rows_per_block)
+    finally:
+        torch.set_default_dtype(previous)
+    return want, got, env, twin_env
+
+
+def _assert_steps_close(want, got, env, twin_env, tolerance):
+    for name in FIELDS:
+        expected, actual = getattr(want, name), getattr(got, name)
+        assert actual.shape == expected.shape and actual.dtype == expected.dtype, name
+        if expected.dtype in (torch.long, torch.bool):
+            assert torch.equal(actual, expected), name  # the same actions, ends and resets
+        else:
+            torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance, msg=name)
+    for name in ("state", "episode_return", "episode_length"):
+        torch.testing.assert_close(getattr(twin_env, name), getattr(env, name), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize(
+    "agent_args, rows_per_block",
+    [({}, 3), ({"policy_reads_hidden": False}, 1), ({"logit_bound": 2.0}, 8), ({"value_hidden_size": 40}, 4)],
+)
+def test_kernel_equals_the_op_by_op_timesteps_in_float64(agent_args, rows_per_block):
+    want, got, env, twin_env = _both(rows_per_block=rows_per_block, **agent_args)
+    assert 0 < int(want.dones.sum()) and bool(want.terminateds.any()) and bool((want.dones & ~want.terminateds).any())
+    _assert_steps_close(want, got, env, twin_env, 1e-12)
+
+
+def test_kernel_equals_the_op_by_op_timesteps_in_float32_to_rounding():
+    want, got, env, twin_env = _both(dtype=torch.float32, batch=16, hidden=32)
+    _assert_steps_close(want, got, env, twin_env, 1e-5)
+
+
+def test_a_wrong_step_is_caught_by_the_comparison():
+    """Negative control: the kernel run from another recurrent state is told apart."""
+    want, _, env, _ = _both()
+    agent, other_env, state, generator = _setup()
+    got = rollout_steps_fused(agent, other_env, state + 1e-3, 40, generator, 3)
+    with pytest.raises(AssertionError):
+        _assert_steps_close(want, got, env, other_env, 1e-12)
+
+
+def test_rows_per_block_does_not_change_the_result():
+    results = []
+    for rows in (1, 3, 8):
+        agent, env, state, generator = _setup(torch.float32)
+        results.append(rollout_steps_fused(agent, env, state, 20, generator, rows))
+    for other in results[1:]:
+        assert all(torch.equal(getattr(results[0], name), getattr(other, name)) for name in FIELDS)
+
+
+def test_bitwise_repeat():
+    runs = []
+    for _ in range(2):
+        agent, env, state, generator = _setup(torch.float32)
+        runs.append(rollout_steps_fused(agent, env, state, 20, generator, 4))
+    assert all(torch.equal(getattr(runs[0], name), getattr(runs[1], name)) for name in FIELDS)
+
+
+def test_opcheck():
+    from deepep_lightning.deepep.agent.fused_rollout import _weights
+
+    agent, env, state, _ = _setup(torch.float32, batch=5, hidden=8)
+    weights = [w.detach() for w in _weights(agent)]
+    args = (env.state, env.episode_return, env.episode_length, state, torch.rand(6, 5), torch.rand(6, 5, 4), weights)
+    torch.library.opcheck(torch.ops.deepep.cartpole_rollout.default, (*args, 0.0, 30, 2))
+
+
+def test_what_the_kernel_cannot_run_is_named():
+    agent, env, state, generator = _setup(torch.float32, batch=4, hidden=8)
+    memory = CueRecall(4)
+    assert "CartPole only" in fused_rollout_unsupported_reason(agent, memory)
+    assert "float32 or float64" in fused_rollout_unsupported_reason(agent.double(), env)
+    with pytest.raises(ValueError, match="rollout_steps_fused: the fused rollout steps CartPole only"):
+        rollout_steps_fused(agent, memory, state, 3, generator)
+    agent.float()
+    with pytest.raises(ValueError, match=r"rows_per_block must be an int in \[1, 8\], got 9"):
+        rollout_steps_fused(agent, env, state, 3, generator, rows_per_block=9)
+    with pytest.raises(ValueError, match=r"hidden must be \[4, 8\], got \(4, 9\)"):
+        rollout_steps_fused(agent, env, torch.zeros(4, 9), 3, generator)
+
+
+MODULE = dict(num_envs=8, rollout_length=12, hidden_size=16, seed=3, fused_bptt=True, bptt_truncation=6)
+
+
+def _train(steps, **kwargs):
+    model = DeepEPModule(**{**MODULE, **kwargs})
+    model._ensure_rollout_state()
+    step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    return model, torch.stack([step()["loss"].detach().clone() for _ in range(steps)])
+
+
+def test_module_steps_with_the_kernel_equal_the_op_by_op_loop_to_rounding():
+    _, losses = _train(6, fused_rollout=True)
+    _, reference = _train(6, fused_rollout=False)
+    torch.testing.assert_close(losses, reference, rtol=1e-4, atol=1e-5)
+    _, other = _train(6, fused_rollout=True, seed=4)  # negative control
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(other, reference, rtol=1e-4, atol=1e-5)
+
+
+def test_module_switch_is_off_on_cpu_by_default_and_refuses_what_it_cannot_run():
+    from deepep_lightning.deepep.rollout_loss import fused_rollout_on
+
+    model, _ = _train(1)
+    assert not fused_rollout_on(model)  # None: CUDA only
+    with pytest.raises(ValueError, match="fused_rollout=True.*the fused rollout steps CartPole only"):
+        _train(1, fused_rollout=True, env="memory")
+    for bad in ({"compile_step": True}, {"fused_bptt": False}):
+        with pytest.raises(ValueError, match=r"fused_rollout=\.\.\.\)` must be None or False"):
+            DeepEPModule(**{**MODULE, **bad, "fused_rollout": True})
+
+
+# ---------------------------------------------------------------- GPU
+
+
+def _needs_cuda_kernels():
+    from deepep_lightning.ops import cuda_kernels_available
+
+    if not torch.cuda.is_available() or not cuda_kernels_available():
+        pytest.skip("needs CUDA and the compiled deepep CUDA kernels")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_block", [1, 2, 4, 8])
+def test_gpu_kernel_equals_the_op_by_op_timesteps_in_float64(rows_per_block):
+    _needs_cuda_kernels()
+    want, got, env, twin_env = _both(
+        length=64, batch=300, hidden=256, device="cuda", rows_per_block=rows_per_block, episode=40
+    )
+    _assert_steps_close(want, got, env, twin_env, 1e-11)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_equals_the_cpu_kernel_in_float64():
+    _needs_cuda_kernels()
+    results = []
+    for device in ("cpu", "cuda"):
+        agent, env, state, _ = _setup(torch.float64, batch=20, hidden=64, device=device, logit_bound=3.0)
+        generator = torch.Generator(device).manual_seed(0)
+        uniforms = torch.rand(30, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(9)).to(device)
+        results.append((agent, env, state, generator, uniforms))
+    cpu, cuda = [rollout_steps_fused(a, e, s, 30, g, 4) for a, e, s, g, _ in results]
+    for name in FIELDS:
+        expected, actual = getattr(cpu, name), getattr(cuda, name).cpu()
+        if expected.is_floating_point():
+            torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12, msg=name)
+        else:
+            assert torch.equal(actual, expected), name
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_in_float32_equals_the_op_by_op_timesteps_to_rounding_and_repeats_bitwise():
+    _needs_cuda_kernels()
+    want, got, env, twin_env = _both(length=8, dtype=torch.float32, batch=256, hidden=256, device="cuda")
+    _assert_steps_close(want, got, env, twin_env, 1e-4)
+    runs = []
+    for _ in range(20):
+        agent, env, state, generator = _setup(torch.float32, 256, 256, "cuda")
+        runs.append(rollout_steps_fused(agent, env, state, 64, generator))
+    assert all(torch.equal(getattr(runs[0], n), getattr(run, n)) for run in runs[1:] for n in FIELDS)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_inside_a_cuda_graph_equals_the_eager_launch():
+    _needs_cuda_kernels()
+    agent, env, state, generator = _setup(torch.float32, 64, 64, "cuda")
+    start = env.state_dict()
+    eager = rollout_steps_fused(agent, env, state, 16, generator.manual_seed(7), 2)
+    env.load_state_dict(start)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        generator.manual_seed(7)
+        rollout_steps_fused(agent, env, state, 16, generator, 2)  # warm-up outside the capture
+        env.load_state_dict(start)
+        generator.manual_seed(7)
+        graph.register_generator_state(generator)
+        with torch.cuda.graph(graph):
+            captured = rollout_steps_fused(agent, env, state, 16, generator, 2)
+    torch.cuda.current_stream().wait_stream(stream)
+    env.load_state_dict(start)
+    generator.manual_seed(7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(getattr(eager, n), getattr(captured, n)) for n in FIELDS)
+
+
+GPU_MODULE = dict(num_envs=256, rollout_length=32, hidden_size=256, seed=5, fused_value_head=True)
+
+
+def _train_gpu(steps, graph, **kwargs):
+    model = DeepEPModule(**{**GPU_MODULE, **kwargs}, cuda_graph=graph).cuda()
+    model._ensure_rollout_state()
+    step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
+    losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
+    torch.cuda.synchronize()
+    return model, losses
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_default_training_step_runs_the_kernel_and_repeats_bitwise(graph):
+    from deepep_lightning.deepep.rollout_loss import fused_rollout_on
+
+    _needs_cuda_kernels()
+    first, first_losses = _train_gpu(10, graph)
+    assert fused_rollout_on(first)  # None: on with CUDA
+    second, second_losses = _train_gpu(10, graph)
+    assert torch.equal(first_losses, second_losses)
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    _, reference = _train_gpu(10, graph, fused_rollout=False)
+    torch.testing.assert_close(first_losses[:3], reference[:3], rtol=1e-3, atol=1e-4)
