@@ -121,8 +121,8 @@ def fused_rollout_unsupported_reason(agent: DeepEPAgent, env: BatchedEnv) -> str
     tensors = [*agent.parameters(), env.state, env.episode_return, env.episode_length]
     if dtype not in (torch.float32, torch.float64) or any(t.dtype != dtype for t in tensors):
         return f"the fused rollout needs float32 or float64 for every weight and env state, got {dtype} and others"
-    if any(t.device != env.device for t in tensors):
-        return f"the fused rollout needs the agent and the env on one device ({env.device})"
+    if any(t.device != env.state.device for t in tensors):
+        return f"the fused rollout needs the agent and the env on one device ({env.state.device})"
     if not extension_available() or (env.device.type == "cuda" and not cuda_kernels_available()):
         return f"the extension's {env.device.type} kernels are not available"
     if env.device.type not in ("cpu", "cuda"):
