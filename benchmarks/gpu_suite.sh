@@ -166,6 +166,23 @@ for dtype in (torch.float32, torch.float64):
 torch.cuda.synchronize()
 print('memcheck run finished')"
 
+# deepep::cartpole_rollout on odd sizes (rows per block that leave a partial block, episodes that end), both dtypes
+ROLLOUT_DRIVER="
+import torch
+from deepep_lightning.deepep.agent import DeepEPAgent
+from deepep_lightning.deepep.agent.fused_rollout import rollout_steps_fused
+from deepep_lightning.deepep.envs import BatchedCartPole
+for dtype in (torch.float32, torch.float64):
+    torch.set_default_dtype(dtype)
+    for batch, hidden, rows in ((7, 24, 3), (33, 64, 8), (5, 40, 1)):
+        agent = DeepEPAgent(4, 2, hidden, logit_bound=2.0).cuda()
+        env = BatchedCartPole(batch, 'cuda', max_episode_steps=9)
+        generator = torch.Generator('cuda').manual_seed(0)
+        env.reset(generator)
+        rollout_steps_fused(agent, env, torch.zeros(batch, hidden, device='cuda'), 20, generator, rows)
+torch.cuda.synchronize()
+print('memcheck run finished')"
+
 for section in "$@"; do
   case $section in
     setup)
@@ -188,7 +205,9 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
       run sanitize_all_action_q 60 env TORCH_CUDA_SANITIZER=1 \
         python3 benchmarks/sanitize_all_action_q.py --out "$RESULTS/sanitize"
       memcheck memcheck_all_action_q 100 python3 benchmarks/sanitize_all_action_q.py --quick
-      memcheck memcheck_refused_ops 150 python3 -c "$REFUSED_OPS_DRIVER" ;;
+      memcheck memcheck_refused_ops 150 python3 -c "$REFUSED_OPS_DRIVER"
+      run sanitize_cartpole_rollout 60 env TORCH_CUDA_SANITIZER=1 python3 -c "$ROLLOUT_DRIVER"
+      memcheck memcheck_cartpole_rollout 120 python3 -c "$ROLLOUT_DRIVER" ;;
     determinism_tax)
       run bench_determinism_tax 240 python3 benchmarks/bench_determinism_tax.py --out "$RESULTS/determinism_tax" \
         --fused --T 16 --rounds 3 --steps 3 --children plain,env4096,primed
