@@ -166,38 +166,33 @@ struct Block {
     }
   }
 
+  // acc[r] = sum over k < in of x_r[k] * wt[k, j] (x_r: row r's inputs [obs; h]), k in order; wt is [in, out].
+  C10_HOST_DEVICE void unit_sums(const scalar_t* wt, int64_t in, int64_t out, int64_t j, scalar_t* acc) const {
+    const int64_t width = kObs + a.hidden;
+    DEEPEP_ROWS_UNROLL
+    for (int r = 0; r < kMaxRows; ++r) acc[r] = scalar_t(0);
+    DEEPEP_INPUTS_UNROLL
+    for (int64_t k = 0; k < in; ++k) {
+      const scalar_t w = wt[k * out + j];
+      DEEPEP_ROWS_UNROLL
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r < count) acc[r] += inputs[r * width + k] * w;
+      }
+    }
+  }
+
   // p1 = tanh(W_p1 x_p + b_p1), z = W_v1 x + b_v1: thread j computes unit j of every row, each weight loaded once.
   C10_HOST_DEVICE void hidden_layers(int tid, int threads) const {
-    const int64_t width = kObs + a.hidden;
+    scalar_t acc[kMaxRows];
     for (int64_t j = tid; j < a.policy_hidden; j += threads) {
-      scalar_t acc[kMaxRows];
-      DEEPEP_ROWS_UNROLL
-      for (int r = 0; r < kMaxRows; ++r) acc[r] = scalar_t(0);
-      DEEPEP_INPUTS_UNROLL
-      for (int64_t k = 0; k < a.policy_in; ++k) {
-        const scalar_t w = a.policy_w1t[k * a.policy_hidden + j];
-        DEEPEP_ROWS_UNROLL
-        for (int r = 0; r < kMaxRows; ++r) {
-          if (r < count) acc[r] += inputs[r * width + k] * w;
-        }
-      }
+      unit_sums(a.policy_w1t, a.policy_in, a.policy_hidden, j, acc);
       DEEPEP_ROWS_UNROLL
       for (int r = 0; r < kMaxRows; ++r) {
         if (r < count) p1[r * a.policy_hidden + j] = r_tanh(acc[r] + a.policy_b1[j]);
       }
     }
     for (int64_t j = tid; j < a.value_hidden; j += threads) {
-      scalar_t acc[kMaxRows];
-      DEEPEP_ROWS_UNROLL
-      for (int r = 0; r < kMaxRows; ++r) acc[r] = scalar_t(0);
-      DEEPEP_INPUTS_UNROLL
-      for (int64_t k = 0; k < width; ++k) {
-        const scalar_t w = a.value_w1t[k * a.value_hidden + j];
-        DEEPEP_ROWS_UNROLL
-        for (int r = 0; r < kMaxRows; ++r) {
-          if (r < count) acc[r] += inputs[r * width + k] * w;
-        }
-      }
+      unit_sums(a.value_w1t, kObs + a.hidden, a.value_hidden, j, acc);
       DEEPEP_ROWS_UNROLL
       for (int r = 0; r < kMaxRows; ++r) {
         if (r < count) z[r * a.value_hidden + j] = acc[r] + a.value_b1[j];
@@ -319,41 +314,36 @@ struct Block {
     }
   }
 
+  // acc[g][r] += sum over k < in of x[r * stride + k] * wt[k, g * H + j] for the gates g = r, z, n, k in order;
+  // wt is a transposed GRU weight [in, 3H].
+  C10_HOST_DEVICE void gate_sums(const scalar_t* wt, const scalar_t* x, int64_t stride, int64_t in, int64_t j,
+                                 scalar_t (*acc)[kMaxRows]) const {
+    const int64_t size = a.hidden, gates = 3 * size;
+    DEEPEP_INPUTS_UNROLL
+    for (int64_t k = 0; k < in; ++k) {
+      const scalar_t* w = wt + k * gates + j;
+      const scalar_t w_r = w[0], w_z = w[size], w_n = w[2 * size];
+      DEEPEP_ROWS_UNROLL
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r < count) {
+          const scalar_t v = x[r * stride + k];
+          acc[0][r] += v * w_r;
+          acc[1][r] += v * w_z;
+          acc[2][r] += v * w_n;
+        }
+      }
+    }
+  }
+
   // Thread j: unit j of every row's GRU cell (gates [r, z, n] as torch.nn.GRUCell), h_{t+1} = keep * h'.
   C10_HOST_DEVICE void gru(int64_t t, int tid, int threads) const {
-    const int64_t size = a.hidden, width = kObs + size, gates = 3 * size;
+    const int64_t size = a.hidden, width = kObs + size;
     for (int64_t j = tid; j < size; j += threads) {
       scalar_t gi[3][kMaxRows], gh[3][kMaxRows];
       DEEPEP_ROWS_UNROLL
       for (int r = 0; r < kMaxRows; ++r) gi[0][r] = gi[1][r] = gi[2][r] = gh[0][r] = gh[1][r] = gh[2][r] = scalar_t(0);
-      DEEPEP_ROWS_UNROLL
-      for (int64_t k = 0; k < kFeedback; ++k) {
-        const scalar_t* w = a.gru_wiht + k * gates + j;
-        const scalar_t w_r = w[0], w_z = w[size], w_n = w[2 * size];
-        DEEPEP_ROWS_UNROLL
-        for (int r = 0; r < kMaxRows; ++r) {
-          if (r < count) {
-            const scalar_t f = fb[r * kFeedback + k];
-            gi[0][r] += f * w_r;
-            gi[1][r] += f * w_z;
-            gi[2][r] += f * w_n;
-          }
-        }
-      }
-      DEEPEP_INPUTS_UNROLL
-      for (int64_t k = 0; k < size; ++k) {
-        const scalar_t* w = a.gru_whht + k * gates + j;
-        const scalar_t w_r = w[0], w_z = w[size], w_n = w[2 * size];
-        DEEPEP_ROWS_UNROLL
-        for (int r = 0; r < kMaxRows; ++r) {
-          if (r < count) {
-            const scalar_t h = inputs[r * width + kObs + k];
-            gh[0][r] += h * w_r;
-            gh[1][r] += h * w_z;
-            gh[2][r] += h * w_n;
-          }
-        }
-      }
+      gate_sums(a.gru_wiht, fb, kFeedback, kFeedback, j, gi);
+      gate_sums(a.gru_whht, inputs + kObs, width, size, j, gh);
       DEEPEP_ROWS_UNROLL
       for (int r = 0; r < kMaxRows; ++r) {
         if (r < count) {
