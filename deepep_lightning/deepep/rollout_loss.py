@@ -100,12 +100,12 @@ def fused_rollout_on(module: DeepEPModule) -> bool:
         ValueError: ``fused_rollout=True`` and the kernel cannot run this rollout (the reason named).
     """
     choice = module.hparams.get("fused_rollout")
-    if choice is False or module.hparams.compile_step:
+    if choice is False or module.hparams.compile_step or (choice is None and module.device.type != "cuda"):
         return False
     assert module._env is not None
     reason = fused_rollout_unsupported_reason(module.agent, module._env)
     if choice is None:
-        return reason is None and module.device.type == "cuda"
+        return reason is None
     if reason is not None:
         raise ValueError(f"`DeepEPModule(fused_rollout=True)`: {reason} (HINT: leave fused_rollout at None)")
     return True

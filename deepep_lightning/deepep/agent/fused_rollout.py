@@ -34,6 +34,7 @@ MAX_ROWS_PER_BLOCK = 8
 #: Shared memory a block may use (bytes): the H200's opt-in maximum is 227 KiB.
 MAX_SHARED_BYTES = 227 * 1024
 _LANES, _OBS, _ACTIONS = 32, 4, 2
+_FEEDBACK = _OBS + _ACTIONS + 1  # [obs; onehot(a); v]
 
 
 @dataclass
@@ -61,9 +62,10 @@ def rollout_steps(
     """``length`` timesteps op by op, without gradient (``timestep``: how each runs; None: :func:`eager_timestep`)."""
     fields: dict[str, list[torch.Tensor]] = {name: [] for name in RolloutSteps.__dataclass_fields__}
     obs = env.observe()  # [B, obs_dim]
+    run = timestep or _eager(agent, env)
     with torch.no_grad():
         for _ in range(length):
-            step, result, hidden = (timestep or _eager(agent, env))(obs, hidden, generator)
+            step, result, hidden = run(obs, hidden, generator)
             assert step.feedback is not None
             for name, value in (
                 ("observations", obs),
@@ -95,8 +97,18 @@ def shared_memory_bytes(agent: DeepEPAgent, dtype: torch.dtype) -> int:
     rows, size = MAX_ROWS_PER_BLOCK, agent.hidden_size
     policy_hidden = _policy_layers(agent)[0].out_features
     value_hidden = agent.value_head.input_layer.out_features
+    # per row: [obs; h], p1, z, the head's partial sums and outputs, the feedback, keep, h_{t+1}, CartPole's state
     scalars = rows * (
-        (_OBS + size) + policy_hidden + value_hidden + 4 * _ACTIONS * _LANES + 2 * _ACTIONS + 7 + 1 + size + _OBS + 2
+        (_OBS + size)
+        + policy_hidden
+        + value_hidden
+        + 2 * _ACTIONS * _LANES
+        + 2 * _ACTIONS
+        + _FEEDBACK
+        + 1
+        + size
+        + _OBS
+        + 2
     )
     return scalars * torch.empty((), dtype=dtype).element_size()
 
@@ -230,7 +242,7 @@ def _fake(
     steps, (batch, size) = uniforms.shape[0], hidden.shape
     return (
         hidden.new_empty(steps, batch, _OBS),
-        hidden.new_empty(steps, batch, _OBS + _ACTIONS + 1),
+        hidden.new_empty(steps, batch, _FEEDBACK),
         hidden.new_empty(steps, batch, size),
         hidden.new_empty(steps, batch, dtype=torch.long),
         hidden.new_empty(steps, batch),
