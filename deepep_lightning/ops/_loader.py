@@ -131,7 +131,7 @@ def _build_and_load() -> bool:
     load(
         name=_EXTENSION_NAME + ("_cuda" if with_cuda else "_cpu"),
         sources=_sources(with_cuda),
-        extra_cflags=["-O3"],
+        extra_cflags=["-O3", "-ffp-contract=off"],
         extra_cuda_cflags=cuda_flags,
         extra_include_paths=[str(csrc_dir())],
         with_cuda=with_cuda,

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepep_lightning.ops.lambda_returns import lambda_returns
+
 __all__ = ["LossTerms", "deepep_loss", "lambda_returns"]
 
 
@@ -16,31 +18,6 @@ class LossTerms:
     value_loss: torch.Tensor
     entropy: torch.Tensor
     kl: torch.Tensor  # mean KL(π_target ‖ π) over the states (0 without target logits)
-
-
-def lambda_returns(
-    rewards: torch.Tensor,
-    dones: torch.Tensor,
-    values: torch.Tensor,
-    bootstrap_value: torch.Tensor,
-    gamma: float,
-    lam: float,
-) -> torch.Tensor:
-    """λ-returns ``G_t = r_t + γ(1 − d_t)[(1 − λ) V(s_{t+1}) + λ G_{t+1}]``, ``[T, B]``.
-
-    ``dones`` are true terminals only (pass time-limit truncations as not done). ``values[t]`` is V(s_t)
-    (for the expected-value critic, ``Σ_a π(a|s_t) Q(s_t, a)``), and the
-    recursion starts from ``G_T = V(s_T) = bootstrap_value``. ``λ = 1`` gives Monte-Carlo returns
-    bootstrapped at the rollout end, ``λ = 0`` one-step expected-SARSA targets.
-    """
-    not_done = (~dones).to(rewards.dtype)
-    next_values = torch.cat((values[1:], bootstrap_value.unsqueeze(0)), dim=0)  # [T, B]
-    returns = torch.empty_like(rewards)
-    running = bootstrap_value
-    for t in range(rewards.shape[0] - 1, -1, -1):
-        running = rewards[t] + gamma * not_done[t] * ((1.0 - lam) * next_values[t] + lam * running)
-        returns[t] = running
-    return returns
 
 
 def deepep_loss(
@@ -65,7 +42,8 @@ def deepep_loss(
     - policy: ``−Σ_a π(a|s_t)·stopgrad(Q(s_t, a))`` — the expected policy gradient over *all*
       actions; its gradient w.r.t. the logits is ``−π(Q − V)`` with ``V = Σ_a π Q`` (no sampling
       variance from the action choice);
-    - critic: ``½(Q(s_t, a_t) − G_t)²`` with ``G_t`` the λ-returns of :func:`lambda_returns`,
+    - critic: ``½(Q(s_t, a_t) − G_t)²`` with ``G_t`` the λ-returns of
+      :func:`~deepep_lightning.ops.lambda_returns.lambda_returns`,
       bootstrapped with the expected value ``V`` (targets carry no gradient);
     - entropy bonus, subtracted with ``entropy_coef`` (a float, or a 0-d tensor for an adaptive one).
 
