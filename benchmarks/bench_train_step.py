@@ -16,8 +16,8 @@ sets its rows per block).
 Per shape (``--horizons``, default 256 and ``configs/gpu.yaml``'s 32): medians of ``--repeats`` steps
 after warm-up, the set-up time of each variant (compile, warm-up, capture), a kernel census per
 timestep (torch.profiler: CUDA kernels of one step / T, of a graph replay and of the same step run
-uncaptured) and the achieved FLOP/s against the fp32 peak, from FLOPs counted analytically from the
-shapes (:func:`flops_per_step`).
+uncaptured; the replay's kernel time by name, and its sum against the step time) and the achieved
+FLOP/s against the fp32 peak, from FLOPs counted analytically from the shapes (:func:`flops_per_step`).
 """
 
 from __future__ import annotations
@@ -114,16 +114,29 @@ def compiled_variant(name: str) -> bool:
     return "compiled" in name
 
 
-def _kernels_of(fn) -> collections.Counter:
-    """The CUDA kernels (not memcpy/memset) that one call of ``fn`` runs, by name, from torch.profiler."""
+def _kernels_of(fn) -> tuple[collections.Counter, collections.Counter]:
+    """The CUDA kernels (not memcpy/memset) that one call of ``fn`` runs, by name, from torch.profiler:
+    launches and summed device time (µs) of each name."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return collections.Counter(n for n in names if not n.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")))
+    launches, times_us = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if event.name.startswith(("Memcpy", "Memset", "cudaMemcpy", "cudaMemset")):
+            continue
+        launches[event.name] += 1
+        times_us[event.name] += event.time_range.elapsed_us()
+    return launches, times_us
+
+
+def _short(name: str, limit: int = 160) -> str:
+    """A kernel's name without its template arguments' tail (they run to thousands of characters)."""
+    return name if len(name) <= limit else name[:limit] + "..."
 
 
 def _sync(device: str) -> None:
@@ -148,7 +161,8 @@ def bench_shape(args: argparse.Namespace, horizon: int) -> dict:
         repeats = args.repeats * (3 if variant.graphed is not None else 1)
         medians[name], samples[name] = median_ms(variant.step, repeats, warmup=1, device=args.device)
         if args.device == "cuda" and not args.no_census:
-            replay, uncaptured = _kernels_of(variant.step), _kernels_of(variant.uncaptured_step)
+            (replay, replay_us), (uncaptured, _) = _kernels_of(variant.step), _kernels_of(variant.uncaptured_step)
+            busy_ms = replay_us.total() / 1e3
             census[name] = {
                 "per_step": replay.total(),
                 "per_timestep": replay.total() / horizon,
@@ -156,6 +170,14 @@ def bench_shape(args: argparse.Namespace, horizon: int) -> dict:
                 "per_timestep_uncaptured": uncaptured.total() / horizon,
                 # what a timestep still launches, most frequent first (kernel name: launches per timestep)
                 "top_uncaptured_per_timestep": {k: n / horizon for k, n in uncaptured.most_common(args.top_kernels)},
+                # where a replayed step's device time goes: the sum of its kernels' durations against the
+                # step's median (the rest is the gaps between dependent launches), and the longest kernels
+                "kernel_busy_ms_per_step": busy_ms,
+                "kernel_busy_fraction_of_step": busy_ms / medians[name],
+                "top_time_ms_per_step": {
+                    _short(k): {"ms": us / 1e3, "launches": replay[k]}
+                    for k, us in replay_us.most_common(args.top_kernels)
+                },
             }
         print(f"T={horizon} {name}: {medians[name]:.2f} ms (set-up {setup_s[name]:.1f} s)", flush=True)
         del variant

@@ -85,6 +85,27 @@ PY
   pack
 }
 
+csan() {  # csan NAME LIMIT_S COMMAND...: run under TORCH_CUDA_SANITIZER=1; summary in results/sanitize/NAME.json
+  local name=$1 limit=$2
+  shift 2
+  run "$name" "$limit" env TORCH_CUDA_SANITIZER=1 "$@"
+  mkdir -p "$RESULTS/sanitize"
+  python3 - "$LOGS/$name.txt" "$RESULTS/sanitize/$name.json" "$RC" <<'PY'
+import json, os, sys
+
+output, path, code = sys.argv[1:4]
+text = open(output, errors="replace").read() if os.path.exists(output) else ""
+races = text.count("CSAN detected a possible data race")
+tail = [line.strip() for line in text.splitlines() if line.strip()][-1:]
+record = {"tool": "TORCH_CUDA_SANITIZER=1 (CSAN)", "exit_code": int(code), "data_races": races,
+          "output_tail": tail[0] if tail else None}
+with open(path, "w") as handle:
+    json.dump(record, handle, indent=2)
+print(f"wrote {path}: exit {code}, {races} data races")
+PY
+  pack
+}
+
 gpu_tests() {  # gpu_tests NAME LIMIT_S MARKER: pytest -m MARKER over $GPU_TESTS (tests/); summary in results/NAME/NAME.json
   local name=$1 limit=$2 marker=$3 paths=${GPU_TESTS:-tests}
   rm -f "$LOGS/$name.xml"
@@ -183,6 +204,20 @@ for dtype in (torch.float32, torch.float64):
 torch.cuda.synchronize()
 print('memcheck run finished')"
 
+# deepep::lambda_returns on odd shapes (a partial block, one timestep, one column), both dtypes
+LAMBDA_DRIVER="
+import torch
+from deepep_lightning.ops.lambda_returns import lambda_returns
+generator = torch.Generator('cuda').manual_seed(0)
+for dtype in (torch.float32, torch.float64):
+    for horizon, batch in ((33, 257), (1, 5), (300, 1)):
+        def draw(*shape):
+            return torch.randn(*shape, device='cuda', dtype=dtype, generator=generator)
+        dones = torch.rand(horizon, batch, device='cuda', generator=generator) < 0.3
+        lambda_returns(draw(horizon, batch), dones, draw(horizon, batch), draw(batch), 0.99, 0.95)
+torch.cuda.synchronize()
+print('memcheck run finished')"
+
 for section in "$@"; do
   case $section in
     setup)
@@ -206,18 +241,22 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
         python3 benchmarks/sanitize_all_action_q.py --out "$RESULTS/sanitize"
       memcheck memcheck_all_action_q 100 python3 benchmarks/sanitize_all_action_q.py --quick
       memcheck memcheck_refused_ops 150 python3 -c "$REFUSED_OPS_DRIVER"
-      run sanitize_cartpole_rollout 60 env TORCH_CUDA_SANITIZER=1 python3 -c "$ROLLOUT_DRIVER"
-      memcheck memcheck_cartpole_rollout 120 python3 -c "$ROLLOUT_DRIVER" ;;
+      csan sanitize_cartpole_rollout 60 python3 -c "$ROLLOUT_DRIVER"
+      memcheck memcheck_cartpole_rollout 120 python3 -c "$ROLLOUT_DRIVER"
+      csan sanitize_lambda_returns 60 python3 -c "$LAMBDA_DRIVER"
+      memcheck memcheck_lambda_returns 60 python3 -c "$LAMBDA_DRIVER" ;;
     determinism_tax)
       run bench_determinism_tax 240 python3 benchmarks/bench_determinism_tax.py --out "$RESULTS/determinism_tax" \
         --fused --T 16 --rounds 3 --steps 3 --children plain,env4096,primed
       to_logs "$RESULTS/determinism_tax/summary.txt" determinism_tax_summary.txt
-      # configs/gpu.yaml's CUDA-graph step with and without configure(0), separate processes, alternated
+      # configs/gpu.yaml's shipped CUDA-graph step (the rollout kernel) with and without configure(0),
+      # separate processes, alternated
       for i in 1 2; do
         for variant in plain det; do
           flag=$([ $variant = det ] && echo --deterministic)
-          run train_step_graph_${variant}_t32_$i 60 python3 benchmarks/bench_train_step.py \
-            --out "$RESULTS/determinism_tax" --horizon 32 --graph-only $flag --tag _graph_${variant}_t32_$i
+          run train_step_rollout_kernel_graph_${variant}_t32_$i 60 python3 benchmarks/bench_train_step.py \
+            --out "$RESULTS/determinism_tax" --horizon 32 --variants rollout_kernel_graph --no-census $flag \
+            --tag _rollout_kernel_graph_${variant}_t32_$i
         done
       done ;;
     learning)
