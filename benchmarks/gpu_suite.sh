@@ -6,7 +6,8 @@
 # Sections (BENCHMARKS.md describes each):
 #   setup             build the extension once (cached in TORCH_EXTENSIONS_DIR); install the wheels in .whl/
 #   train_step        bench_train_step.py         all_action_q      bench_all_action_q.py
-#   sanitize          CSAN + memcheck runs        determinism_tax   bench_determinism_tax.py + graph tax
+#   sanitize          CSAN + memcheck runs        determinism_tax   bench_determinism_tax.py (the eager step)
+#   determinism_tax_graph  the shipped CUDA-graph step of configs/gpu.yaml with and without configure(0)
 #   learning          bench_learning.py           health_overhead   bench_health_overhead.py (CUDA graph)
 #   collapse_recovery bench_collapse_recovery.py (train.py fit with and without the RegressionTrigger)
 #   audit             audit_gpu.py                refused_ops       bench_refused_ops.py, twice
@@ -19,7 +20,7 @@
 # $OUT/results.tar.gz after every run: one file comes back from the device machine, and a call stopped at its
 # time limit still returns every run that finished.
 set -u
-SECTIONS="setup train_step all_action_q sanitize determinism_tax learning collapse_recovery health_overhead audit refused_ops"
+SECTIONS="setup train_step all_action_q sanitize determinism_tax determinism_tax_graph learning collapse_recovery health_overhead audit refused_ops"
 SECTIONS+=" refused_ops_list ddp ddp_ablation gpu-tests gpu-tests-multi"
 for section in "$@"; do
   case " $SECTIONS " in
@@ -248,7 +249,8 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
     determinism_tax)
       run bench_determinism_tax 240 python3 benchmarks/bench_determinism_tax.py --out "$RESULTS/determinism_tax" \
         --fused --T 16 --rounds 3 --steps 3 --children plain,env4096,primed
-      to_logs "$RESULTS/determinism_tax/summary.txt" determinism_tax_summary.txt
+      to_logs "$RESULTS/determinism_tax/summary.txt" determinism_tax_summary.txt ;;
+    determinism_tax_graph)
       # configs/gpu.yaml's shipped CUDA-graph step (the rollout kernel) with and without configure(0),
       # separate processes, alternated
       for i in 1 2; do
