@@ -12,7 +12,7 @@ are the same with ``fused_bptt=True`` (the timesteps run without autograd and th
 is one recurrent op of two kernels per timestep, :mod:`deepep_lightning.deepep.agent.fused_bptt`), op by op;
 the ``rollout_kernel_*`` variants add ``fused_rollout=True`` (the no-gradient timesteps as one
 ``deepep::cartpole_rollout`` launch, :mod:`deepep_lightning.deepep.agent.fused_rollout`; ``--rollout-rows``
-sets its rows per block, ``--weight-tile-rows`` its weight rows per shared-memory tile).
+sets its rows per block).
 Per shape (``--horizons``, default 256 and ``configs/gpu.yaml``'s 32): medians of ``--repeats`` steps
 after warm-up, the set-up time of each variant (compile, warm-up, capture), a kernel census per
 timestep (torch.profiler: CUDA kernels of one step / T, of a graph replay and of the same step run
@@ -221,9 +221,6 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: B=8, H=16, T=4, 2 repeats")
     parser.add_argument("--rollout-rows", type=int, default=None, help="rows per block of the rollout kernel")
     parser.add_argument(
-        "--weight-tile-rows", type=int, default=None, help="the rollout kernel's weight rows per tile (0: from global)"
-    )
-    parser.add_argument(
         "--deterministic",
         action="store_true",
         help="run under deepep_lightning.configure(0) (DeterminismCallback's defaults)",
@@ -246,8 +243,6 @@ def main() -> None:
 
     if args.rollout_rows is not None:
         fused_rollout.default_rows_per_block = lambda batch, device: args.rollout_rows
-    if args.weight_tile_rows is not None:
-        fused_rollout.default_weight_tile_rows = lambda agent, dtype: args.weight_tile_rows
     shapes = [bench_shape(args, horizon) for horizon in args.horizons]
     main_shape = next((s for s in shapes if (s["batch"], s["horizon"], s["hidden"]) == (256, 256, 256)), None)
     graph_ms = {k: v for k, v in (main_shape or {}).get("median_ms_per_step", {}).items() if k.endswith("graph")}

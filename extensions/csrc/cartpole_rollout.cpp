@@ -130,11 +130,10 @@ Args<scalar_t> make_args(Prepared& p, int64_t max_episode_steps, double logit_bo
 Outputs cartpole_rollout_impl(const at::Tensor& state, const at::Tensor& episode_return,
                               const at::Tensor& episode_length, const at::Tensor& hidden, const at::Tensor& uniforms,
                               const at::Tensor& noise, at::TensorList weights, double logit_bound,
-                              int64_t max_episode_steps, int64_t rows_per_block, int64_t weight_tile_rows,
-                              const Runner<float>& run_float, const Runner<double>& run_double) {
+                              int64_t max_episode_steps, int64_t rows_per_block, const Runner<float>& run_float,
+                              const Runner<double>& run_double) {
   check_cartpole_rollout_inputs(state, episode_return, episode_length, hidden, uniforms, noise, weights,
                                 rows_per_block);
-  TORCH_CHECK(weight_tile_rows >= 0, kOp, ": weight_tile_rows must be >= 0, got ", weight_tile_rows);
   TORCH_CHECK(max_episode_steps >= 1, kOp, ": max_episode_steps must be >= 1, got ", max_episode_steps);
   Prepared p;
   for (const at::Tensor* t : {&state, &episode_return, &episode_length, &hidden, &uniforms, &noise}) {
@@ -194,11 +193,10 @@ void run_cpu(const Args<scalar_t>& args, int64_t rows_per_block) {
 Outputs cartpole_rollout_cpu(const at::Tensor& state, const at::Tensor& episode_return,
                              const at::Tensor& episode_length, const at::Tensor& hidden, const at::Tensor& uniforms,
                              const at::Tensor& noise, at::TensorList weights, double logit_bound,
-                             int64_t max_episode_steps, int64_t rows_per_block, int64_t weight_tile_rows) {
-  // weight_tile_rows only chooses where the CUDA kernel reads its weights from; the CPU kernel reads them in place
+                             int64_t max_episode_steps, int64_t rows_per_block) {
   return cartpole_rollout_impl(
       state, episode_return, episode_length, hidden, uniforms, noise, weights, logit_bound, max_episode_steps,
-      rows_per_block, weight_tile_rows, [&](const Args<float>& args) { run_cpu(args, rows_per_block); },
+      rows_per_block, [&](const Args<float>& args) { run_cpu(args, rows_per_block); },
       [&](const Args<double>& args) { run_cpu(args, rows_per_block); });
 }
 
@@ -207,8 +205,7 @@ Outputs cartpole_rollout_cpu(const at::Tensor& state, const at::Tensor& episode_
 TORCH_LIBRARY_FRAGMENT(deepep, m) {
   m.def(
       "cartpole_rollout(Tensor state, Tensor episode_return, Tensor episode_length, Tensor hidden, Tensor uniforms, "
-      "Tensor noise, Tensor[] weights, float logit_bound, int max_episode_steps, int rows_per_block, "
-      "int weight_tile_rows) -> (Tensor, "
+      "Tensor noise, Tensor[] weights, float logit_bound, int max_episode_steps, int rows_per_block) -> (Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 

@@ -166,38 +166,18 @@ struct Block {
     }
   }
 
-  C10_HOST_DEVICE void zero(scalar_t* acc) const {
+  // acc[r] = sum over k < in of x_r[k] * wt[k, j] (x_r: row r's inputs [obs; h]), k in order; wt is [in, out].
+  C10_HOST_DEVICE void unit_sums(const scalar_t* wt, int64_t in, int64_t out, int64_t j, scalar_t* acc) const {
+    const int64_t width = kObs + a.hidden;
     DEEPEP_ROWS_UNROLL
     for (int r = 0; r < kMaxRows; ++r) acc[r] = scalar_t(0);
-  }
-
-  // acc[r] += x_r[k] * w[(k - k_first) * out + j] for k in [k_begin, k_end), in order (x_r: row r's inputs
-  // [obs; h]). w holds the rows of a transposed weight [in, out] from row k_first on: the whole weight in global
-  // memory (k_first = 0) or a tile of it in shared memory (cuda/cartpole_rollout.cu).
-  C10_HOST_DEVICE void unit_sums(const scalar_t* w, int64_t k_first, int64_t k_begin, int64_t k_end, int64_t out,
-                                 int64_t j, scalar_t* acc) const {
-    const int64_t width = kObs + a.hidden;
     DEEPEP_INPUTS_UNROLL
-    for (int64_t k = k_begin; k < k_end; ++k) {
-      const scalar_t wk = w[(k - k_first) * out + j];
+    for (int64_t k = 0; k < in; ++k) {
+      const scalar_t w = wt[k * out + j];
       DEEPEP_ROWS_UNROLL
       for (int r = 0; r < kMaxRows; ++r) {
-        if (r < count) acc[r] += inputs[r * width + k] * wk;
+        if (r < count) acc[r] += inputs[r * width + k] * w;
       }
-    }
-  }
-
-  C10_HOST_DEVICE void finish_policy_unit(int64_t j, const scalar_t* acc) const {
-    DEEPEP_ROWS_UNROLL
-    for (int r = 0; r < kMaxRows; ++r) {
-      if (r < count) p1[r * a.policy_hidden + j] = r_tanh(acc[r] + a.policy_b1[j]);
-    }
-  }
-
-  C10_HOST_DEVICE void finish_value_unit(int64_t j, const scalar_t* acc) const {
-    DEEPEP_ROWS_UNROLL
-    for (int r = 0; r < kMaxRows; ++r) {
-      if (r < count) z[r * a.value_hidden + j] = acc[r] + a.value_b1[j];
     }
   }
 
@@ -205,14 +185,18 @@ struct Block {
   C10_HOST_DEVICE void hidden_layers(int tid, int threads) const {
     scalar_t acc[kMaxRows];
     for (int64_t j = tid; j < a.policy_hidden; j += threads) {
-      zero(acc);
-      unit_sums(a.policy_w1t, 0, 0, a.policy_in, a.policy_hidden, j, acc);
-      finish_policy_unit(j, acc);
+      unit_sums(a.policy_w1t, a.policy_in, a.policy_hidden, j, acc);
+      DEEPEP_ROWS_UNROLL
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r < count) p1[r * a.policy_hidden + j] = r_tanh(acc[r] + a.policy_b1[j]);
+      }
     }
     for (int64_t j = tid; j < a.value_hidden; j += threads) {
-      zero(acc);
-      unit_sums(a.value_w1t, 0, 0, kObs + a.hidden, a.value_hidden, j, acc);
-      finish_value_unit(j, acc);
+      unit_sums(a.value_w1t, kObs + a.hidden, a.value_hidden, j, acc);
+      DEEPEP_ROWS_UNROLL
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r < count) z[r * a.value_hidden + j] = acc[r] + a.value_b1[j];
+      }
     }
   }
 
@@ -330,15 +314,15 @@ struct Block {
     }
   }
 
-  // acc[g][r] += x[r * stride + k] * w[(k - k_first) * 3H + g * H + j] for the gates g = r, z, n and k in
-  // [k_begin, k_end), in order; w holds the rows of a transposed GRU weight [in, 3H] from row k_first on.
-  C10_HOST_DEVICE void gate_sums(const scalar_t* w, int64_t k_first, const scalar_t* x, int64_t stride,
-                                 int64_t k_begin, int64_t k_end, int64_t j, scalar_t (*acc)[kMaxRows]) const {
+  // acc[g][r] += sum over k < in of x[r * stride + k] * wt[k, g * H + j] for the gates g = r, z, n, k in order;
+  // wt is a transposed GRU weight [in, 3H].
+  C10_HOST_DEVICE void gate_sums(const scalar_t* wt, const scalar_t* x, int64_t stride, int64_t in, int64_t j,
+                                 scalar_t (*acc)[kMaxRows]) const {
     const int64_t size = a.hidden, gates = 3 * size;
     DEEPEP_INPUTS_UNROLL
-    for (int64_t k = k_begin; k < k_end; ++k) {
-      const scalar_t* wk = w + (k - k_first) * gates + j;
-      const scalar_t w_r = wk[0], w_z = wk[size], w_n = wk[2 * size];
+    for (int64_t k = 0; k < in; ++k) {
+      const scalar_t* w = wt + k * gates + j;
+      const scalar_t w_r = w[0], w_z = w[size], w_n = w[2 * size];
       DEEPEP_ROWS_UNROLL
       for (int r = 0; r < kMaxRows; ++r) {
         if (r < count) {
@@ -351,43 +335,28 @@ struct Block {
     }
   }
 
-  C10_HOST_DEVICE void zero_gates(scalar_t (*gi)[kMaxRows], scalar_t (*gh)[kMaxRows]) const {
-    DEEPEP_ROWS_UNROLL
-    for (int r = 0; r < kMaxRows; ++r) gi[0][r] = gi[1][r] = gi[2][r] = gh[0][r] = gh[1][r] = gh[2][r] = scalar_t(0);
-  }
-
-  // The input gates' sums of unit j: the feedback [obs; onehot(a); v] times W_ih (7 inputs, read from global memory).
-  C10_HOST_DEVICE void input_gate_sums(int64_t j, scalar_t (*gi)[kMaxRows]) const {
-    gate_sums(a.gru_wiht, 0, fb, kFeedback, 0, kFeedback, j, gi);
-  }
-
-  // Unit j of every row from its gate sums: r, z, n and h_{t+1} = keep * ((1 - z) n + z h).
-  C10_HOST_DEVICE void finish_gru_unit(int64_t t, int64_t j, const scalar_t (*gi)[kMaxRows],
-                                       const scalar_t (*gh)[kMaxRows]) const {
-    const int64_t size = a.hidden, width = kObs + size;
-    DEEPEP_ROWS_UNROLL
-    for (int r = 0; r < kMaxRows; ++r) {
-      if (r < count) {
-        const scalar_t rg = r_sigmoid(gi[0][r] + a.gru_bih[j] + (gh[0][r] + a.gru_bhh[j]));
-        const scalar_t zg = r_sigmoid(gi[1][r] + a.gru_bih[size + j] + (gh[1][r] + a.gru_bhh[size + j]));
-        const scalar_t n = r_tanh(gi[2][r] + a.gru_bih[2 * size + j] + rg * (gh[2][r] + a.gru_bhh[2 * size + j]));
-        const scalar_t h = inputs[r * width + kObs + j];
-        const scalar_t h_next = ((scalar_t(1) - zg) * n + zg * h) * keep[r];
-        next_h[r * size + j] = h_next;
-        a.states[(t * a.batch + row0 + r) * size + j] = h_next;
-      }
-    }
-  }
-
   // Thread j: unit j of every row's GRU cell (gates [r, z, n] as torch.nn.GRUCell), h_{t+1} = keep * h'.
   C10_HOST_DEVICE void gru(int64_t t, int tid, int threads) const {
     const int64_t size = a.hidden, width = kObs + size;
     for (int64_t j = tid; j < size; j += threads) {
       scalar_t gi[3][kMaxRows], gh[3][kMaxRows];
-      zero_gates(gi, gh);
-      input_gate_sums(j, gi);
-      gate_sums(a.gru_whht, 0, inputs + kObs, width, 0, size, j, gh);
-      finish_gru_unit(t, j, gi, gh);
+      DEEPEP_ROWS_UNROLL
+      for (int r = 0; r < kMaxRows; ++r) gi[0][r] = gi[1][r] = gi[2][r] = gh[0][r] = gh[1][r] = gh[2][r] = scalar_t(0);
+      gate_sums(a.gru_wiht, fb, kFeedback, kFeedback, j, gi);
+      gate_sums(a.gru_whht, inputs + kObs, width, size, j, gh);
+      DEEPEP_ROWS_UNROLL
+      for (int r = 0; r < kMaxRows; ++r) {
+        if (r < count) {
+          const scalar_t rg = r_sigmoid(gi[0][r] + a.gru_bih[j] + (gh[0][r] + a.gru_bhh[j]));
+          const scalar_t zg = r_sigmoid(gi[1][r] + a.gru_bih[size + j] + (gh[1][r] + a.gru_bhh[size + j]));
+          const scalar_t n =
+              r_tanh(gi[2][r] + a.gru_bih[2 * size + j] + rg * (gh[2][r] + a.gru_bhh[2 * size + j]));
+          const scalar_t h = inputs[r * width + kObs + j];
+          const scalar_t h_next = ((scalar_t(1) - zg) * n + zg * h) * keep[r];
+          next_h[r * size + j] = h_next;
+          a.states[(t * a.batch + row0 + r) * size + j] = h_next;
+        }
+      }
     }
   }
 
@@ -434,7 +403,7 @@ using Runner = std::function<void(const Args<scalar_t>&)>;
 Outputs cartpole_rollout_impl(const at::Tensor& state, const at::Tensor& episode_return,
                               const at::Tensor& episode_length, const at::Tensor& hidden, const at::Tensor& uniforms,
                               const at::Tensor& noise, at::TensorList weights, double logit_bound,
-                              int64_t max_episode_steps, int64_t rows_per_block, int64_t weight_tile_rows,
-                              const Runner<float>& run_float, const Runner<double>& run_double);
+                              int64_t max_episode_steps, int64_t rows_per_block, const Runner<float>& run_float,
+                              const Runner<double>& run_double);
 
 }  // namespace deepep::rollout

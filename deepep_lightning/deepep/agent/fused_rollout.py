@@ -33,8 +33,6 @@ __all__ = ["RolloutSteps", "fused_rollout_unsupported_reason", "rollout_steps", 
 MAX_ROWS_PER_BLOCK = 8
 #: Shared memory a block may use (bytes): the H200's opt-in maximum is 227 KiB.
 MAX_SHARED_BYTES = 227 * 1024
-#: Weight rows per shared-memory tile of the CUDA kernel (``weight_tile_rows``), where two tiles fit.
-WEIGHT_TILE_ROWS = 8
 _LANES, _OBS, _ACTIONS = 32, 4, 2
 _FEEDBACK = _OBS + _ACTIONS + 1  # [obs; onehot(a); v]
 
@@ -115,24 +113,6 @@ def shared_memory_bytes(agent: DeepEPAgent, dtype: torch.dtype) -> int:
     return scalars * torch.empty((), dtype=dtype).element_size()
 
 
-def tile_bytes(agent: DeepEPAgent, dtype: torch.dtype, weight_tile_rows: int) -> int:
-    """Shared memory of the kernel's two weight tiles (``tile_scalars`` in cuda/cartpole_rollout.cu):
-    ``weight_tile_rows`` rows of the widest streamed weight (W_p1, W_v1 or W_hh's ``3H`` columns) each."""
-    policy_hidden = _policy_layers(agent)[0].out_features
-    widest = max(policy_hidden, agent.value_head.input_layer.out_features, 3 * agent.hidden_size)
-    return 2 * weight_tile_rows * widest * torch.empty((), dtype=dtype).element_size()
-
-
-def default_weight_tile_rows(agent: DeepEPAgent, dtype: torch.dtype) -> int:
-    """``WEIGHT_TILE_ROWS``, halved until the two tiles fit beside the stage buffers; 0 (weights read from global
-    memory) where not even one row fits."""
-    stages = (shared_memory_bytes(agent, dtype) + 15) // 16 * 16
-    rows = WEIGHT_TILE_ROWS
-    while rows > 0 and stages + tile_bytes(agent, dtype, rows) > MAX_SHARED_BYTES:
-        rows //= 2
-    return rows
-
-
 def fused_rollout_unsupported_reason(agent: DeepEPAgent, env: BatchedEnv) -> str | None:
     """Why ``deepep::cartpole_rollout`` cannot run ``agent`` on ``env``, or None when it can.
 
@@ -204,18 +184,12 @@ def rollout_steps_fused(
     length: int,
     generator: torch.Generator,
     rows_per_block: int | None = None,
-    weight_tile_rows: int | None = None,
 ) -> RolloutSteps:
     """:func:`rollout_steps` as one ``deepep::cartpole_rollout`` launch; the env's state moves on in place.
 
-    ``rows_per_block`` (default :func:`default_rows_per_block`) sets the environments a CUDA block owns;
-    ``weight_tile_rows`` (default :func:`default_weight_tile_rows`) the weight rows per shared-memory tile the
-    CUDA kernel streams its input layers and ``W_hh`` through, 0 to read them from global memory instead. Both
-    choose how the work is laid out, never what is computed: the results are the same bits for every value.
-
     Raises:
-        ValueError: what :func:`fused_rollout_unsupported_reason` names, ``rows_per_block`` outside ``[1, 8]``
-            or a negative ``weight_tile_rows``; all before the compiled op runs.
+        ValueError: what :func:`fused_rollout_unsupported_reason` names, or ``rows_per_block`` outside
+            ``[1, 8]``; both before the compiled op runs.
     """
     reason = fused_rollout_unsupported_reason(agent, env)
     if reason is not None:
@@ -224,19 +198,6 @@ def rollout_steps_fused(
         rows_per_block = default_rows_per_block(env.num_envs, env.device)
     if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or not 1 <= rows_per_block <= 8:
         raise ValueError(f"rollout_steps_fused: rows_per_block must be an int in [1, 8], got {rows_per_block!r}")
-    if weight_tile_rows is None:
-        on_gpu = env.device.type == "cuda"
-        weight_tile_rows = default_weight_tile_rows(agent, agent.rnn_cell.weight_hh.dtype) if on_gpu else 0
-    if isinstance(weight_tile_rows, bool) or not isinstance(weight_tile_rows, int) or weight_tile_rows < 0:
-        raise ValueError(f"rollout_steps_fused: weight_tile_rows must be an int >= 0, got {weight_tile_rows!r}")
-    dtype = agent.rnn_cell.weight_hh.dtype
-    needed = (shared_memory_bytes(agent, dtype) + 15) // 16 * 16 + tile_bytes(agent, dtype, weight_tile_rows)
-    if needed > MAX_SHARED_BYTES:
-        raise ValueError(
-            f"rollout_steps_fused: weight_tile_rows={weight_tile_rows} needs {needed} bytes of shared memory per block "
-            f"for hidden_size={agent.hidden_size}, more than {MAX_SHARED_BYTES}; at most "
-            f"{default_weight_tile_rows(agent, dtype)} rows (the default) fit"
-        )
     if tuple(hidden.shape) != (env.num_envs, agent.hidden_size):
         raise ValueError(
             f"rollout_steps_fused: hidden must be [{env.num_envs}, {agent.hidden_size}], got {tuple(hidden.shape)}"
@@ -259,7 +220,6 @@ def rollout_steps_fused(
             bound,
             env.max_episode_steps,
             rows_per_block,
-            weight_tile_rows,
         )
     env.state.copy_(out[8])
     env.episode_return.copy_(out[9])
@@ -278,7 +238,6 @@ def _fake(
     logit_bound: float,
     max_episode_steps: int,
     rows_per_block: int,
-    weight_tile_rows: int,
 ) -> tuple[torch.Tensor, ...]:
     steps, (batch, size) = uniforms.shape[0], hidden.shape
     return (

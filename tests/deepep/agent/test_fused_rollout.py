@@ -117,7 +117,7 @@ def test_opcheck():
     agent, env, state, _ = _setup(torch.float32, batch=5, hidden=8)
     weights = [w.detach() for w in _weights(agent)]
     args = (env.state, env.episode_return, env.episode_length, state, torch.rand(6, 5), torch.rand(6, 5, 4), weights)
-    torch.library.opcheck(torch.ops.deepep.cartpole_rollout.default, (*args, 0.0, 30, 2, 0))
+    torch.library.opcheck(torch.ops.deepep.cartpole_rollout.default, (*args, 0.0, 30, 2))
 
 
 def test_what_the_kernel_cannot_run_is_named():
@@ -130,11 +130,6 @@ def test_what_the_kernel_cannot_run_is_named():
     agent.float()
     with pytest.raises(ValueError, match=r"rows_per_block must be an int in \[1, 8\], got 9"):
         rollout_steps_fused(agent, env, state, 3, generator, rows_per_block=9)
-    with pytest.raises(ValueError, match=r"weight_tile_rows must be an int >= 0, got -1"):
-        rollout_steps_fused(agent, env, state, 3, generator, weight_tile_rows=-1)
-    wide, wide_env, wide_state, _ = _setup(torch.float32, batch=4, hidden=256)
-    with pytest.raises(ValueError, match=r"weight_tile_rows=64 needs \d+ bytes .* at most 8 rows \(the default\) fit"):
-        rollout_steps_fused(wide, wide_env, wide_state, 3, generator, weight_tile_rows=64)
     with pytest.raises(ValueError, match=r"hidden must be \[4, 8\], got \(4, 9\)"):
         rollout_steps_fused(agent, env, torch.zeros(4, 9), 3, generator)
 
@@ -202,9 +197,9 @@ def test_gpu_kernel_equals_the_cpu_kernel_in_float64():
     noise = torch.rand(30, 20, 4, dtype=torch.float64, generator=draws)
     inputs = [env.state, env.episode_return, env.episode_length, state, uniforms, noise]
     weights = [w.detach() for w in _weights(agent)]
-    cpu = torch.ops.deepep.cartpole_rollout.default(*inputs, weights, 3.0, 12, 4, 0)
+    cpu = torch.ops.deepep.cartpole_rollout.default(*inputs, weights, 3.0, 12, 4)
     cuda = torch.ops.deepep.cartpole_rollout.default(
-        *[t.cuda() for t in inputs], [w.cuda() for w in weights], 3.0, 12, 4, 8
+        *[t.cuda() for t in inputs], [w.cuda() for w in weights], 3.0, 12, 4
     )
     assert bool(cpu[5].any())  # episodes end and reset inside the rollout
     for index, (expected, actual) in enumerate(zip(cpu, cuda)):
@@ -212,31 +207,6 @@ def test_gpu_kernel_equals_the_cpu_kernel_in_float64():
             torch.testing.assert_close(actual.cpu(), expected, rtol=1e-12, atol=1e-12, msg=f"output {index}")
         else:
             assert torch.equal(actual.cpu(), expected), f"output {index}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize(
-    "batch, hidden, agent_args",
-    [
-        (256, 256, {}),  # every tile full: 260 and 256 weight rows in tiles of 8 (and 3: partial last tiles)
-        (256, 256, {"policy_reads_hidden": False}),  # a 4-row W_p1: one partial tile
-        (37, 300, {"logit_bound": 2.0}),  # more units than threads: the layers run in two chunks of units
-        (19, 30, {}),  # rows of 30 and 90 scalars: copies of one scalar where 16 bytes do not align
-    ],
-)
-def test_gpu_weight_tiles_give_the_bits_of_global_memory_reads(dtype, batch, hidden, agent_args):
-    """Streaming the weights through shared memory changes where a thread reads them, not what it sums."""
-    _needs_cuda_kernels()
-    results = []
-    for tile_rows, rows_per_block in ((0, 4), (8, 4), (3, 8), (1, 2)):
-        agent, env, state, generator = _setup(dtype, batch, hidden, "cuda", episode=25, **agent_args)
-        steps = rollout_steps_fused(agent, env, state, 48, generator, rows_per_block, weight_tile_rows=tile_rows)
-        results.append((steps, env.state.clone()))
-    assert bool(results[0][0].dones.any())  # episodes end and reset inside the rollout
-    for steps, final in results[1:]:
-        assert all(torch.equal(getattr(results[0][0], n), getattr(steps, n)) for n in FIELDS)
-        assert torch.equal(results[0][1], final)
 
 
 @pytest.mark.gpu
