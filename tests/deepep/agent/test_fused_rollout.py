@@ -103,6 +103,33 @@ def test_rows_per_block_does_not_change_the_result():
         assert all(torch.equal(getattr(results[0], name), getattr(other, name)) for name in FIELDS)
 
 
+def _op_inputs(device="cpu", batch=70, hidden=24, steps=30):
+    """The op's arguments drawn once: states, uniforms, noise and the agent's weights (episodes of 12 steps end)."""
+    from deepep_lightning.deepep.agent.fused_rollout import _weights
+
+    agent, env, state, _ = _setup(torch.float32, batch=batch, hidden=hidden, logit_bound=3.0, episode=12)
+    draws = torch.Generator().manual_seed(4)
+    uniforms, noise = torch.rand(steps, batch, generator=draws), torch.rand(steps, batch, 4, generator=draws)
+    tensors = [env.state, env.episode_return, env.episode_length, state, uniforms, noise]
+    weights = [w.detach().to(device) for w in _weights(agent)]
+    return [t.to(device) for t in tensors], weights
+
+
+def test_cpu_kernel_bits_do_not_depend_on_the_thread_count():
+    inputs, weights = _op_inputs()
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, max(3, threads)):
+            torch.set_num_threads(count)
+            results.append(torch.ops.deepep.cartpole_rollout.default(*inputs, weights, 3.0, 12, 2))
+    finally:
+        torch.set_num_threads(threads)
+    assert bool(results[0][5].any())  # episodes end inside the rollout
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
 def test_bitwise_repeat():
     runs = []
     for _ in range(2):
@@ -245,6 +272,34 @@ def test_gpu_kernel_inside_a_cuda_graph_equals_the_eager_launch():
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(getattr(eager, n), getattr(captured, n)) for n in FIELDS)
+
+
+@pytest.mark.gpu
+def test_gpu_launches_from_two_host_threads_give_the_bits_of_one():
+    """Two host threads, each on its own stream, launch the same rollout at once: each result is the lone launch's."""
+    import threading
+
+    _needs_cuda_kernels()
+    inputs, weights = _op_inputs("cuda", batch=256, hidden=256, steps=64)
+    alone = torch.ops.deepep.cartpole_rollout.default(*inputs, weights, 3.0, 12, 4)
+    torch.cuda.synchronize()
+    results: dict[int, tuple] = {}
+
+    def launch(index: int) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.default_stream())
+        with torch.cuda.stream(stream):
+            results[index] = torch.ops.deepep.cartpole_rollout.default(*inputs, weights, 3.0, 12, 4)
+        stream.synchronize()
+
+    workers = [threading.Thread(target=launch, args=(index,)) for index in range(2)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert sorted(results) == [0, 1]
+    for result in results.values():
+        assert all(torch.equal(a, b) for a, b in zip(alone, result))
 
 
 GPU_MODULE = dict(num_envs=256, rollout_length=32, hidden_size=256, seed=5, fused_value_head=True)
