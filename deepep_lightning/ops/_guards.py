@@ -9,7 +9,7 @@ Metadata only: nothing here reads tensor values or syncs the host. The fake kern
 the library is loaded.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -23,6 +23,7 @@ __all__ = [
     "grad_and_self_device_reason",
     "kernels_reason",
     "register_fakes",
+    "require_tensors",
 ]
 
 #: The floating dtypes the deterministic kernels take.
@@ -37,6 +38,13 @@ def _compiled_reason(tensor: Tensor) -> str | None:
     if tensor.is_cuda and not cuda_kernels_available():
         return "the deepep CUDA kernels were not built (no nvcc?)"
     return None
+
+
+def require_tensors(op: str, named: Mapping[str, object]) -> None:
+    """Raise ``TypeError`` naming the first argument of ``named`` (name: value) that is not a tensor."""
+    for name, value in named.items():
+        if not isinstance(value, Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__} {value!r}")
 
 
 def kernels_reason(tensor: Tensor) -> str | None:

@@ -9,7 +9,8 @@ make the op traceable by ``torch.compile``, and its autograd formula (a second f
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, register_op_python_side
+from deepep_lightning.ops._guards import kernels_reason, require_tensors
+from deepep_lightning.ops._loader import register_op_python_side
 from deepep_lightning.ops.reference import all_action_q_reference
 
 __all__ = ["all_action_q"]
@@ -26,9 +27,7 @@ def _check_same_dtype_device(z: Tensor, other: Tensor, name: str) -> None:
 
 
 def _check_inputs(z: Tensor, action_embedding: Tensor, w: Tensor, b: Tensor, deterministic: bool) -> None:
-    for name, value in (("z", z), ("action_embedding", action_embedding), ("w", w), ("b", b)):
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(value).__name__} {value!r}")
+    require_tensors(_OP, {"z": z, "action_embedding": action_embedding, "w": w, "b": b})
     if not isinstance(deterministic, bool):
         raise TypeError(f"{_OP}: deterministic must be a bool, got {deterministic!r}")
     if z.dim() != 2:
@@ -84,7 +83,7 @@ def all_action_q(z: Tensor, action_embedding: Tensor, w: Tensor, b: Tensor, *, d
         torch.Size([4, 3])
     """
     _check_inputs(z, action_embedding, w, b, deterministic)
-    if extension_available() and (z.device.type == "cpu" or (z.is_cuda and cuda_kernels_available())):
+    if kernels_reason(z) is None:
         return torch.ops.deepep.all_action_q.default(z, action_embedding, w, b, deterministic)
     return all_action_q_reference(z, action_embedding, w, b)
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops._guards import kernels_reason, require_tensors
+from deepep_lightning.ops._loader import on_extension_loaded
 
 __all__ = ["check_gru_cell_backward_inputs", "gru_cell_backward", "gru_cell_backward_reference"]
 
@@ -42,9 +43,7 @@ def check_gru_cell_backward_inputs(
         "hidden_gates": hidden_gates,
         "hidden": hidden,
     }
-    for name, value in named.items():
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(value).__name__} {value!r}")
+    require_tensors(_OP, named)
     if hidden.dim() != 2:
         raise ValueError(f"{_OP}: hidden must be 2-D [B, H], got shape {tuple(hidden.shape)}")
     if hidden.dtype not in _FLOAT_DTYPES:
@@ -85,15 +84,11 @@ def gru_cell_backward_reference(
     return torch.cat((r_pre, z_pre, n_pre), dim=-1), torch.cat((r_pre, z_pre, n_pre * r), dim=-1), g * z
 
 
-def _compiled_kernel_for(hidden: Tensor) -> bool:
-    return extension_available() and (hidden.device.type == "cpu" or (hidden.is_cuda and cuda_kernels_available()))
-
-
 def gru_cell_backward_unchecked(
     grad_output: Tensor, carry: Tensor, mask: Tensor, input_gates: Tensor, hidden_gates: Tensor, hidden: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`gru_cell_backward` without the checks, for a loop that checked its (fixed) shapes once."""
-    if _compiled_kernel_for(hidden):
+    if kernels_reason(hidden) is None:
         return torch.ops.deepep.gru_cell_backward.default(grad_output, carry, mask, input_gates, hidden_gates, hidden)
     return gru_cell_backward_reference(grad_output, carry, mask, input_gates, hidden_gates, hidden)
 

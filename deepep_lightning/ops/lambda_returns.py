@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning._checks import number
+from deepep_lightning.ops._guards import kernels_reason, require_tensors
+from deepep_lightning.ops._loader import on_extension_loaded
 
 __all__ = ["check_lambda_returns_inputs", "lambda_returns", "lambda_returns_reference"]
 
@@ -31,9 +33,7 @@ def check_lambda_returns_inputs(
 ) -> None:
     """Raise naming the argument when a shape, dtype, device or coefficient does not fit (:func:`lambda_returns`)."""
     named = {"rewards": rewards, "dones": dones, "values": values, "bootstrap_value": bootstrap_value}
-    for name, value in named.items():
-        if not isinstance(value, Tensor):
-            raise TypeError(f"{_OP}: {name} must be a torch.Tensor, got {type(value).__name__} {value!r}")
+    require_tensors(_OP, named)
     if rewards.dim() != 2:
         raise ValueError(f"{_OP}: rewards must be 2-D [T, B], got shape {tuple(rewards.shape)}")
     if not rewards.is_floating_point():
@@ -53,8 +53,7 @@ def check_lambda_returns_inputs(
         if value.device != rewards.device:
             raise ValueError(f"{_OP}: {name} must be on rewards' device {rewards.device}, got {value.device!r}")
     for name, coefficient in (("gamma", gamma), ("lam", lam)):
-        if isinstance(coefficient, bool) or not isinstance(coefficient, (int, float)) or not 0 <= coefficient <= 1:
-            raise ValueError(f"{_OP}: {name} must be a number in [0, 1], got {coefficient!r}")
+        number(_OP, name, coefficient, minimum=0, maximum=1, error=ValueError)
 
 
 def lambda_returns_reference(
@@ -72,11 +71,11 @@ def lambda_returns_reference(
 
 
 def _compiled_kernel_for(rewards: Tensor, values: Tensor, bootstrap_value: Tensor) -> bool:
-    if rewards.dtype not in _FLOAT_DTYPES or not extension_available():
+    if rewards.dtype not in _FLOAT_DTYPES:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (rewards, values, bootstrap_value)):
         return False  # no autograd formula: the reference keeps the graph
-    return rewards.device.type == "cpu" or (rewards.is_cuda and cuda_kernels_available())
+    return kernels_reason(rewards) is None
 
 
 def lambda_returns(

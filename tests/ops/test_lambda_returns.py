@@ -64,7 +64,7 @@ def test_the_hand_recursion_and_terminals():
     g2 = 3.0 + gamma * ((1 - lam) * 10.0 + lam * 10.0)
     g1 = 2.0  # the episode ended at t=1: nothing after it counts
     g0 = 1.0 + gamma * ((1 - lam) * 0.25 + lam * g1)
-    out = torch.ops.deepep.lambda_returns.default(rewards, dones, values, bootstrap, gamma, lam)
+    out = lambda_returns(rewards, dones, values, bootstrap, gamma, lam)
     torch.testing.assert_close(out[:, 0], torch.tensor([g0, g1, g2], dtype=torch.float64), rtol=0, atol=1e-15)
 
 
@@ -110,8 +110,8 @@ def test_opcheck_and_torch_compile():
         (3, torch.zeros(9), r"bootstrap_value must have shape \(6,\)", ValueError),
         (3, torch.zeros(6, device="meta"), r"bootstrap_value must be on rewards' device cpu", ValueError),
         (2, [[0.0] * 6] * 9, r"values must be a torch.Tensor, got list", TypeError),
-        (4, 1.5, r"gamma must be a number in \[0, 1\], got 1.5", ValueError),
-        (5, True, r"lam must be a number in \[0, 1\], got True", ValueError),
+        (4, 1.5, r"`lambda_returns\(gamma=...\)` must be a number in \[0, 1\], got 1.5", ValueError),
+        (5, True, r"`lambda_returns\(lam=...\)` must be a number in \[0, 1\], got True", ValueError),
     ],
 )
 def test_bad_arguments_are_refused_by_name(index, bad, pattern, error):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from deepep_lightning.deepep.agent import deepep_loss, lambda_returns
+from deepep_lightning.deepep.agent import deepep_loss
 
 
 def _random_rollout(T=5, B=4, A=3, seed=0):
@@ -35,19 +35,6 @@ def test_policy_loss_does_not_train_the_critic():
     )
     (grad_q,) = torch.autograd.grad(terms.policy_loss, q, allow_unused=True, materialize_grads=True)
     assert torch.count_nonzero(grad_q) == 0
-
-
-def test_lambda_returns_match_hand_recursion():
-    rewards = torch.tensor([[1.0], [2.0], [3.0]], dtype=torch.float64)
-    dones = torch.tensor([[False], [True], [False]])
-    values = torch.tensor([[0.5], [0.25], [4.0]], dtype=torch.float64)
-    bootstrap = torch.tensor([10.0], dtype=torch.float64)
-    gamma, lam = 0.9, 0.7
-    g2 = 3.0 + gamma * ((1 - lam) * 10.0 + lam * 10.0)
-    g1 = 2.0  # episode ended: no bootstrap
-    g0 = 1.0 + gamma * ((1 - lam) * 0.25 + lam * g1)
-    out = lambda_returns(rewards, dones, values, bootstrap, gamma, lam)
-    torch.testing.assert_close(out[:, 0], torch.tensor([g0, g1, g2], dtype=torch.float64))
 
 
 def test_critic_regresses_taken_action_only_and_entropy_sign():
