@@ -27,6 +27,9 @@ What it adds to Lightning's ``DDPStrategy``:
   partition over virtual ranks, the micro-batch gradients added in virtual-rank order; 1, 2, ...,
   ``K`` processes give bitwise-equal weights (:mod:`~deepep_lightning.strategies.virtual_shards`,
   :mod:`~deepep_lightning.strategies.micro_batch_gradients`).
+* **Clean exit**: the process group is destroyed at interpreter exit for every backend (Lightning
+  does it for NCCL only); a gloo group left to finalization can abort a finished run with SIGABRT
+  (:mod:`~deepep_lightning.strategies.process_group_exit`).
 * **Checkpoints**: world size, seeds and the fingerprint (:mod:`~deepep_lightning.strategies.ddp_fingerprint`)
   go under ``checkpoint["deterministic_ddp"]`` with every rank's own copy of the rank-local keys
   (``per_rank_checkpoint_keys``, which Lightning takes from rank 0 alone:
@@ -67,6 +70,7 @@ from deepep_lightning.strategies.gradient_reduction import (
     resolve_gradient_reduction,
 )
 from deepep_lightning.strategies.micro_batch_gradients import MicroBatchGradients
+from deepep_lightning.strategies.process_group_exit import destroy_process_group_at_exit
 from deepep_lightning.strategies.rank_state import CHECKPOINT_KEY, apply_rank_state, build_rank_state, resolve_run_seed
 from deepep_lightning.strategies.resume_layout import check_resume_layout, warn_if_seed_differs, warn_without_record
 from deepep_lightning.strategies.train_data import check_partition, distributed_shard, shard_train_loader
@@ -201,6 +205,7 @@ class DeterministicDDPStrategy(DDPStrategy):
         if "nccl" in _lightning_compat.requested_process_group_backend(self):
             self.nccl_env, _ = apply_nccl_profile(self.nccl_algorithm, self.nccl_protocol)
         super().setup_distributed()  # Lightning's reset_seed(), ranks, init_process_group
+        destroy_process_group_at_exit()  # a gloo group left to finalization can abort the process
         self.rank_seed = seed_everything_from(self.seed, "rank", self.global_rank)
         log.debug("rank %d seeded with %d", self.global_rank, self.rank_seed)
 

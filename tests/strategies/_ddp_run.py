@@ -7,7 +7,9 @@ Usage (from the tests)::
 Lightning's subprocess launcher re-runs this script for ranks >= 1. Every rank writes
 ``DIR/rank{r}.json`` (its seeds, the sample indices it trained on per epoch, the first augmentation
 noise it drew, rollback incidents, the strategy fingerprint) and ``DIR/weights_rank{r}.pt`` (its
-final ``state_dict``). ``--save-ckpt`` writes ``DIR/last.ckpt`` at the end (all ranks take part).
+final ``state_dict``); at interpreter exit, after the handlers the fit registered, ``DIR/exit_rank{r}.json``
+records whether the process group was still alive. ``--save-ckpt`` writes ``DIR/last.ckpt`` at the end
+(all ranks take part).
 The module draws augmentation noise from the global RNG, so per-rank seeds are visible in the
 weights, and the health callbacks (snapshot, check, rollback) run in every 2-process run.
 """
@@ -15,6 +17,7 @@ weights, and the health callbacks (snapshot, check, rollback) run in every 2-pro
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -81,6 +84,12 @@ def _module():
     return TinyModule()
 
 
+def _record_process_group_at_exit(path: str) -> None:
+    # registered before fit, so atexit runs it after every handler the fit registers
+    with open(path, "w") as handle:
+        json.dump({"process_group_initialized": torch.distributed.is_initialized()}, handle)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -105,6 +114,7 @@ def main(argv: list[str]) -> None:
 
     pl.seed_everything(SEED, verbose=False)
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by the launcher in ranks >= 1
+    atexit.register(_record_process_group_at_exit, os.path.join(args.out, f"exit_rank{rank}.json"))
     rollback = NaNRollbackCallback(snapshot_every_n_steps=2, keep_snapshots=2, locate=False)
     callbacks = [NumericalHealthCallback(check_every_n_steps=1, spike_detection=False, log_norms=False), rollback]
     if args.no_health:

@@ -89,6 +89,12 @@ def test_shards_are_disjoint_covering_and_a_pure_function(runs):
     assert seen == [_rank(runs["B"], rank)["seen"] for rank in (0, 1)]
 
 
+def test_every_rank_destroys_its_gloo_group_before_the_interpreter_finalizes(runs):
+    # the negative control (a gloo group with no handler is still alive at exit) is in test_process_group_exit.py
+    for rank in (0, 1):
+        assert json.loads((runs["A"] / f"exit_rank{rank}.json").read_text()) == {"process_group_initialized": False}
+
+
 def test_per_rank_seeds_are_derived_different_and_recorded(runs):
     records = [_rank(runs["A"], rank) for rank in (0, 1)]
     expected = [derive_seed(SEED, "rank", rank) for rank in (0, 1)]
