@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The test command of the README and of CI (.ci/run): lint, format, types, then the test suite.
-# Extra arguments go to pytest (e.g. ./check.sh tests/determinism -x).
+# Extra arguments go to pytest (e.g. ./check.sh tests/determinism -x). The tests run in PYTEST_WORKERS
+# processes (pytest-xdist, default 2), a test file per process: most of the suite's time is fits in fresh
+# subprocesses, whose start-up and waits overlap.
 set -euo pipefail
 cd "$(dirname "$0")"
 ruff check .
 ruff format --check .
 mypy
-python -m pytest -q "$@"
+python -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"

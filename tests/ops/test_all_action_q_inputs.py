@@ -59,7 +59,7 @@ def test_wrapper_rejects_non_bool_deterministic():
 def test_reference_fallback_gets_the_same_checks(monkeypatch):
     # The package attribute `all_action_q` is the function; the module lives in sys.modules.
     module = importlib.import_module("deepep_lightning.ops.all_action_q")
-    monkeypatch.setattr(module, "extension_available", lambda: False)
+    monkeypatch.setattr(module, "kernels_reason", lambda tensor: "no extension here")
     kwargs = valid()
     kwargs["w"] = torch.randn(7)
     with pytest.raises(ValueError, match=r"w must be \[8\]"):

@@ -280,8 +280,10 @@ def test_bad_arguments_are_refused_by_name():
 
 @pytest.mark.slow  # a fresh process compiles again
 def test_benchmark_quick_runs_on_cpu(tmp_path):
+    # one variant per kind of step (op by op, compiled timestep, the extension's rollout kernel)
+    variants = ["eager", "compiled_eager", "rollout_kernel_eager"]
     out = subprocess.run(
-        [sys.executable, "benchmarks/bench_train_step.py", "--quick", "--out", str(tmp_path)],
+        [sys.executable, "benchmarks/bench_train_step.py", "--quick", "--out", str(tmp_path), "--variants", *variants],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
         capture_output=True,
@@ -291,7 +293,7 @@ def test_benchmark_quick_runs_on_cpu(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((tmp_path / "train_step_quick.json").read_text())
     shape = report["shapes"][0]
-    assert {"eager", "compiled_eager"} <= shape["median_ms_per_step"].keys()
+    assert set(variants) == shape["median_ms_per_step"].keys()
     assert shape["flops_per_step"] > 0 and shape["achieved_tflops"]["eager"] > 0
 
 
