@@ -173,7 +173,8 @@ class DeepEPModule(pl.LightningModule):
             step, the sample and CartPole's step of every timestep in one kernel, the same random draws; actions
             and states equal the op-by-op loop's to rounding). None: on with CUDA where the kernel runs it (the
             extension's CUDA kernels, CartPole, float32/float64, ``compile_step=False``), resolved at each rollout;
-            off otherwise. True: also on CPU (the CPU kernel), and a rollout it cannot run raises naming why.
+            off otherwise, on CUDA after one warning naming why. True: also on CPU (the CPU kernel), and a
+            rollout it cannot run raises naming why. False: the op-by-op timesteps, without a warning.
             Needs ``fused_bptt`` not False and ``compile_step=False``.
         env_kwargs: extra environment arguments, e.g. ``{"horizon": 512}`` for ``"memory"``.
         log_throughput: log ``perf/env_steps_per_s`` at the steps Lightning writes. Off by default: a

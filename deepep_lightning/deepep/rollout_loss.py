@@ -7,9 +7,11 @@ it is what a training step computes, apart from how the step is run and logged.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from deepep_lightning.deepep.agent import collect_rollout, deepep_loss
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
@@ -96,6 +98,9 @@ def fused_bptt_on(module: DeepEPModule) -> bool:
 def fused_rollout_on(module: DeepEPModule) -> bool:
     """``fused_rollout`` resolved for this rollout (None: on with CUDA where the kernel runs the agent and env).
 
+    Under None on CUDA a rollout the kernel cannot run takes the op-by-op timesteps after one warning per
+    module naming why (none when the CUDA kernels were not built: the extension's loader has said so).
+
     Raises:
         ValueError: ``fused_rollout=True`` and the kernel cannot run this rollout (the reason named).
     """
@@ -104,11 +109,22 @@ def fused_rollout_on(module: DeepEPModule) -> bool:
         return False
     assert module._env is not None
     reason = fused_rollout_unsupported_reason(module.agent, module._env)
-    if choice is None:
-        return reason is None
-    if reason is not None:
+    if reason is None:
+        return True
+    if choice:
         raise ValueError(f"`DeepEPModule(fused_rollout=True)`: {reason} (HINT: leave fused_rollout at None)")
-    return True
+    if module not in _warned_op_by_op and _cuda_kernels_load():
+        _warned_op_by_op.add(module)
+        rank_zero_warn(
+            f"`DeepEPModule(fused_rollout=None)`: the rollout's timesteps run op by op, not as one "
+            f"deepep::cartpole_rollout launch: {reason}. HINT: pass fused_rollout=False to choose the op-by-op "
+            "rollout without this warning."
+        )
+    return False
+
+
+#: Modules already told why their rollout runs op by op (weak: a module's entry goes with it).
+_warned_op_by_op: weakref.WeakSet = weakref.WeakSet()
 
 
 def _cuda_kernels_load() -> bool:

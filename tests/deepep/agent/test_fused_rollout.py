@@ -192,6 +192,42 @@ def test_module_switch_is_off_on_cpu_by_default_and_refuses_what_it_cannot_run()
             DeepEPModule(**{**MODULE, **bad, "fused_rollout": True})
 
 
+def _as_if_on_cuda(model, monkeypatch, kernels_built=True):
+    """``model`` (its state built on the CPU) reporting a CUDA device, where None resolves the switch."""
+    from deepep_lightning.deepep import rollout_loss
+
+    model._ensure_rollout_state()
+    monkeypatch.setattr(model, "_device", torch.device("cuda", 0))
+    monkeypatch.setattr(rollout_loss, "_cuda_kernels_load", lambda: kernels_built)
+
+
+@pytest.mark.parametrize("case", ["memory_env", "float64_agent"])
+def test_none_on_cuda_warns_once_naming_why_the_rollout_runs_op_by_op(case, monkeypatch, recwarn):
+    from deepep_lightning.deepep.rollout_loss import fused_rollout_on
+
+    model = DeepEPModule(**{**MODULE, **({"env": "memory"} if case == "memory_env" else {})})
+    _as_if_on_cuda(model, monkeypatch)
+    if case == "float64_agent":
+        model.agent.double()  # the env's state stays float32
+    assert not fused_rollout_on(model) and not fused_rollout_on(model)
+    messages = [str(w.message) for w in recwarn if "fused_rollout=None" in str(w.message)]
+    why = "CartPole only" if case == "memory_env" else "float32 or float64 for every weight and env state"
+    assert len(messages) == 1 and why in messages[0] and "fused_rollout=False" in messages[0]
+
+
+@pytest.mark.parametrize("case", ["false", "cpu", "kernels_not_built"])
+def test_no_warning_where_the_op_by_op_rollout_is_chosen_or_already_explained(case, monkeypatch, recwarn):
+    from deepep_lightning.deepep.rollout_loss import fused_rollout_on
+
+    model = DeepEPModule(**{**MODULE, "env": "memory", **({"fused_rollout": False} if case == "false" else {})})
+    if case == "cpu":
+        model._ensure_rollout_state()
+    else:
+        _as_if_on_cuda(model, monkeypatch, kernels_built=case != "kernels_not_built")
+    assert not fused_rollout_on(model)
+    assert not [w for w in recwarn if "fused_rollout=None" in str(w.message)]
+
+
 # ---------------------------------------------------------------- GPU
 
 
