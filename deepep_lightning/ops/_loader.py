@@ -66,6 +66,22 @@ def csrc_dir() -> Path:
     return installed if installed.is_dir() else checkout
 
 
+def _import_cpp_extension_quietly() -> None:
+    """Import ``torch.utils.cpp_extension`` without its "No CUDA runtime is found" line.
+
+    Its import guesses ``CUDA_HOME`` and logs that line on a machine with a CUDA toolkit but no GPU,
+    where this loader builds the CPU kernels only and the guess does not matter; a GPU without
+    ``nvcc`` gets the loader's own warning (:func:`_build_and_load`).
+    """
+    cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_extension_log.level
+    cpp_extension_log.setLevel(logging.ERROR)
+    try:
+        import torch.utils.cpp_extension  # noqa: F401
+    finally:
+        cpp_extension_log.setLevel(level)
+
+
 def _cuda_buildable() -> bool:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -113,6 +129,7 @@ def _sources(with_cuda: bool) -> list[str]:
 
 def _build_and_load() -> bool:
     """Builds (or re-uses) and loads the library; returns whether the CUDA kernels are in it."""
+    _import_cpp_extension_quietly()
     from torch.utils.cpp_extension import load
 
     with_cuda = _cuda_buildable()

@@ -1,6 +1,8 @@
 """Tests of deepep_lightning/ops/_loader.py: build once, thread-safe, one warning on fallback."""
 
 import shutil
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -91,3 +93,22 @@ def test_concurrent_first_use_builds_once_and_runs_hooks_once(fresh_loader):
 def test_real_extension_is_loaded_once_per_process():
     assert extension_available()
     assert _loader._attempted and _loader._loaded and _loader.extension_error() is None
+
+
+_CUDA_HOME_GUESS = "No CUDA runtime is found"
+
+
+def _stderr_of(code: str) -> str:
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
+def test_loading_the_extension_prints_no_cuda_home_guess():
+    # negative control first: torch's own import logs the guess on this machine (a CUDA toolkit, no GPU)
+    if _CUDA_HOME_GUESS not in _stderr_of("import torch.utils.cpp_extension"):
+        pytest.skip("torch logs no CUDA_HOME guess here (a visible GPU, or no CUDA toolkit)")
+    stderr = _stderr_of("from deepep_lightning.ops import extension_available; assert extension_available()")
+    assert _CUDA_HOME_GUESS not in stderr
