@@ -21,10 +21,11 @@ import torch.distributed as dist
 from deepep_lightning.strategies.process_group_exit import destroy_process_group_at_exit
 
 out, store, calls = sys.argv[1], sys.argv[2], int(sys.argv[3])
-destroyed = []
+destroyed, handler_runs = [], []
 destroy = dist.destroy_process_group
 dist.destroy_process_group = lambda *args: destroyed.append(dist.is_initialized()) or destroy(*args)
-atexit.register(lambda: open(out, "w").write(json.dumps([dist.is_initialized(), destroyed])))
+dist.is_available = lambda: handler_runs.append(1) or True  # the handler's first call
+atexit.register(lambda: open(out, "w").write(json.dumps([dist.is_initialized(), destroyed, len(handler_runs)])))
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
 dist.all_reduce(torch.ones(4))
 for _ in range(calls):
@@ -42,13 +43,14 @@ def _exit_state(tmp_path: Path, calls: int) -> list:
 
 @pytest.mark.slow
 def test_the_group_is_destroyed_before_the_interpreter_finalizes(tmp_path):
-    alive_at_exit, destroyed = _exit_state(tmp_path, calls=2)
+    alive_at_exit, destroyed, handler_runs = _exit_state(tmp_path, calls=2)
     assert alive_at_exit is False
-    assert destroyed == [True]  # registered twice (fit, then test): destroyed once, while alive
+    assert destroyed == [True]  # destroyed while alive
+    assert handler_runs == 1  # registered twice (fit, then test): one handler
 
 
 @pytest.mark.slow
 def test_without_the_handler_the_group_outlives_every_exit_handler(tmp_path):
-    alive_at_exit, destroyed = _exit_state(tmp_path, calls=0)
+    alive_at_exit, destroyed, handler_runs = _exit_state(tmp_path, calls=0)
     assert alive_at_exit is True
-    assert destroyed == []
+    assert destroyed == [] and handler_runs == 0
