@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["ATOMIC_OPS", "EMPTY_LIKE_OPS", "OVERWRITING_OPS", "RANDOM_OPS", "base_name", "likely_cause"]
+__all__ = [
+    "ATOMIC_OPS",
+    "EMPTY_LIKE_OPS",
+    "OVERWRITING_OPS",
+    "RANDOM_OPS",
+    "SILENT_OPS",
+    "base_name",
+    "likely_cause",
+]
 
 # ATen ops whose CUDA kernels accumulate with atomics (or race on duplicate indices): the order of
 # the floating-point additions, hence the last bits, changes from call to call. Names without the
@@ -54,6 +62,15 @@ ATOMIC_OPS = frozenset(
         "_unsafe_index_put",
     }
 )
+# Ops whose CUDA kernels are nondeterministic although PyTorch's deterministic mode neither raises nor
+# picks another kernel for them: they run and differ silently. Each names its cause and its fix.
+SILENT_OPS = {
+    "cudnn_grid_sampler_backward": (
+        "cuDNN's grid sampler backward accumulates with atomics; PyTorch's deterministic mode does not flag it"
+        " (F.grid_sample takes cuDNN for 4-D bilinear input, zeros padding, align_corners=True). HINT:"
+        " DeterminismCallback (patch_refused_ops) routes it to a deterministic kernel"
+    ),
+}
 # index_put and friends accumulate atomically only with accumulate=True
 ACCUMULATE_OPS = frozenset({"index_put", "_index_put_impl", "_unsafe_index_put", "put"})
 EMPTY_LIKE_OPS = frozenset(
@@ -174,6 +191,8 @@ def likely_cause(
                 " outside PyTorch ops: data, a module attribute, NumPy/Python randomness, global state)",
             )
         return ("unknown", "an input differs, written by an op the log does not compare")
+    if name in SILENT_OPS:
+        return ("atomic accumulation", "same inputs, different outputs: " + SILENT_OPS[name])
     if (
         name in ATOMIC_OPS
         or _upsample_backward(name)

@@ -16,6 +16,10 @@ forward (``torch.grid_sampler``, cuDNN path included, so the output is bit for b
   ``torch.grid_sampler`` and every other caller are covered once routing is on. The route also
   serves ``mode="nearest"`` and ``"bicubic"`` (composed from PyTorch ops,
   :mod:`deepep_lightning.ops.grid_sample_decomposed`).
+* ``aten::cudnn_grid_sampler_backward``: ``F.grid_sample`` takes cuDNN's sampler for 4-D bilinear input
+  with zeros padding and ``align_corners=True``. cuDNN's backward adds with atomics, and PyTorch's
+  deterministic mode does not flag it (no error, different bits on every run); the route serves it with the
+  same deterministic kernel (zeros padding, ``align_corners=True``).
 * everything else (``mode="nearest"``/``"bicubic"``, 5-D input, integer dtypes, no compiled
   extension, a CUDA tensor without the CUDA kernels) is handed to ``F.grid_sample`` unchanged:
   same result, and PyTorch's own error where PyTorch raises (also its deterministic-mode error).
@@ -188,3 +192,25 @@ def _backward_route(
 
 
 register_route(Route("grid_sampler_2d_backward", _backward_route, _backward_route_covers))
+
+
+def _cudnn_backward_route_covers(input: Tensor, grid: Tensor, grad_output: Tensor) -> str | None:
+    reason = grid_sample_unsupported_reason(input, grid, "bilinear", "zeros")
+    if reason is not None:
+        return reason
+    expected = (input.shape[0], input.shape[1], grid.shape[1], grid.shape[2])
+    if grad_output.dtype != input.dtype or tuple(grad_output.shape) != expected:
+        return f"grad_output {grad_output.dtype} {tuple(grad_output.shape)} does not match {input.dtype} {expected}"
+    return None
+
+
+def _cudnn_backward_route(input: Tensor, grid: Tensor, grad_output: Tensor) -> tuple[Tensor, Tensor]:
+    # cuDNN's sampler is F.grid_sample's bilinear, zeros-padding, align_corners=True case
+    return torch.ops.deepep.grid_sample_bilinear2d_backward.default(
+        grad_output, input, grid, _PADDING_MODES["zeros"], True, True
+    )
+
+
+# F.grid_sample takes cuDNN's sampler for 4-D bilinear/zeros/align_corners=True inputs. Its backward adds
+# with atomics and PyTorch's deterministic mode does not flag it: the runs differ silently.
+register_route(Route("cudnn_grid_sampler_backward", _cudnn_backward_route, _cudnn_backward_route_covers))
