@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from deepep_lightning._lightning_compat import current_autograd_node
 from deepep_lightning.audit._provenance import in_backward, innermost_module, is_user_file, named_module_tracker
 from deepep_lightning.audit.causes import EMPTY_LIKE_OPS, base_name, likely_cause
+from deepep_lightning.audit.forward_origins import ForwardOrigins
 from deepep_lightning.audit.hashing import hashes_to_ints, max_abs_diff, tensor_hash
 
 __all__ = ["Divergence", "OpHashMode", "OpRecord", "first_divergence", "locate"]
@@ -78,6 +79,7 @@ class OpRecord:
     input_producers: list = dataclasses.field(default_factory=list)
     accumulate: bool = False
     deterministic_arg: bool | None = None
+    forward_caller: str | None = None  # backward ops: the call outside torch that made their autograd node
 
     @property
     def uninitialised_inputs(self) -> list[int]:
@@ -109,9 +111,12 @@ class Divergence:
     cause: str
     explanation: str
     ops_compared: int
+    forward_caller: str | None = None
 
     def describe(self) -> str:
         where = self.module_path or "(no module)"
+        if self.forward_caller:
+            where += f" (its forward: {self.forward_caller})"
         diff = "n/a (values not kept)" if self.max_abs_diff is None else f"{self.max_abs_diff:.6g}"
         lines = [
             f"first divergent op #{self.index}: {self.op} ({self.phase}) in module {where}"
@@ -155,15 +160,20 @@ class OpHashMode(TorchDispatchMode):
         # before) and has not been written since is not hashed again
         self._hash_cache: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._pending: list[tuple[OpRecord, list[Tensor], list[Tensor]]] = []
+        # a backward op is attributed to the module and call that ran its forward, not to the module
+        # whose backward hook ran last
+        self._origins = ForwardOrigins(self._tracker, _user_frames)
 
     def __enter__(self) -> "OpHashMode":
         if self._tracker is not None:
             self._tracker.__enter__()
+        self._origins.__enter__()
         super().__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
+        self._origins.__exit__(*exc)
         if self._tracker is not None:
             self._tracker.__exit__(*exc)
         self.finish()
@@ -181,13 +191,15 @@ class OpHashMode(TorchDispatchMode):
         tensors_in = [v for v in flat_inputs if isinstance(v, Tensor)]
         in_hashes = [self._hash(t) for t in tensors_in]
         node = current_autograd_node()
+        origin = self._origins.origin_of(node)
         record = OpRecord(
             index=len(self.records),
             op=str(func),
             phase="backward" if in_backward(self._tracker, node) else "forward",
-            module_path=innermost_module(self._tracker),
+            module_path=origin.module_path if origin is not None else innermost_module(self._tracker),
             autograd_node=type(node).__name__ if node is not None else None,
-            frames=_user_frames(),
+            frames=origin.frames if origin is not None else _user_frames(),
+            forward_caller=origin.caller if origin is not None else None,
             scalars=_scalar_repr([v for v in flat_inputs if not isinstance(v, Tensor)]),
             input_meta=[(str(t.dtype).replace("torch.", ""), tuple(t.shape)) for t in tensors_in],
             output_meta=[],
@@ -296,6 +308,7 @@ def _make(
         cause=cause,
         explanation=explanation,
         ops_compared=count,
+        forward_caller=record.forward_caller,
     )
 
 

@@ -96,6 +96,7 @@ def _describe_divergence(d: dict) -> str:
         f"  first divergent op: {d['op']} ({d['phase']}, op #{d['index']} of {d.get('ops_compared', '?')})",
         f"    module: {d.get('module_path') or '(outside any module)'}"
         + (f"; autograd node: {d['autograd_node']}" if d.get("autograd_node") else ""),
+        *([f"    called in forward at: {d['forward_caller']}"] if d.get("forward_caller") else []),
         f"    outputs: {outputs}; max |diff| {diff}; inputs identical: {d.get('inputs_identical')}",
         f"    likely cause: {d['cause']} — {d['explanation']}",
     ]

@@ -151,3 +151,68 @@ def test_module_paths_are_qualified_names_in_forward_and_backward():
     expected = {f"blocks.{i}.{name}" for i in range(4) for name in ("norm", "attn.lin")} | {"head"}
     assert expected <= forward and {"blocks.2.attn.lin", "blocks.0.norm", "head"} <= backward
     assert not any(path and path.startswith(("_Block", "_Attn", "LayerNorm", "Linear")) for path in forward | backward)
+
+
+def test_silent_cudnn_grid_sampler_is_a_known_offender():
+    cause, explanation = likely_cause(_record("aten.cudnn_grid_sampler_backward.default"), inputs_identical=True)
+    assert cause == "atomic accumulation"
+    assert "cuDNN's grid sampler backward" in explanation and "does not flag it" in explanation
+
+
+_planted_backward_calls = {"n": 0}
+
+
+@torch.library.custom_op("deepep_audit_test::planted_scale", mutates_args=())
+def _planted_scale(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_planted_scale.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def _planted_scale_backward(ctx, grad):
+    _planted_backward_calls["n"] += 1
+    return grad * (2 + _planted_backward_calls["n"])  # planted: the backward differs on every call
+
+
+_planted_scale.register_autograd(_planted_scale_backward)
+
+
+class _Lookup(nn.Module):
+    """Used through a method, not ``forward`` (as RAFT's correlation block): no module hook sees the call."""
+
+    def index(self, x):
+        return _planted_scale(x)
+
+
+class _LookupNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lookup = _Lookup()
+        self.head = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
+
+    def forward(self, x):
+        return self.head(self.lookup.index(x)).sum()
+
+
+def test_backward_op_is_attributed_to_the_forward_call_that_made_its_node():
+    torch.manual_seed(0)
+    net, x = _LookupNet(), torch.randn(2, 3, requires_grad=True)
+    logs = []
+    for _ in range(2):
+        x.grad = None
+        net.zero_grad(set_to_none=True)
+        with OpHashMode(net) as log:
+            net(x).backward()
+        logs.append(log)
+    divergence = first_divergence(*logs)
+    assert divergence.phase == "backward" and divergence.autograd_node.startswith("GeneratedBackwardFor")
+    # The module tracker alone names the head, whose backward hooks ran last; the op's forward ran in the
+    # root module's forward, called from _Lookup.index.
+    assert divergence.module_path == "_LookupNet"
+    assert divergence.forward_caller.split(" <- ")[0].endswith("in index")
+    assert "test_op_hashes.py" in divergence.forward_caller
+    assert any("in index" in frame for frame in divergence.stack)
+    assert "its forward:" in divergence.describe()
