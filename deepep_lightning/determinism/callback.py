@@ -72,7 +72,12 @@ from deepep_lightning.determinism.resume_checks import (
     verify_digests,
     warn_without_state,
 )
-from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state, seed_everything_from
+from deepep_lightning.determinism.rng import (
+    capture_rng_state,
+    restore_rng_state,
+    seed_everything_from,
+    unseeded_draws_before_first_seed,
+)
 from deepep_lightning.determinism.seed_source import check_seeded_before_model, resolve_seed, warn_if_seed_disagrees
 from deepep_lightning.determinism.train_loaders import make_train_loaders_seekable
 from deepep_lightning.ops.routing import patch_refused_ops
@@ -194,6 +199,19 @@ class DeterminismCallback(Callback):
         self._rank = 0
         self._world_size = 1
         self._num_nodes = 1
+        self._drawn_unseeded_in_launcher = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # ddp_spawn pickles the callback (with the model) in the launching process: a spawned rank's fresh
+        # generator cannot show that the weights were drawn there before any seed, so record it here
+        state = self.__dict__.copy()
+        state["_drawn_unseeded_in_launcher"] = self._drawn_unseeded_in_launcher or unseeded_draws_before_first_seed()
+        state["_own_loaders"] = None  # a WeakSet does not pickle; each process makes its own loaders
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._own_loaders = weakref.WeakSet()
 
     def _settle_seed(self) -> None:
         self.seed, self._seed_source = resolve_seed(self._seed_argument)
@@ -208,7 +226,7 @@ class DeterminismCallback(Callback):
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
         self._num_nodes = trainer.num_nodes
         self._settle_seed()
-        check_seeded_before_model(self.strict)
+        check_seeded_before_model(self.strict, self._drawn_unseeded_in_launcher)
         configure_at_setup(
             self.seed, self._configure_kwargs, strict=self.strict, flags_at_init=self._deterministic_flags_at_init
         )

@@ -25,6 +25,7 @@ __all__ = [
     "capture_rng_state",
     "default_generator_is_unseeded",
     "restore_rng_state",
+    "unseeded_draws_before_first_seed",
     "seed_everything_from",
     "fork_global_rng",
 ]
@@ -36,6 +37,11 @@ _NUMPY_SEED_MASK = 2**32 - 1
 _SEED_AT_IMPORT = torch.initial_seed()
 _STATE_AT_IMPORT = torch.get_rng_state()
 _LARGEST_USER_SEED = 2**32 - 1
+# The plugin's own seeding (a DDP strategy seeds every rank before any callback's setup) replaces the
+# start-up seed, which would hide that the model drew its weights before: remember it until someone else
+# seeds (their seed is then what the generator's numbers come from).
+_last_plugin_seed: int | None = None
+_plugin_seeded_over_unseeded_draws = False
 
 
 def _numpy_state() -> dict[str, Any]:
@@ -157,6 +163,34 @@ def _only_cpu_and_cuda() -> bool:
     return not any(others)
 
 
+def _note_plugin_seed(derived: int) -> None:
+    global _last_plugin_seed, _plugin_seeded_over_unseeded_draws
+    if default_generator_is_unseeded():
+        _plugin_seeded_over_unseeded_draws = True
+    elif _last_plugin_seed is None or torch.initial_seed() != _last_plugin_seed:
+        _plugin_seeded_over_unseeded_draws = False  # seeded by someone else since
+    _last_plugin_seed = derived
+
+
+def unseeded_draws_before_first_seed() -> bool:
+    """True when torch's default generator drew numbers before anyone seeded it in this process.
+
+    :func:`default_generator_is_unseeded`, and also when the first seed came from the plugin itself
+    (:func:`seed_everything_from`, e.g. ``DeterministicDDPStrategy`` seeding each rank before the callbacks'
+    ``setup``) over a generator that had already drawn: that seed cannot have made the model's weights. A
+    seed set by anyone else afterwards (``seed_everything``) ends it.
+
+    Example::
+
+        torch.nn.Linear(4, 4)                # drawn from the unseeded generator
+        seed_everything_from(0, "rank", 0)   # the plugin's own seeding hides it from the start-up check
+        unseeded_draws_before_first_seed()   # True
+    """
+    if default_generator_is_unseeded():
+        return True
+    return _plugin_seeded_over_unseeded_draws and torch.initial_seed() == _last_plugin_seed
+
+
 def seed_everything_from(seed: int, *keys: int | str) -> int:
     """Seed torch (CPU and every CUDA device), numpy and ``random`` from ``derive_seed(seed, *keys)``.
 
@@ -172,6 +206,7 @@ def seed_everything_from(seed: int, *keys: int | str) -> int:
     both paths give equal states).
     """
     derived = derive_seed(seed, *keys)
+    _note_plugin_seed(derived)
     if _only_cpu_and_cuda():
         torch.default_generator.manual_seed(derived)
         if torch.cuda.is_initialized():

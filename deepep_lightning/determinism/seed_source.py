@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from deepep_lightning.determinism.configuration import last_configure_record
-from deepep_lightning.determinism.rng import default_generator_is_unseeded
+from deepep_lightning.determinism.rng import unseeded_draws_before_first_seed
 
 __all__ = ["check_seeded_before_model", "lightning_global_seed", "resolve_seed", "warn_if_seed_disagrees"]
 
@@ -58,13 +58,20 @@ def warn_if_seed_disagrees(seed_argument: int | None, seed: int) -> None:
         )
 
 
-def check_seeded_before_model(strict: bool) -> None:
+def check_seeded_before_model(strict: bool, drawn_unseeded_in_launcher: bool = False) -> None:
     """Refuse (``strict``) or warn when torch's default generator drew numbers before any seed was set.
 
+    Args:
+        strict: raise instead of warning.
+        drawn_unseeded_in_launcher: the process that launched this one (``ddp_spawn`` pickles the model
+            built there) had drawn from an unseeded generator.
+
     Raises:
-        MisconfigurationException: under ``strict``, the generator is still torch's unseeded start-up one.
+        MisconfigurationException: under ``strict``, the generator drew before any seed, here (also when the
+            plugin's own per-rank seeding came after the draws) or in the launching process.
     """
-    if last_configure_record() is not None or not default_generator_is_unseeded():
+    unseeded = drawn_unseeded_in_launcher or unseeded_draws_before_first_seed()
+    if last_configure_record() is not None or not unseeded:
         return
     message = (
         "DeterminismCallback: torch's default generator drew numbers (the model's initial weights,"

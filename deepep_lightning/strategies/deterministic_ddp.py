@@ -53,13 +53,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.fingerprint import describe_layout
 from deepep_lightning.determinism.nccl_profile import NcclAlgorithm, NcclProtocol, apply_nccl_profile
-from deepep_lightning.determinism.rng import seed_everything_from
+from deepep_lightning.determinism.rng import seed_everything_from, unseeded_draws_before_first_seed
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY
 from deepep_lightning.strategies.ddp_arguments import validate_arguments
@@ -206,6 +207,14 @@ class DeterministicDDPStrategy(DDPStrategy):
             self.nccl_env, _ = apply_nccl_profile(self.nccl_algorithm, self.nccl_protocol)
         super().setup_distributed()  # Lightning's reset_seed(), ranks, init_process_group
         destroy_process_group_at_exit()  # a gloo group left to finalization can abort the process
+        if unseeded_draws_before_first_seed():
+            # the per-rank seeds below come too late for weights drawn already; DeterminismCallback
+            # (strict=True) refuses the run at its setup, as it does in one process
+            rank_zero_warn(
+                "ddp_deterministic: torch's default generator drew numbers (the model's initial weights, most"
+                " likely) before any seed was set, so two runs start from different weights. HINT: call"
+                " `lightning.pytorch.seed_everything(seed)` before building the model."
+            )
         self.rank_seed = seed_everything_from(self.seed, "rank", self.global_rank)
         log.debug("rank %d seeded with %d", self.global_rank, self.rank_seed)
 
