@@ -12,6 +12,7 @@
 #   collapse_recovery bench_collapse_recovery.py (train.py fit with and without the RegressionTrigger)
 #   audit             audit_gpu.py                refused_ops       bench_refused_ops.py, twice
 #   refused_ops_list  list_refused_ops.py         ddp, ddp_ablation bench_ddp.py, ddp_ablation.py (2 GPUs)
+#   silent_ops        sweep_silent_ops.py: OpInfo, ModuleInfo, large/cuDNN/SDPA/compile cases, bitwise x3
 #   gpu-tests         every test marked gpu and not multigpu; gpu-tests-multi: the multigpu tests (2 GPUs)
 #                     (GPU_TESTS="tests/ops/test_x.py ..." runs those files instead of tests/)
 #
@@ -21,7 +22,7 @@
 # time limit still returns every run that finished.
 set -u
 SECTIONS="setup train_step all_action_q sanitize determinism_tax determinism_tax_graph learning collapse_recovery health_overhead audit refused_ops"
-SECTIONS+=" refused_ops_list ddp ddp_ablation gpu-tests gpu-tests-multi"
+SECTIONS+=" refused_ops_list silent_ops ddp ddp_ablation gpu-tests gpu-tests-multi"
 for section in "$@"; do
   case " $SECTIONS " in
     *" $section "*) ;;
@@ -282,6 +283,11 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
       done ;;
     refused_ops_list)
       run list_refused_ops 120 python3 benchmarks/list_refused_ops.py --out "$RESULTS/refused_ops_list" ;;
+    silent_ops)
+      run sweep_silent_ops 560 python3 benchmarks/sweep_silent_ops.py --out "$LOGS/silent_ops" --device cuda \
+        --shards ${SILENT_OPS_SHARDS:-6} --budget-s ${SILENT_OPS_BUDGET_S:-420}
+      mkdir -p "$RESULTS/silent_ops"
+      cp -f "$LOGS"/silent_ops/silent_ops*.json "$RESULTS/silent_ops/" 2>/dev/null || echo "no sweep results" ;;
     ddp)
       run bench_ddp 300 python3 benchmarks/bench_ddp.py --out "$LOGS/ddp" --gpus 2
       keep "$LOGS/ddp/ddp.json" "$RESULTS/ddp" ;;
