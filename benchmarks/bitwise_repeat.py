@@ -68,7 +68,9 @@ def bytes_equal(a: Tensor, b: Tensor) -> bool:
         return False
     if a.is_sparse or b.is_sparse:
         a, b = a.to_dense(), b.to_dense()
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+    # a fresh contiguous copy: a one-element or expanded tensor can keep a stride that a byte view refuses
+    a, b = (t.reshape(-1).clone(memory_format=torch.contiguous_format) for t in (a, b))
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _floating(value: Any) -> bool:

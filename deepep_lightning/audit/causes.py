@@ -70,6 +70,11 @@ SILENT_OPS = {
         " (F.grid_sample takes cuDNN for 4-D bilinear input, zeros padding, align_corners=True). HINT:"
         " DeterminismCallback (patch_refused_ops) routes it to a deterministic kernel"
     ),
+    "adaptive_max_pool3d_backward": (
+        "PyTorch's CUDA backward of 3-D adaptive max pooling adds into overlapping windows with atomics and its"
+        " deterministic mode does not flag it (measured: nn.AdaptiveMaxPool3d's gradients differ run to run)."
+        " HINT: DeterminismCallback (patch_refused_ops) routes it to a deterministic kernel"
+    ),
 }
 # index_put and friends accumulate atomically only with accumulate=True
 ACCUMULATE_OPS = frozenset({"index_put", "_index_put_impl", "_unsafe_index_put", "put"})

@@ -31,7 +31,7 @@ def sweep_modules(monkeypatch):
 def test_planted_shuffled_sum_differs_and_fixed_order_is_bitwise(sweep_modules):
     bitwise_repeat, silent_op_cases = sweep_modules
     verdicts = {case.name: bitwise_repeat.run_case(case) for case in silent_op_cases.planted_cases("cpu")}
-    shuffled, ordered = verdicts["planted/shuffled_index_add"], verdicts["planted/ordered_sum"]
+    shuffled, ordered = verdicts["planted/shuffled_sum"], verdicts["planted/ordered_sum"]
     assert shuffled.verdict == "differs" and "output 0" in shuffled.detail, shuffled
     assert ordered.verdict == "bitwise" and ordered.compared == 2, ordered  # the output and one gradient
 
@@ -91,7 +91,7 @@ def test_driver_runs_opinfo_in_both_modes_and_fails_on_the_planted_difference(tm
     for mode in ("pytorch", "plugin"):
         summary = report["modes"][mode]
         assert summary["all_workers_done"] and summary["not_reached"] == 0
-        assert [case["name"] for case in summary["differs"]] == ["planted/shuffled_index_add"]
+        assert [case["name"] for case in summary["differs"]] == ["planted/shuffled_sum"]
         assert summary["counts"]["bitwise"] >= 8  # index_add and cumsum: 2 dtypes x 2 samples each, and the control
         assert summary["by_path"]["opinfo"] == {"bitwise": summary["counts"]["bitwise"] - 1}
-    assert "planted/shuffled_index_add: repeat 1" in result.stdout
+    assert "planted/shuffled_sum: repeat 1" in result.stdout

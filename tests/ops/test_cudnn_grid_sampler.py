@@ -98,7 +98,7 @@ plugin = sys.argv[2] == "plugin"
 class Flow(pl.LightningModule):
     def __init__(self):
         super().__init__()
-        self.net = raft_small(weights=None, num_flow_updates=4)
+        self.net = raft_small(weights=None)
         self.losses = []
 
     def training_step(self, batch, batch_idx):
@@ -160,7 +160,7 @@ def test_gpu_audit_names_the_cudnn_sampler_and_raft_correlation_lookup():
     from deepep_lightning.audit.op_hashes import locate
 
     torch.manual_seed(0)
-    net = raft_small(weights=None, num_flow_updates=2).cuda()
+    net = raft_small(weights=None).cuda()
     g = torch.Generator().manual_seed(0)
     image1, image2 = ((torch.rand(2, 3, 128, 128, generator=g) * 2 - 1).cuda() for _ in range(2))
 
