@@ -268,9 +268,7 @@ def planted_cases(device: str) -> Iterator[Case]:
     def values_and_index(g: torch.Generator) -> tuple:
         scale = 10.0 ** torch.randint(-8, 9, (2**16,), generator=g)  # a wide range: the order moves the bits
         values = _leaf(g, 2**16, device=device, dtype=torch.float64) * scale.to(device)
-        return values.detach().requires_grad_(), torch.randint(
-            0, 16, (2**16,), generator=g
-        ).to(device)
+        return values.detach().requires_grad_(), torch.randint(0, 16, (2**16,), generator=g).to(device)
 
     # A float64 running sum (cumsum) adds in the order it is given, on every device and whatever the plugin
     # routes (float32 sums may be carried in float64 and lose the order): the shuffled one changes the order.
