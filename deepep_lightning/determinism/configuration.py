@@ -117,8 +117,10 @@ def configure(
         cudnn_benchmark: ``torch.backends.cudnn.benchmark`` (autotuning picks kernels by timing).
         distributed: also set :data:`NCCL_DETERMINISTIC_ENV` (kept where already set).
         inductor: set ``torch._inductor.config.deterministic`` as well.
-        patch_refused_ops: route ``F.grid_sample`` / ``F.interpolate`` (bilinear, 4-D) to the
-            extension's deterministic-backward kernels while deterministic mode is on
+        patch_refused_ops: route the CUDA kernels that deterministic mode refuses or runs
+            non-deterministically without a word (``nll_loss2d``, pooling and padding backwards,
+            ``grid_sample`` including cuDNN's sampler, ``interpolate``, the ``index_reduce``/``scatter``
+            family, ...) to the extension's deterministic kernels while deterministic mode is on
             (:func:`deepep_lightning.ops.patch_refused_ops`); other cases keep PyTorch's behaviour.
 
     Returns:
