@@ -164,7 +164,11 @@ def _backward_route_covers(
         return f"interpolation_mode={interpolation_mode!r} is not one of 0, 1, 2 (bilinear, nearest, bicubic)"
     if padding_mode not in _PADDING_NAMES:
         return f"padding_mode={padding_mode!r} is not one of {sorted(_PADDING_NAMES)}"
-    reason = grid_sample_unsupported_reason(input, grid, "bilinear", _PADDING_NAMES[padding_mode])
+    return _bilinear_backward_unsupported_reason(grad_output, input, grid, _PADDING_NAMES[padding_mode])
+
+
+def _bilinear_backward_unsupported_reason(grad_output: Tensor, input: Tensor, grid: Tensor, padding: str) -> str | None:
+    reason = grid_sample_unsupported_reason(input, grid, "bilinear", padding)
     if reason is not None:
         return reason
     expected = (input.shape[0], input.shape[1], grid.shape[1], grid.shape[2])
@@ -195,13 +199,7 @@ register_route(Route("grid_sampler_2d_backward", _backward_route, _backward_rout
 
 
 def _cudnn_backward_route_covers(input: Tensor, grid: Tensor, grad_output: Tensor) -> str | None:
-    reason = grid_sample_unsupported_reason(input, grid, "bilinear", "zeros")
-    if reason is not None:
-        return reason
-    expected = (input.shape[0], input.shape[1], grid.shape[1], grid.shape[2])
-    if grad_output.dtype != input.dtype or tuple(grad_output.shape) != expected:
-        return f"grad_output {grad_output.dtype} {tuple(grad_output.shape)} does not match {input.dtype} {expected}"
-    return None
+    return _bilinear_backward_unsupported_reason(grad_output, input, grid, "zeros")
 
 
 def _cudnn_backward_route(input: Tensor, grid: Tensor, grad_output: Tensor) -> tuple[Tensor, Tensor]:
