@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from deepep_lightning.determinism.configuration import ConfigureRecord, configure, last_configure_record
 from deepep_lightning.determinism.rng import seed_everything_from
-from deepep_lightning.trainer_deterministic import warn_if_trainer_deterministic_conflicts
+from deepep_lightning.determinism.trainer_flag import warn_if_trainer_deterministic_conflicts
 
 __all__ = ["configure_at_setup", "deterministic_flags"]
 

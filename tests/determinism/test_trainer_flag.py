@@ -2,7 +2,7 @@
 
 import pytest
 
-from deepep_lightning.trainer_deterministic import (
+from deepep_lightning.determinism.trainer_flag import (
     trainer_deterministic_conflict,
     warn_if_trainer_deterministic_conflicts,
 )
