@@ -61,6 +61,7 @@ from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.fingerprint import describe_layout
 from deepep_lightning.determinism.nccl_profile import NcclAlgorithm, NcclProtocol, apply_nccl_profile
 from deepep_lightning.determinism.rng import seed_everything_from, unseeded_draws_before_first_seed
+from deepep_lightning.determinism.seed_source import resolve_seed
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY
 from deepep_lightning.strategies.ddp_arguments import validate_arguments
@@ -72,7 +73,7 @@ from deepep_lightning.strategies.gradient_reduction import (
 )
 from deepep_lightning.strategies.micro_batch_gradients import MicroBatchGradients
 from deepep_lightning.strategies.process_group_exit import destroy_process_group_at_exit
-from deepep_lightning.strategies.rank_state import CHECKPOINT_KEY, apply_rank_state, build_rank_state, resolve_run_seed
+from deepep_lightning.strategies.rank_state import CHECKPOINT_KEY, apply_rank_state, build_rank_state
 from deepep_lightning.strategies.resume_layout import check_resume_layout, warn_if_seed_differs, warn_without_record
 from deepep_lightning.strategies.train_data import check_partition, distributed_shard, shard_train_loader
 from deepep_lightning.strategies.virtual_shards import sampler_seed
@@ -202,7 +203,7 @@ class DeterministicDDPStrategy(DDPStrategy):
     # ---------------------------------------------------------------- process group
     @override
     def setup_distributed(self) -> None:
-        self.seed = resolve_run_seed(self._seed_arg)
+        self.seed = resolve_seed(self._seed_arg)[0]
         if "nccl" in _lightning_compat.requested_process_group_backend(self):
             self.nccl_env, _ = apply_nccl_profile(self.nccl_algorithm, self.nccl_protocol)
         super().setup_distributed()  # Lightning's reset_seed(), ranks, init_process_group
@@ -219,10 +220,15 @@ class DeterministicDDPStrategy(DDPStrategy):
         log.debug("rank %d seeded with %d", self.global_rank, self.rank_seed)
 
     @property
+    def run_seed(self) -> int:
+        """The run seed: settled when the process group starts, before that the callback's rule
+        (the ``seed`` argument, else ``PL_GLOBAL_SEED``, else :func:`configure`'s seed, else 0)."""
+        return self.seed if self.seed is not None else resolve_seed(self._seed_arg)[0]
+
+    @property
     def rank_seeds(self) -> list[int]:
         """The seed of every rank (a pure function of the run seed and the rank)."""
-        seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
-        return [derive_seed(seed, "rank", rank) for rank in range(self.world_size)]
+        return [derive_seed(self.run_seed, "rank", rank) for rank in range(self.world_size)]
 
     @property
     def node_layout(self) -> str:
@@ -262,8 +268,7 @@ class DeterministicDDPStrategy(DDPStrategy):
     @property
     def sampler_seed(self) -> int:
         """``seed`` given to ``DistributedSampler`` (it draws epoch ``e`` from ``sampler_seed + e``)."""
-        seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
-        return sampler_seed(seed)
+        return sampler_seed(self.run_seed)
 
     # ---------------------------------------------------------------- per-step streams, virtual ranks
     @property
@@ -394,7 +399,6 @@ class DeterministicDDPStrategy(DDPStrategy):
             warn_without_record()
             return checkpoint
         self.check_resume(state)
-        current_seed = resolve_run_seed(self._seed_arg) if self.seed is None else self.seed
-        warn_if_seed_differs(state.get("seed"), current_seed)
+        warn_if_seed_differs(state.get("seed"), self.run_seed)
         apply_rank_state(checkpoint, state, self.global_rank, self.world_size)
         return checkpoint

@@ -11,7 +11,6 @@ shards, per-rank seeds, rollout streams and the all-reduce order are all functio
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,7 +18,6 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from deepep_lightning.determinism.configuration import last_configure_record
 from deepep_lightning.determinism.fingerprint import describe_layout
 
 __all__ = [
@@ -28,7 +26,6 @@ __all__ = [
     "apply_rank_state",
     "build_rank_state",
     "check_world_size",
-    "resolve_run_seed",
 ]
 
 #: Where the strategy's state lives in a Lightning checkpoint.
@@ -38,17 +35,6 @@ _STATE_VERSION = 1
 
 class WorldSizeMismatchError(MisconfigurationException):
     """A checkpoint written with one world size is resumed with another."""
-
-
-def resolve_run_seed(seed: int | None) -> int:
-    """``seed``, else ``PL_GLOBAL_SEED`` (``seed_everything``), else :func:`configure`'s seed, else 0."""
-    if seed is not None:
-        return int(seed)
-    from_env = os.environ.get("PL_GLOBAL_SEED")
-    if from_env is not None and from_env.lstrip("-").isdigit():
-        return int(from_env)
-    record = last_configure_record()
-    return int(record.seed) if record is not None else 0
 
 
 def _gather(local: Any, world_size: int) -> list[Any]:

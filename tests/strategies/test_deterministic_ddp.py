@@ -18,7 +18,6 @@ from deepep_lightning import _lightning_compat
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY
 from deepep_lightning.strategies import CHECKPOINT_KEY, DeterministicDDPStrategy, WorldSizeMismatchError
-from deepep_lightning.strategies.rank_state import resolve_run_seed
 
 
 @pytest.fixture
@@ -97,11 +96,12 @@ def test_shard_is_a_pure_function_that_partitions_each_epoch():
     assert DeterministicDDPStrategy.shard(30, 8, 0, 0, 3) != shards[(0, 0)]  # negative control: the seed matters
 
 
-def test_resolve_run_seed(monkeypatch):
-    assert resolve_run_seed(3) == 3
+def test_run_seed_follows_the_callbacks_rule(monkeypatch):
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    assert DeterministicDDPStrategy(seed=3).run_seed == 3
     monkeypatch.setenv("PL_GLOBAL_SEED", "42")
-    assert resolve_run_seed(None) == 42
-    assert resolve_run_seed(3) == 3  # explicit wins
+    assert DeterministicDDPStrategy().run_seed == 42
+    assert DeterministicDDPStrategy(seed=3).run_seed == 3  # explicit wins
 
 
 def test_resume_with_another_world_size_is_refused(make_trainer):
