@@ -64,10 +64,11 @@ def exit_code_for(signum: int) -> int:
 
 
 def _signal_number(value: Any) -> signal.Signals:
-    if isinstance(value, str) and hasattr(signal, value) and value.startswith("SIG") and "_" not in value:
-        value = getattr(signal, value)
+    named = value
+    if isinstance(value, str) and value.startswith("SIG") and "_" not in value:
+        named = getattr(signal, value, None)
     try:
-        number = signal.Signals(value)
+        number = signal.Signals(named)
     except (ValueError, TypeError):
         number = None
     if number is None or number in (signal.SIGKILL, signal.SIGSTOP):
