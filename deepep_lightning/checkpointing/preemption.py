@@ -5,8 +5,9 @@ Lightning's own SIGTERM handler stops the fit with exit code 0 and writes nothin
 the last checkpoint are lost and a scheduler that requeues on a non-zero exit never requeues. This
 callback, during ``fit``:
 
-* replaces the handlers of ``signals`` from ``on_train_start`` (after Lightning installed its own)
-  with one that only records the signal; a repeated SIGINT raises ``KeyboardInterrupt`` at once;
+* replaces the handlers of ``signals`` from the sanity check (or ``on_train_start``), after Lightning
+  installed its own, with one that only records the signal; a repeated SIGINT raises
+  ``KeyboardInterrupt`` at once;
 * at the end of every ``check_every_n_steps``-th optimizer step (``on_train_batch_end`` after a
   step, never inside an accumulation window) agrees across ranks with one ``max`` reduction of
   the signal numbers, so a signal that reached one rank stops every rank at the same step;
@@ -124,19 +125,18 @@ class PreemptionCallback(Callback):
             "PreemptionCallback", "check_every_n_steps", check_every_n_steps, 1, 100_000
         )
         self.atomic_checkpoints = _checks.strict_bool("PreemptionCallback", "atomic_checkpoints", atomic_checkpoints)
-        self.received: signal.Signals | None = None  # the first signal this process got since train start
+        self.received: signal.Signals | None = None  # the first signal this process got during this fit
         self._previous: dict[signal.Signals, Any] = {}
         self._step_at_batch_start = 0
 
     # ---------------------------------------------------------------- handlers
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # only a flag: the step finishes, and every rank acts at the same boundary
+        # only a flag (no I/O, no lock in a signal handler): the step finishes, every rank acts at one boundary
         number = signal.Signals(signum)
         if self.received is not None and number == signal.SIGINT:
             raise KeyboardInterrupt
         if self.received is None:
             self.received = number
-        log.info("PreemptionCallback: received %s; checkpointing at the next optimizer step", number.name)
 
     def _handled_signals(self, trainer: "pl.Trainer") -> list[signal.Signals]:
         environment = _lightning_compat.cluster_environment(trainer)
@@ -150,23 +150,28 @@ class PreemptionCallback(Callback):
             log.warning("PreemptionCallback: not the main thread, no signal handler installed")
             return
         for number in self._handled_signals(trainer):
-            self._previous[number] = signal.signal(number, self._handle)
+            if number not in self._previous:  # idempotent: the sanity check and the train start both install
+                self._previous[number] = signal.signal(number, self._handle)
 
     def _restore(self) -> None:
         for number, previous in self._previous.items():
-            if signal.getsignal(number) == self._handle and previous is not None:
-                signal.signal(number, previous)
+            if signal.getsignal(number) == self._handle:  # None: a handler not set from Python; the default
+                signal.signal(number, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
 
     # ---------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self.received = None
         if stage == "fit" and self.atomic_checkpoints and type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
 
     @override
+    def on_sanity_check_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._install(trainer)  # a signal during the sanity check is acted on after the first step
+
+    @override
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        self.received = None
         self._install(trainer)
         names = ", ".join(s.name for s in self._handled_signals(trainer))
         rank_zero_info(f"PreemptionCallback: on {names}, checkpoint to {self.resolved_path(trainer)!r} and exit")
