@@ -166,7 +166,8 @@ def main(argv: list[str]) -> None:
         from deepep_lightning.checkpointing import PreemptionCallback
 
         callbacks.append(PreemptionCallback(checkpoint_path=os.path.join(args.out, "last.ckpt")))
-    callbacks.append(_signal_and_record(args, rank))
+    if args.preemption or args.signal_rank >= 0:
+        callbacks.append(_signal_and_record(args, rank))
     model = _module()
     strategy_arg = "ddp_deterministic"
     if args.strategy_kwargs:
