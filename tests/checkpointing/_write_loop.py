@@ -5,12 +5,13 @@ Usage (from the tests)::
     python _write_loop.py PATH {atomic,plain}
 
 ``atomic`` writes through :class:`~deepep_lightning.AtomicCheckpointIO`, ``plain`` with ``torch.save``
-straight to ``PATH`` (the negative control). The first write is complete before ``PATH.ready`` is
-created; every later write holds other values, so a file that mixes two writes cannot pass as either.
+straight to ``PATH`` (the negative control). After the first write ``PATH.ready`` holds its size in
+bytes; every later write holds other values, so a file that mixes two writes cannot pass as either.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -28,7 +29,9 @@ def main(path: str, mode: str) -> None:
         else:
             torch.save(checkpoint, path)
         if version == 0:
-            open(path + ".ready", "w").close()
+            with open(path + ".ready.tmp", "w") as handle:
+                handle.write(str(os.path.getsize(path)))
+            os.replace(path + ".ready.tmp", path + ".ready")
         version += 1
 
 

@@ -145,14 +145,17 @@ def test_a_real_full_filesystem(small_filesystem: Path, io_class: type) -> None:
 
 def _kill_in_the_middle_of_a_write(fit_process, tmp_path: Path, mode: str) -> Path:
     path = tmp_path / "last.ckpt"
+    ready = tmp_path / "last.ckpt.ready"  # holds the size of a complete file
     process = fit_process(_WRITE_LOOP, [str(path), mode], log_path=tmp_path / "log.txt", cwd=tmp_path)
-    deadline = time.monotonic() + 120
     partial = path.with_name(path.name + f".tmp.{process.process.pid}") if mode == "atomic" else path
-    complete = None
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline and process.process.poll() is None:
-        if (tmp_path / "last.ckpt.ready").exists():
-            complete = complete or path.stat().st_size
-            size = partial.stat().st_size if partial.exists() else 0
+        if ready.exists():
+            complete = int(ready.read_text())
+            try:
+                size = partial.stat().st_size
+            except FileNotFoundError:  # between two writes (the rename took the temporary file)
+                size = 0
             if 0 < size < complete * 0.9:  # a write is under way, far from its end
                 process.process.kill()
                 break
