@@ -92,3 +92,23 @@ def test_slurm_auto_requeue_keeps_lightnings_requeue_signal(tmp_path: Path, quie
     assert raised.value.code == 143 and torch.load(tmp_path / "p.ckpt", weights_only=False)["global_step"] == 2
     assert sender.handlers[signal.SIGTERM] == preemption._handle
     assert sender.handlers[signal.SIGUSR1] != preemption._handle  # Lightning's: it saves and requeues
+
+
+def test_default_path_is_model_checkpoints_last_and_ckpt_path_last_resumes_from_it(
+    tmp_path: Path, quiet_trainer, boring_module
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def trainer(*callbacks: Callback):
+        periodic = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_last=True)
+        return quiet_trainer(max_steps=10, enable_checkpointing=True, callbacks=[periodic, *callbacks])
+
+    preempted = trainer(PreemptionCallback(), _SignalAt(signal.SIGTERM, batch=5))
+    with pytest.raises(SystemExit) as raised:
+        preempted.fit(boring_module())
+    assert raised.value.code == 143
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["global_step"] == 6  # the periodic one said 4
+    resumed, module = trainer(), boring_module()
+    resumed.fit(module, ckpt_path="last")
+    assert resumed.ckpt_path == str(tmp_path / "last.ckpt") and resumed.global_step == 10
+    assert len(module.losses) == 4  # steps 7 to 10: nothing after step 6 was repeated
