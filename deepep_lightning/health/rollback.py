@@ -107,8 +107,8 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
             (a full disk) warns, naming the path and the sizes, and the previous one stays the newest.
         snapshot_max_bytes: the most bytes the snapshot files of one rank may take in
             ``snapshot_dir`` (older snapshots are removed first; the newest is always kept);
-            ``None``: half the space free there at setup. ``setup`` says where the snapshots go and
-            how much they may use.
+            ``None``: half the space free there at setup, split between the processes of a node.
+            ``setup`` says where the snapshots go and how much they may use.
         policy: ``"skip"``, ``"lower_lr"`` or ``"stop"`` for reproducible failures.
         skip_batches: batches skipped from the bad one under ``policy="skip"``.
         lr_factor: LR multiplier under ``policy="lower_lr"``, in (0, 1).
@@ -232,7 +232,8 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
                 ) from error
             # one id for all ranks: every file of this run carries it, and files without it are refused
             run_id = trainer.strategy.broadcast(uuid.uuid4().hex[:12], src=0)
-            max_bytes = self.snapshot_max_bytes or shutil.disk_usage(directory).free // 2
+            # the ranks of a node share its disk: half the free space, split between them
+            max_bytes = self.snapshot_max_bytes or shutil.disk_usage(directory).free // (2 * trainer.num_devices)
             self.ring = SnapshotRing(self.keep_snapshots, directory, run_id=run_id, max_bytes=max_bytes)
             rank_zero_info(
                 f"NaNRollbackCallback: snapshots in {directory!r} (one directory per rank), at most"
