@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "attached_trainer",
+    "cluster_environment",
     "cuda_in_bad_fork",
     "current_autograd_node",
     "ddp_comm_hook",
@@ -56,6 +57,15 @@ def attached_trainer(module: "pl.LightningModule | None") -> "pl.Trainer | None"
     that must be checked first.
     """
     return None if module is None else module._trainer
+
+
+def cluster_environment(trainer: "pl.Trainer") -> Any:
+    """The cluster environment the Trainer chose (``trainer._accelerator_connector.cluster_environment``).
+
+    Lightning's signal connector installs its SLURM requeue handler from this object, for every
+    strategy (a single-device strategy has no ``cluster_environment`` of its own).
+    """
+    return trainer._accelerator_connector.cluster_environment
 
 
 @functools.cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import uuid
 from typing import Any
 
@@ -12,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
@@ -102,7 +103,12 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
         snapshot_every_n_steps: minimum steps between snapshots (taken only at healthy checks).
         keep_snapshots: size of the ring (at most 1000); older ones are the fallback if a newer file is corrupt.
         snapshot_dir: write snapshots there (atomic, checksummed files) instead of host memory;
-            a relative path is inside the run's log directory.
+            a relative path is inside the run's log directory. A snapshot that cannot be written
+            (a full disk) warns, naming the path and the sizes, and the previous one stays the newest.
+        snapshot_max_bytes: the most bytes the snapshot files of one rank may take in
+            ``snapshot_dir`` (older snapshots are removed first; the newest is always kept);
+            ``None``: half the space free there at setup, split between the processes of a node.
+            ``setup`` says where the snapshots go and how much they may use.
         policy: ``"skip"``, ``"lower_lr"`` or ``"stop"`` for reproducible failures.
         skip_batches: batches skipped from the bad one under ``policy="skip"``.
         lr_factor: LR multiplier under ``policy="lower_lr"``, in (0, 1).
@@ -136,6 +142,7 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
         snapshot_every_n_steps: int = 100,
         keep_snapshots: int = 2,
         snapshot_dir: str | None = None,
+        snapshot_max_bytes: int | None = None,
         policy: Policy = "skip",
         skip_batches: int = 1,
         lr_factor: float = 0.5,
@@ -161,6 +168,9 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
         writable = isinstance(snapshot_dir, (str, os.PathLike)) and os.path.isabs(os.fspath(snapshot_dir))
         directory = _checks.path(None, "snapshot_dir", snapshot_dir, writable_parent=writable, allow_none=True)
         self.snapshot_dir = None if directory is None else os.fspath(directory)
+        self.snapshot_max_bytes: int | None = _checks.positive_int(
+            None, "snapshot_max_bytes", snapshot_max_bytes, allow_none=True
+        )
         self.locate = _checks.strict_bool(None, "locate", locate)
         self.rollback_on_spike = _checks.strict_bool(None, "rollback_on_spike", rollback_on_spike)
         if regression is not None and not isinstance(regression, RegressionTrigger):
@@ -222,7 +232,15 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
                 ) from error
             # one id for all ranks: every file of this run carries it, and files without it are refused
             run_id = trainer.strategy.broadcast(uuid.uuid4().hex[:12], src=0)
-            self.ring = SnapshotRing(self.keep_snapshots, directory, run_id=run_id)
+            # the ranks of a node share its disk: half the free space, split between them
+            max_bytes = self.snapshot_max_bytes or shutil.disk_usage(directory).free // (2 * trainer.num_devices)
+            self.ring = SnapshotRing(self.keep_snapshots, directory, run_id=run_id, max_bytes=max_bytes)
+            rank_zero_info(
+                f"NaNRollbackCallback: snapshots in {directory!r} (one directory per rank), at most"
+                f" {self.keep_snapshots} and {max_bytes} bytes ({max_bytes / 2**20:.1f} MiB) per rank"
+            )
+        else:
+            rank_zero_info(f"NaNRollbackCallback: snapshots in host memory, at most {self.keep_snapshots}")
         add_step_hook(
             pl_module,
             "rollback",
@@ -263,8 +281,9 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
     def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metric: float | None = None) -> None:
         assert self._health is not None
         snapshot = Snapshot.capture(trainer, pl_module, self._health.state_dict(), self._lr_scale)
-        self.ring.push(snapshot)
-        self._last_snapshot_step = snapshot.step
+        self._last_snapshot_step = snapshot.step  # a write that failed is tried again a full interval later
+        if not self.ring.push(snapshot):
+            return
         if self.regression is not None:
             if metric is not None:
                 self._snapshot_metric[snapshot.step] = metric

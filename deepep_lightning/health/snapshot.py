@@ -16,7 +16,9 @@ otherwise go on reading freed memory (:mod:`deepep_lightning.health.state_copies
 
 On disk a snapshot is an atomic, checksummed file (:mod:`deepep_lightning.health.snapshot_file`):
 a truncated or corrupted file fails verification with :class:`CorruptSnapshotError`, is deleted,
-and the ring falls back to the previous one. Each file carries the id of the run that wrote it (in
+and the ring falls back to the previous one. A snapshot that cannot be written (a full disk) is a
+warning naming the path and the sizes, and the ring keeps the snapshots it has. On disk the ring is
+bounded in bytes as well as in count (``max_bytes``). Each file carries the id of the run that wrote it (in
 its name and its payload): a ring refuses a file of another run (two runs sharing one
 ``snapshot_dir``), and removes the temporary files of writes whose process died.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +42,7 @@ from deepep_lightning._metric_state import capture_metric_states, restore_metric
 from deepep_lightning.determinism.rng import capture_rng_state, restore_rng_state
 from deepep_lightning.health.snapshot_file import (
     CorruptSnapshotError,
+    SnapshotWriteError,
     read_snapshot_payload,
     remove_dead_temporary_files,
     write_snapshot_payload,
@@ -191,9 +195,15 @@ class Snapshot:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if not k.startswith("_")}
 
 
-def save_snapshot_file(snapshot: Snapshot, path: str) -> None:
-    """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename) with a sha256 checksum."""
-    write_snapshot_payload(snapshot.payload(), path)
+def save_snapshot_file(snapshot: Snapshot, path: str) -> int:
+    """Write ``snapshot`` to ``path`` atomically (temporary file, fsync, rename) with a sha256 checksum.
+
+    Returns the file's size in bytes.
+
+    Raises:
+        SnapshotWriteError: the write failed (nothing is left under ``path``).
+    """
+    return write_snapshot_payload(snapshot.payload(), path)
 
 
 def load_snapshot_file(path: str, run_id: str | None = None) -> Snapshot:
@@ -220,13 +230,20 @@ class SnapshotRing:
         directory: when given, snapshots are files there (host memory holds none); temporary files
             of killed writes found there are removed.
         run_id: the id written into this ring's files and required from them when read.
+        max_bytes: on disk, the most bytes the ring's files may take, the file being written
+            included (its size estimated by the previous one's): older snapshots are removed first;
+            the newest is always kept. ``None``: no byte bound.
     """
 
-    def __init__(self, keep: int = 2, directory: str | None = None, run_id: str = "") -> None:
+    def __init__(
+        self, keep: int = 2, directory: str | None = None, run_id: str = "", max_bytes: int | None = None
+    ) -> None:
         self.keep = keep
         self.directory = directory
         self.run_id = run_id
+        self.max_bytes = max_bytes
         self._items: list[Snapshot | tuple[int, str]] = []  # in memory, or (step, path) on disk
+        self._file_bytes: dict[str, int] = {}  # size of each file the ring holds
         self.pinned: int | None = None  # a step kept beyond ``keep`` (the best snapshot by a monitored metric)
         if directory is not None:
             remove_dead_temporary_files(directory)
@@ -234,7 +251,8 @@ class SnapshotRing:
     def __len__(self) -> int:
         return len(self._items)
 
-    def push(self, snapshot: Snapshot) -> None:
+    def push(self, snapshot: Snapshot) -> bool:
+        """Keep ``snapshot``; returns whether it was kept (``False``: its file could not be written, warned)."""
         if self.directory is None:
             self._items.append(snapshot)
         else:
@@ -242,15 +260,41 @@ class SnapshotRing:
             prefix = f"snapshot-{self.run_id}-" if self.run_id else "snapshot-"
             path = os.path.join(self.directory, f"{prefix}step{snapshot.step:09d}.pt")
             snapshot.run_id = self.run_id
-            save_snapshot_file(snapshot, path)
+            if self.max_bytes is not None and self._file_bytes:  # room for the new file, estimated by the last
+                estimate = self._file_bytes[self._items[-1][1]] if isinstance(self._items[-1], tuple) else 0
+                while len(self._items) > 1 and sum(self._file_bytes.values()) + estimate > self.max_bytes:
+                    if not self._discard_oldest(keep_newest=True):
+                        break
+            try:
+                self._file_bytes[path] = save_snapshot_file(snapshot, path)
+            except SnapshotWriteError as error:
+                kept = f"the snapshot of step {self.steps()[-1]}" if self._items else "no snapshot"
+                warnings.warn(
+                    f"{error.strerror} The ring keeps {kept} as its newest; the next snapshot tries again.",
+                    stacklevel=2,
+                )
+                return False
             self._items.append((snapshot.step, path))
         while len(self._items) > self.keep + (self.pinned is not None and self.pinned in self.steps()):
-            index = next(i for i, step in enumerate(self.steps()) if step != self.pinned)
-            self._discard(self._items.pop(index))
+            if not self._discard_oldest(keep_newest=False):
+                break
+        while self.max_bytes is not None and len(self._items) > 1 and sum(self._file_bytes.values()) > self.max_bytes:
+            if not self._discard_oldest(keep_newest=True):
+                break
+        return True
 
-    @staticmethod
-    def _discard(item: Snapshot | tuple[int, str]) -> None:
+    def _discard_oldest(self, keep_newest: bool) -> bool:
+        """Drop the oldest unpinned snapshot (never the newest when ``keep_newest``); returns whether one was."""
+        candidates = self.steps()[:-1] if keep_newest else self.steps()
+        index = next((i for i, step in enumerate(candidates) if step != self.pinned), None)
+        if index is None:
+            return False
+        self._discard(self._items.pop(index))
+        return True
+
+    def _discard(self, item: Snapshot | tuple[int, str]) -> None:
         if isinstance(item, tuple):
+            self._file_bytes.pop(item[1], None)
             with contextlib.suppress(OSError):
                 os.remove(item[1])
 
@@ -301,8 +345,6 @@ class SnapshotRing:
             except (CorruptSnapshotError, OSError, EOFError, RuntimeError) as error:
                 if on_corrupt is not None:
                     on_corrupt(item[1], error)
-                self._items.pop(index)
-                with contextlib.suppress(OSError):
-                    os.remove(item[1])
+                self._discard(self._items.pop(index))
                 index -= 1
         return None

@@ -1,7 +1,9 @@
 """The snapshot file format: atomic, checksummed files that are either complete or absent.
 
-A file is ``MAGIC | payload length | sha256 | torch.save payload``, written to a temporary file,
-fsynced and renamed, so a crash mid-write leaves no partial file under the final name; a truncated
+A file is ``MAGIC | payload length | sha256 | torch.save payload``, written to a temporary file
+beside it, fsynced and renamed (:func:`~deepep_lightning.checkpointing.atomic_file.atomic_write_bytes`),
+so a crash or a full disk mid-write leaves no partial file under the final name (a failed write raises
+:class:`SnapshotWriteError` naming the path, the bytes needed and the bytes free); a truncated
 or corrupted file fails verification with :class:`CorruptSnapshotError`. The payload is tensors
 and plain values, read with ``torch.load(weights_only=True)``. A write whose process died leaves
 its ``*.tmp.<pid>`` file behind: :func:`remove_dead_temporary_files` removes those.
@@ -20,7 +22,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CorruptSnapshotError", "read_snapshot_payload", "remove_dead_temporary_files", "write_snapshot_payload"]
+from deepep_lightning.checkpointing.atomic_file import atomic_write_bytes, write_failure_message
+
+__all__ = [
+    "CorruptSnapshotError",
+    "SnapshotWriteError",
+    "read_snapshot_payload",
+    "remove_dead_temporary_files",
+    "write_snapshot_payload",
+]
 
 _MAGIC = b"DEEPEPSNAP1\n"
 _HEADER = struct.Struct("<Q32s")
@@ -30,17 +40,27 @@ class CorruptSnapshotError(RuntimeError):
     """An on-disk snapshot is truncated, corrupted or not a snapshot."""
 
 
-def write_snapshot_payload(payload: dict[str, Any], path: str) -> None:
-    """Write ``payload`` to ``path`` atomically (temporary file, fsync, rename) with a sha256 checksum."""
+class SnapshotWriteError(OSError):
+    """A snapshot file could not be written (full disk, I/O error, permission); nothing is left under its name."""
+
+
+def write_snapshot_payload(payload: dict[str, Any], path: str) -> int:
+    """Write ``payload`` to ``path`` atomically (temporary file, fsync, rename) with a sha256 checksum.
+
+    Returns the file's size in bytes.
+
+    Raises:
+        SnapshotWriteError: the write failed; the message names the path, the bytes needed and the bytes free.
+    """
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     data = buffer.getvalue()
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as handle:
-        handle.write(_MAGIC + _HEADER.pack(len(data), hashlib.sha256(data).digest()) + data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    blob = _MAGIC + _HEADER.pack(len(data), hashlib.sha256(data).digest()) + data
+    try:
+        atomic_write_bytes(path, blob)
+    except OSError as error:
+        raise SnapshotWriteError(error.errno, write_failure_message("snapshot", path, len(blob), error)) from error
+    return len(blob)
 
 
 def read_snapshot_payload(path: str) -> dict[str, Any]:

@@ -19,6 +19,11 @@ The plain module's patterns: ``--loader stateful`` (torchdata's ``StatefulDataLo
 ``LambdaLR``, ``warmup_cosine_sequential`` as ``SequentialLR``; all ``interval="step"`` and sized by
 ``trainer.estimated_stepping_batches``).
 
+Preemption: ``--signal-at N --signal NAME`` sends the process that signal (a real ``os.kill``) at the
+start of the batch after global step ``N``; ``--preemption`` adds
+:class:`~deepep_lightning.PreemptionCallback` writing ``DIR/last.ckpt`` (without it, Lightning's own
+SIGTERM handling runs).
+
 Negative controls: ``--strip-resume-state`` resumes from a copy of the checkpoint without part of
 the state an exact resume needs (see :func:`_stripped_copy`); ``--skip-pending-loader-states``
 leaves the loader states Lightning drops when the loader is built before the restore;
@@ -226,6 +231,9 @@ def main() -> None:
         "--model-checkpoint", action="store_true", help="Lightning's ModelCheckpoint(save_last=True) also saves"
     )
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--signal-at", type=int, default=None, help="send --signal at the batch after this step")
+    parser.add_argument("--signal", default="SIGTERM", help="the signal --signal-at sends")
+    parser.add_argument("--preemption", action="store_true", help="add PreemptionCallback (DIR/last.ckpt)")
     parser.add_argument("--resume", default=None)
     parser.add_argument(
         "--strip-resume-state",
@@ -257,6 +265,8 @@ def main() -> None:
                 os.replace(path + ".tmp", path)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if args.signal_at is not None and position(trainer) == args.signal_at:
+                os.kill(os.getpid(), getattr(signal, args.signal))
             if args.kill_at is not None and position(trainer) == args.kill_at:
                 for logger in trainer.loggers:
                     logger.experiment.flush()
@@ -277,6 +287,10 @@ def main() -> None:
         model = _deepep_module(args.deepep_args)
     datamodule = _plain_datamodule(args.loader) if args.datamodule else None
     callbacks: list[pl.Callback] = [callback, CheckpointThenKill()]
+    if args.preemption:
+        from deepep_lightning.checkpointing import PreemptionCallback
+
+        callbacks.append(PreemptionCallback(checkpoint_path=os.path.join(args.out, "last.ckpt")))
     if args.scheduler != "none":
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     if args.model_checkpoint:  # saves last.ckpt at every validation end, mid-epoch ones included

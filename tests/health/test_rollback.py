@@ -138,6 +138,50 @@ def test_disk_snapshots_with_corrupt_latest_fall_back(tmp_path, clean_state):
     assert state_equal(module.state_dict(), clean_state[0])
 
 
+def test_a_snapshot_the_full_disk_refuses_falls_back_to_the_previous_one(tmp_path, clean_state, monkeypatch):
+    import errno
+
+    from deepep_lightning.checkpointing import atomic_file
+
+    write_all = atomic_file._write_all
+
+    def full_at_step_8(handle, data):  # the step-8 snapshot fails half-way, as on a full disk
+        if "step000000008" in handle.name:
+            write_all(handle, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(handle, data)
+
+    monkeypatch.setattr(atomic_file, "_write_all", full_at_step_8)
+    health = NumericalHealthCallback(check_every_n_steps=1)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, keep_snapshots=3, snapshot_dir=str(tmp_path / "snaps"))
+    with pytest.warns(UserWarning, match=r"step000000008.*ENOSPC.*needs \d+ bytes.*keeps the snapshot of step 4"):
+        _, module = fit(tmp_path, [FaultInjectionCallback("loss", steps=[10]), health, rollback], max_steps=MAX_STEPS)
+    kinds = _kinds(health)
+    assert ("rollback", 4) in kinds and ("transient", 10) in kinds  # the step-4 snapshot was used
+    assert state_equal(module.state_dict(), clean_state[0])
+    names = os.listdir(rollback.ring.directory)
+    assert not [n for n in names if "step000000008" in n or ".tmp." in n], names  # no partial file
+
+
+def test_setup_says_where_snapshots_go_and_how_many_bytes_they_may_use(tmp_path, monkeypatch):
+    import re
+    import shutil
+
+    from deepep_lightning.health import rollback as rollback_module
+
+    said: list[str] = []
+    monkeypatch.setattr(rollback_module, "rank_zero_info", said.append)
+    explicit = NaNRollbackCallback(snapshot_dir=str(tmp_path / "a"), snapshot_max_bytes=10**6)
+    default = NaNRollbackCallback(snapshot_dir=str(tmp_path / "b"))
+    for rollback in (explicit, default):
+        fit(tmp_path, [NumericalHealthCallback(), rollback], max_steps=1)
+    lines = [line for line in said if "NaNRollbackCallback: snapshots in" in line]
+    assert len(lines) == 2, lines
+    assert repr(str(tmp_path / "a" / "rank0")) in lines[0] and "at most 2 and 1000000 bytes" in lines[0]
+    default_bytes = int(re.search(r"and (\d+) bytes", lines[1]).group(1))
+    assert default_bytes == default.ring.max_bytes <= shutil.disk_usage(tmp_path).free  # half the free space
+
+
 def test_needs_health_callback(tmp_path):
     with pytest.raises(MisconfigurationException, match="NumericalHealthCallback"):
         fit(tmp_path, [NaNRollbackCallback()], max_steps=2)
@@ -159,6 +203,7 @@ def test_needs_health_callback(tmp_path):
         ({"keep_snapshots": 10**6}, "keep_snapshots"),
         ({"max_skipped_steps": 0}, "max_skipped_steps"),
         ({"lr_factor": float("nan")}, "lr_factor"),
+        ({"snapshot_max_bytes": 0}, "snapshot_max_bytes"),
     ],
 )
 def test_bad_arguments_name_argument_and_value(kwargs, name):

@@ -118,6 +118,63 @@ def test_ring_keeps_last_n_and_falls_back_past_corrupt(trained, tmp_path):
     assert seen and seen[0][0] == newest and "truncated" in seen[0][1]
 
 
+def _push_steps(ring, trained, steps):
+    trainer, module = trained
+    kept = []
+    for step in steps:
+        snapshot = Snapshot.capture(trainer, module, {}, 1.0)
+        snapshot.step = step
+        kept.append(ring.push(snapshot))
+    return kept
+
+
+def _file_bytes(directory) -> int:
+    return sum(path.stat().st_size for path in Path(directory).iterdir())
+
+
+def test_disk_ring_is_bounded_in_bytes_and_keeps_the_newest(trained, tmp_path):
+    one = SnapshotRing(keep=1, directory=str(tmp_path / "one"))
+    _push_steps(one, trained, [0])
+    size = _file_bytes(tmp_path / "one")
+    ring = SnapshotRing(keep=10, directory=str(tmp_path / "bounded"), max_bytes=int(2.5 * size))
+    for step in range(1, 6):
+        assert _push_steps(ring, trained, [step]) == [True]
+        assert _file_bytes(tmp_path / "bounded") <= 2.5 * size  # the bound holds after every write
+    assert ring.steps() == [4, 5] and ring.latest().step == 5
+    tiny = SnapshotRing(keep=10, directory=str(tmp_path / "tiny"), max_bytes=1)  # the newest is always kept
+    _push_steps(tiny, trained, [1, 2])
+    assert tiny.steps() == [2]
+    # negative control: bounded by count only, the same pushes keep five files
+    unbounded = SnapshotRing(keep=10, directory=str(tmp_path / "unbounded"))
+    _push_steps(unbounded, trained, range(1, 6))
+    assert len(unbounded.steps()) == 5 and _file_bytes(tmp_path / "unbounded") > 4 * size
+
+
+def test_a_snapshot_that_cannot_be_written_keeps_the_previous_one(trained, tmp_path, monkeypatch):
+    import errno
+
+    from deepep_lightning.checkpointing import atomic_file
+
+    write_all = atomic_file._write_all
+
+    def full_disk(handle, data):
+        if "step000000002" in handle.name:
+            write_all(handle, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_all(handle, data)
+
+    monkeypatch.setattr(atomic_file, "_write_all", full_disk)
+    ring = SnapshotRing(keep=2, directory=str(tmp_path))
+    assert _push_steps(ring, trained, [1]) == [True]
+    with pytest.warns(UserWarning, match=r"snapshot '.*step000000002.pt'.*ENOSPC.*needs \d+ bytes.*free.*step 1"):
+        assert _push_steps(ring, trained, [2]) == [False]
+    assert ring.steps() == [1] and ring.latest().step == 1
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(ring._items[0][1])]  # no partial, no temporary file
+    # negative control: the write itself fails; only the ring turns it into a warning
+    with pytest.raises(snapshot_file.SnapshotWriteError, match="step000000002"):
+        save_snapshot_file(Snapshot.capture(*trained, {}, 1.0), str(tmp_path / "snapshot-step000000002.pt"))
+
+
 def test_host_ring_drops_oldest(trained):
     trainer, module = trained
     ring = SnapshotRing(keep=2)

@@ -10,6 +10,10 @@ noise it drew, rollback incidents, the strategy fingerprint) and ``DIR/weights_r
 final ``state_dict``); at interpreter exit, after the handlers the fit registered, ``DIR/exit_rank{r}.json``
 records whether the process group was still alive. ``--save-ckpt`` writes ``DIR/last.ckpt`` at the end
 (all ranks take part).
+``--preemption`` adds :class:`~deepep_lightning.PreemptionCallback` writing ``DIR/last.ckpt``;
+``--signal-rank R --signal-at N --signal NAME`` makes rank ``R`` alone send itself that signal at the
+start of the batch after global step ``N``. A rank that leaves ``fit`` with an exception writes
+``DIR/stopped_rank{r}.json`` (its global step and the ``SystemExit`` code).
 The module draws augmentation noise from the global RNG, so per-rank seeds are visible in the
 weights, and the health callbacks (snapshot, check, rollback) run in every 2-process run.
 """
@@ -90,6 +94,33 @@ def _record_process_group_at_exit(path: str) -> None:
         json.dump({"process_group_initialized": torch.distributed.is_initialized()}, handle)
 
 
+def _signal_and_record_type():
+    import lightning.pytorch as pl
+
+    class SignalAndRecord(pl.Callback):
+        """Sends this rank the signal at ``--signal-at``; records how the rank left ``fit`` on an exception."""
+
+        def __init__(self, args: argparse.Namespace, rank: int) -> None:
+            self.args, self.rank = args, rank
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.rank == self.args.signal_rank and trainer.global_step == self.args.signal_at:
+                import signal
+
+                os.kill(os.getpid(), getattr(signal, self.args.signal))
+
+        def on_exception(self, trainer, pl_module, exception):
+            code = exception.code if isinstance(exception, SystemExit) else repr(exception)
+            with open(os.path.join(self.args.out, f"stopped_rank{self.rank}.json"), "w") as handle:
+                json.dump({"global_step": trainer.global_step, "code": code}, handle)
+
+    return SignalAndRecord
+
+
+def _signal_and_record(args: argparse.Namespace, rank: int):
+    return _signal_and_record_type()(args, rank)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -105,6 +136,10 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--determinism", action="store_true", help="add DeterminismCallback(seed=SEED)")
+    parser.add_argument("--preemption", action="store_true", help="add PreemptionCallback (DIR/last.ckpt)")
+    parser.add_argument("--signal-rank", type=int, default=-1)
+    parser.add_argument("--signal-at", type=int, default=-1)
+    parser.add_argument("--signal", default="SIGTERM")
     parser.add_argument("--strategy-kwargs", default=None, help="JSON: build the strategy object instead of the name")
     args = parser.parse_args(argv)
 
@@ -127,6 +162,12 @@ def main(argv: list[str]) -> None:
         from deepep_lightning.determinism import DeterminismCallback
 
         callbacks.append(DeterminismCallback(seed=SEED, log_fingerprint=False))
+    if args.preemption:
+        from deepep_lightning.checkpointing import PreemptionCallback
+
+        callbacks.append(PreemptionCallback(checkpoint_path=os.path.join(args.out, "last.ckpt")))
+    if args.preemption or args.signal_rank >= 0:
+        callbacks.append(_signal_and_record(args, rank))
     model = _module()
     strategy_arg = "ddp_deterministic"
     if args.strategy_kwargs:
