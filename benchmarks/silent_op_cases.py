@@ -220,6 +220,29 @@ def path_cases(device: str) -> Iterator[Case]:
         _frozen(lambda g: (*scatter(g), _leaf(g, 1000, 1000, **d))),
         "compile",
     )
+    yield Case(  # inductor generates its own scatter kernels for these
+        "compile/index_put_accumulate",
+        torch.compile(lambda v, i: torch.zeros(1000, **d).index_put((i,), v, accumulate=True).tanh(), dynamic=False),
+        _frozen(scatter),
+        "compile",
+    )
+    yield Case(
+        "compile/embedding_layer_norm",
+        torch.compile(lambda w, i: F.layer_norm(F.embedding(i.view(-1, 16), w), (64,)), dynamic=False),
+        _frozen(lambda g: (_leaf(g, 1000, 64, **d), torch.randint(0, 1000, (2**16,), generator=g).to(device))),
+        "compile",
+    )
+    yield Case(
+        "compile/grid_sample_align_corners",
+        torch.compile(lambda x, grid: F.grid_sample(x, grid, align_corners=True).square(), dynamic=False),
+        _frozen(
+            lambda g: (
+                _leaf(g, 4, 32, 64, 64, **d),
+                (torch.rand(4, 128, 128, 2, generator=g) * 2 - 1).to(device).requires_grad_(),
+            )
+        ),
+        "compile",
+    )
 
 
 def _compiled_body(values: Tensor, index: Tensor, weight: Tensor) -> Tensor:
