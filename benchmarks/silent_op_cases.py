@@ -213,6 +213,7 @@ def path_cases(device: str) -> Iterator[Case]:
         _frozen(lambda g: (_leaf(g, 16, 64, 32, 32, **d), _leaf(g, 64, 32, 4, 4, **d))),
         "cudnn",
     )
+    yield from _large_backward_cases(device)
     yield from _sdpa_cases(device)
     yield Case(
         "compile/index_add_mlp",
@@ -308,3 +309,78 @@ def planted_cases(device: str) -> Iterator[Case]:
 
     yield Case("planted/shuffled_sum", shuffled, _frozen(values_and_index), "planted")
     yield Case("planted/ordered_sum", ordered, _frozen(values_and_index), "planted")
+
+
+def _large_backward_cases(device: str) -> Iterator[Case]:
+    """Backwards that scatter into their input (resampling, pooling, padding, gathers), at sizes where
+    atomics collide: a [8, 32, 64, 64] image (2**20 elements) or 2**20 gathered entries into 1000 rows."""
+    d = {"device": device}
+
+    def image(g: torch.Generator) -> tuple:
+        return (_leaf(g, 8, 32, 64, 64, **d),)
+
+    def volume(g: torch.Generator) -> tuple:
+        return (_leaf(g, 2, 16, 32, 32, 32, **d),)
+
+    def rows(g: torch.Generator) -> tuple:
+        return _leaf(g, 1000, 64, **d), torch.randint(0, 1000, (2**14,), generator=g).to(device)
+
+    image_ops: dict[str, Callable[[Tensor], Tensor]] = {
+        "interpolate_bilinear_up": lambda x: F.interpolate(x, scale_factor=1.7, mode="bilinear"),
+        "interpolate_bilinear_down_aligned": lambda x: F.interpolate(
+            x, size=(37, 29), mode="bilinear", align_corners=True
+        ),
+        "interpolate_bicubic": lambda x: F.interpolate(x, scale_factor=1.3, mode="bicubic"),
+        "interpolate_nearest": lambda x: F.interpolate(x, scale_factor=0.7, mode="nearest"),
+        "interpolate_area": lambda x: F.interpolate(x, size=(23, 41), mode="area"),
+        "interpolate_bilinear_antialias": lambda x: F.interpolate(x, size=(30, 30), mode="bilinear", antialias=True),
+        "adaptive_avg_pool2d": lambda x: F.adaptive_avg_pool2d(x, (7, 9)),
+        "adaptive_max_pool2d": lambda x: F.adaptive_max_pool2d(x, (7, 9)),
+        "avg_pool2d_overlapping": lambda x: F.avg_pool2d(x, 3, stride=1, padding=1),
+        "max_pool2d_overlapping": lambda x: F.max_pool2d(x, 3, stride=1, padding=1),
+        "fractional_max_pool2d": lambda x: F.fractional_max_pool2d(x, 3, output_size=(40, 40)),
+        "reflection_pad2d": lambda x: F.pad(x, (3, 3, 3, 3), mode="reflect"),
+        "replication_pad2d": lambda x: F.pad(x, (3, 3, 3, 3), mode="replicate"),
+        "unfold_fold": lambda x: F.fold(F.unfold(x, 3, padding=1), (64, 64), 3, padding=1),
+        "pixel_shuffle_conv": lambda x: F.pixel_shuffle(x, 2),
+    }
+    for name, op in image_ops.items():
+        yield Case(f"large/{name}", op, _frozen(image), "large")
+    volume_ops: dict[str, Callable[[Tensor], Tensor]] = {
+        "interpolate_trilinear": lambda x: F.interpolate(x, scale_factor=1.5, mode="trilinear"),
+        "adaptive_avg_pool3d": lambda x: F.adaptive_avg_pool3d(x, (5, 6, 7)),
+        "adaptive_max_pool3d": lambda x: F.adaptive_max_pool3d(x, (5, 6, 7)),
+        "avg_pool3d_overlapping": lambda x: F.avg_pool3d(x, 3, stride=1, padding=1),
+        "max_pool3d_overlapping": lambda x: F.max_pool3d(x, 3, stride=1, padding=1),
+        "replication_pad3d": lambda x: F.pad(x, (2, 2, 2, 2, 2, 2), mode="replicate"),
+        "grid_sample_3d": lambda x: F.grid_sample(
+            x,
+            torch.linspace(-1.1, 1.1, 3 * 20 * 20 * 20, **d).view(1, 20, 20, 20, 3).expand(2, -1, -1, -1, -1),
+            align_corners=False,
+        ),
+    }
+    for name, op in volume_ops.items():
+        yield Case(f"large/{name}", op, _frozen(volume), "large")
+    row_ops: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+        "index_select": lambda w, i: w.index_select(0, i),
+        "gather": lambda w, i: w.gather(0, i[:, None].expand(-1, 64)),
+        "advanced_indexing": lambda w, i: w[i],
+        "take": lambda w, i: w.take(i * 64),
+        "scatter_reduce_mean": lambda w, i: torch.zeros(1000, 64, **d).scatter_reduce(
+            0, i[:, None].expand(-1, 64), w[i], "mean"
+        ),
+        "scatter_reduce_amax": lambda w, i: torch.zeros(1000, 64, **d).scatter_reduce(
+            0, i[:, None].expand(-1, 64), w[i], "amax"
+        ),
+        "index_reduce_mean": lambda w, i: torch.zeros(1000, 64, **d).index_reduce(0, i, w[i], "mean"),
+        "embedding_bag_mean": lambda w, i: F.embedding_bag(i.view(-1, 16), w, mode="mean"),
+        "embedding_bag_max": lambda w, i: F.embedding_bag(i.view(-1, 16), w, mode="max"),
+        "cumsum": lambda w, i: w[i].cumsum(0),
+        "sort_values": lambda w, i: w[i].sort(0).values,
+        "kthvalue": lambda w, i: w[i].kthvalue(5, 0).values,
+        "median_dim": lambda w, i: w[i].median(0).values,
+        "histc": lambda w, i: torch.histc(w[i], bins=1000),
+        "bincount_weighted": lambda w, i: torch.bincount(i, weights=w[i, 0].detach(), minlength=1000),  # no backward
+    }
+    for name, op in row_ops.items():
+        yield Case(f"large/{name}", op, _frozen(rows), "large")
