@@ -1,6 +1,7 @@
-"""End-to-end GPU test: torchvision's Faster R-CNN, Mask R-CNN and Keypoint R-CNN (random init, tiny images, 3
-AdamW steps in Lightning) train bitwise-equal in two fresh processes under DeterminismCallback, with
-``roi_align``'s backward served by the deterministic kernel (torchvision's pure-PyTorch path never runs)."""
+"""End-to-end GPU test: torchvision's Faster R-CNN, Mask R-CNN and Keypoint R-CNN, an R-FCN-style
+``ps_roi_align`` head and a ``roi_pool`` head (random init, tiny images, 3 AdamW steps in Lightning) train
+bitwise-equal in two fresh processes under DeterminismCallback, with the RoI backwards served by the
+deterministic kernels (torchvision's pure-PyTorch ``_roi_align`` never runs)."""
 
 import os
 import subprocess
@@ -50,9 +51,34 @@ _SCRIPT = textwrap.dedent(
             target["keypoints"] = torch.cat([points, torch.ones(3, 17, 1)], dim=2)
         return image, target
 
+    class PoolingHead(torch.nn.Module):
+        # a conv backbone and an R-FCN-style position-sensitive head (psroihead) or a roi_pool head
+
+        def __init__(self, kind):
+            super().__init__()
+            self.kind = kind
+            self.backbone = torch.nn.Sequential(
+                torch.nn.Conv2d(3, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+                torch.nn.Conv2d(32, 3 * 9, 3, stride=2, padding=1),
+            )
+            self.classifier = torch.nn.Linear(27 * 9, 3)
+
+        def forward(self, images, targets):
+            features = self.backbone(torch.stack(images))  # [B, 27, 40, 48]
+            boxes = [target["boxes"] for target in targets]
+            labels = torch.cat([target["labels"] for target in targets])
+            if self.kind == "psroihead":
+                scores = torchvision.ops.ps_roi_align(features, boxes, 3, 0.25, 2).mean((2, 3))  # [R, 3]
+            else:
+                scores = self.classifier(torchvision.ops.roi_pool(features, boxes, 3, 0.25).flatten(1))
+            return {"classification": torch.nn.functional.cross_entropy(scores, labels)}
+
     class Detection(pl.LightningModule):
         def __init__(self):
             super().__init__()
+            if model_name in ("psroihead", "roipoolhead"):
+                self.model = PoolingHead(model_name)
+                return
             kwargs = dict(weights=None, weights_backbone=None, min_size=160, max_size=192)
             if model_name != "keypointrcnn":
                 kwargs["num_classes"] = 3
@@ -92,7 +118,7 @@ def _digest(tmp_path, model_name):
     return [line for line in result.stdout.splitlines() if line.startswith("DIGEST ")][-1].split()[1]
 
 
-@pytest.mark.parametrize("model_name", ["fasterrcnn", "maskrcnn", "keypointrcnn"])
+@pytest.mark.parametrize("model_name", ["fasterrcnn", "maskrcnn", "keypointrcnn", "psroihead", "roipoolhead"])
 def test_rcnn_trains_bitwise_reproducibly_under_the_plugin(tmp_path, model_name):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -1,5 +1,6 @@
-"""GPU tests of the deterministic torchvision backwards (deepep_lightning/ops/roi_align.py): torchvision's
-CUDA kernel agrees to rounding, repeats are bitwise equal, images do not affect each other, and the routed
+"""GPU tests of the deterministic torchvision backwards (deepep_lightning/ops/roi_align.py, roi_pool.py,
+ps_roi_align.py): torchvision's CUDA kernels agree to rounding, repeats are bitwise equal, images do not
+affect each other, plain deterministic mode refuses what the routes serve, and the routed roi_align
 backward runs under torch.compile and in a CUDA graph."""
 
 import pytest
@@ -126,3 +127,36 @@ def test_roi_align_backward_in_a_cuda_graph(deterministic_routing):
     graph.replay()
     eager = step()
     assert torch.equal(static_grad, eager)
+
+
+def _pool_grads(op, features, rois, **kwargs):
+    features = features.detach().requires_grad_(True)
+    out = op(features, rois, **kwargs)
+    weights = torch.linspace(-1, 1, out.numel(), device=out.device, dtype=out.dtype).view_as(out)
+    return torch.autograd.grad((out * weights).sum(), features)[0]
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("roi_pool", {"output_size": 7, "spatial_scale": 1 / 8}),
+        ("ps_roi_align", {"output_size": 3, "spatial_scale": 1 / 8, "sampling_ratio": 2}),
+        ("ps_roi_align", {"output_size": 3, "spatial_scale": 1 / 8, "sampling_ratio": -1}),
+    ],
+)
+def test_pooling_backwards_match_torchvision_and_repeat_bitwise(cuda_kernels, name, kwargs):
+    from deepep_lightning.ops import refused_ops_routing
+
+    op = getattr(torchvision.ops, name)
+    features, boxes, _ = _features_and_boxes(channels=63 if name == "ps_roi_align" else 64, rois_per_image=256)
+    rois = torchvision.ops._utils.convert_boxes_to_roi_format(boxes)
+    expected = _pool_grads(op, features, rois, **kwargs)
+    torch.use_deterministic_algorithms(True)
+    with pytest.raises(RuntimeError, match="deterministic"):  # plain deterministic mode refuses these
+        _pool_grads(op, features, rois, **kwargs)
+        torch.cuda.synchronize()
+    with refused_ops_routing():
+        first = _pool_grads(op, features, rois, **kwargs)
+        for _ in range(19):
+            assert torch.equal(first, _pool_grads(op, features, rois, **kwargs))
+    torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-4)
