@@ -13,8 +13,9 @@ the ``roi_align`` of ``torchvision.ops.roi_align``'s module, ``torchvision.ops.p
 ``torchvision.models.detection.roi_heads``, and any user module that imported it by name) is replaced
 with :func:`roi_align`, which takes torchvision's dispatcher path in every mode (same argument handling,
 same op, so the same forward result); removing the route puts the original back everywhere
-(``use_dispatcher_roi_align(False)``). References held elsewhere than in a module's globals (a
-``functools.partial``, an attribute of an object) keep the original.
+(``use_dispatcher_roi_align(False)``). Each module is scanned once, when routing first turns on after
+its import; references held elsewhere than in a module's globals (a ``functools.partial``, an attribute
+of an object), or bound into an already scanned module later, keep the original.
 """
 
 import sys
@@ -28,6 +29,8 @@ __all__ = ["dispatcher_roi_align_in_use", "roi_align", "torchvision_ops_availabl
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"original": None, "in_use": False}
+_scanned: set[str] = set()  # modules whose globals were looked at
+_holders: list[tuple[dict[str, Any], str]] = []  # (module globals, name) that held either function
 
 
 def torchvision_ops_available() -> bool:
@@ -74,21 +77,33 @@ def roi_align(
     )
 
 
-def _replace_everywhere(old: Any, new: Any) -> int:
-    """Point every module global that is ``old`` at ``new``; returns how many were replaced."""
-    replaced = 0
-    for module in list(sys.modules.values()):
-        if module is None or module is sys.modules.get(__name__):
+def _scan_new_modules() -> None:
+    """Record every global of a module not scanned before that holds torchvision's function or :func:`roi_align`.
+
+    Each module is scanned once (a full scan of ``sys.modules`` costs ~0.1 s), so turning routing on and off
+    again only looks at the modules imported since.
+    """
+    original = _state["original"]
+    for name, module in list(sys.modules.items()):
+        if name in _scanned or module is None or name == __name__:
             continue
+        _scanned.add(name)
         try:
             namespace = vars(module)
-            names = [name for name, value in list(namespace.items()) if value is old]
+            names = [
+                attribute for attribute, value in list(namespace.items()) if value is original or value is roi_align
+            ]
         except Exception:  # noqa: BLE001 - lazy or proxy modules may refuse introspection; they are left alone
             continue
-        for name in names:
-            namespace[name] = new
-            replaced += 1
-    return replaced
+        _holders.extend((namespace, attribute) for attribute in names)
+
+
+def _replace_everywhere(old: Any, new: Any) -> None:
+    """Point every recorded module global that is ``old`` at ``new``."""
+    _scan_new_modules()
+    for namespace, attribute in _holders:
+        if namespace.get(attribute) is old:
+            namespace[attribute] = new
 
 
 def use_dispatcher_roi_align(enabled: bool) -> None:

@@ -102,23 +102,44 @@ at::Tensor roi_align_backward_with(const RoiAlignLaunches& launches, const at::T
   }
   if (total == 0 || channels == 0 || destinations == 0) return out.zero_();
   const int64_t chunk = max_chunk_samples(out.numel() * static_cast<int64_t>(out.element_size()));
-  const at::Tensor positions = at::arange(destinations + 1, at::TensorOptions().dtype(at::kInt).device(device));
   const int64_t group_channels = channels / planes;  // gathered per (pixel, plane): C, or ps_roi_align's C_out
   const GatherArgs gather_args{batch_size, (group_channels + kGroup - 1) / kGroup, group_channels, planes,
-                               height * width, pooled_height * pooled_width, /*accumulate=*/false};
+                               height * width, pooled_height * pooled_width, /*accumulate=*/false,
+                               /*plane_major=*/false};
   for (int64_t first = 0; first < total; first += chunk) {
     const int64_t count = std::min(chunk, total - first);
     at::Tensor keys = launches.empty({count * kCorners}, at::kInt, device);
     at::Tensor sources = launches.empty({count * kCorners}, at::kInt, device);
     at::Tensor weights = launches.empty({count * kCorners}, weight_dtype(grad.scalar_type()), device);
     launches.entries(first, count, rois_c, sample_offsets, spatial_scale, args, keys, sources, weights);
-    const auto [sorted, order] = keys.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-    const at::Tensor offsets = at::searchsorted(sorted, positions);
     GatherArgs chunk_args = gather_args;
     chunk_args.accumulate = first > 0;
-    launches.gather(offsets, order, sources, weights, grad_c, chunk_args, out);
+    sort_and_gather(keys, sources, weights, destinations, grad_c, chunk_args, launches.gather, out);
   }
   return out;
+}
+
+void sort_and_gather(const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
+                     int64_t destinations, const at::Tensor& grad, const GatherArgs& args, GatherLaunch gather,
+                     at::Tensor& out) {
+  const auto [sorted, order] = keys.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor positions =
+      at::arange(destinations + 1, at::TensorOptions().dtype(at::kInt).device(keys.device()));
+  const at::Tensor offsets = at::searchsorted(sorted, positions);
+  gather(offsets, order, sources, weights, grad, args, out);
+}
+
+void csr_gather_cpu(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
+                    const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out) {
+  const int64_t threads = args.batch * args.groups_per_plane * args.planes_per_image * args.plane_size;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "csr_gather_cpu", [&] {
+    using T = at::opmath_type<scalar_t>;
+    for (int64_t t = 0; t < threads; ++t) {
+      csr_gather_group<scalar_t, T>(t, offsets.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
+                                    sources.const_data_ptr<int32_t>(), weights.const_data_ptr<T>(),
+                                    grad.const_data_ptr<scalar_t>(), args, out.data_ptr<scalar_t>());
+    }
+  });
 }
 
 namespace {
@@ -151,19 +172,6 @@ void entries_cpu(int64_t first, int64_t count, const at::Tensor& rois, const at:
   });
 }
 
-void gather_cpu(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
-                const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out) {
-  const int64_t threads = args.batch * args.groups_per_plane * args.planes_per_image * args.plane_size;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_align_backward_cpu", [&] {
-    using T = at::opmath_type<scalar_t>;
-    for (int64_t t = 0; t < threads; ++t) {
-      csr_gather_group<scalar_t, T>(t, offsets.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
-                                    sources.const_data_ptr<int32_t>(), weights.const_data_ptr<T>(),
-                                    grad.const_data_ptr<scalar_t>(), args, out.data_ptr<scalar_t>());
-    }
-  });
-}
-
 at::Tensor empty_cpu(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
   return at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
 }
@@ -172,7 +180,7 @@ at::Tensor roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois
                                   int64_t pooled_height, int64_t pooled_width, int64_t batch_size, int64_t channels,
                                   int64_t height, int64_t width, int64_t sampling_ratio, bool aligned) {
   TORCH_CHECK(grad.is_cpu(), "roi_align_backward_cpu: grad must be a CPU tensor, got ", grad.device());
-  static const RoiAlignLaunches launches{&sample_counts_cpu, &entries_cpu, &gather_cpu, &empty_cpu};
+  static const RoiAlignLaunches launches{&sample_counts_cpu, &entries_cpu, &csr_gather_cpu, &empty_cpu};
   return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
                                  channels, height, width, sampling_ratio, aligned, /*position_sensitive=*/false);
 }
@@ -182,7 +190,7 @@ at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& r
                                      int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height,
                                      int64_t width) {
   TORCH_CHECK(grad.is_cpu(), "ps_roi_align_backward_cpu: grad must be a CPU tensor, got ", grad.device());
-  static const RoiAlignLaunches launches{&sample_counts_cpu, &entries_cpu, &gather_cpu, &empty_cpu};
+  static const RoiAlignLaunches launches{&sample_counts_cpu, &entries_cpu, &csr_gather_cpu, &empty_cpu};
   return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
                                  channels, height, width, sampling_ratio, /*aligned=*/true,
                                  /*position_sensitive=*/true);

@@ -11,6 +11,10 @@
 
 namespace deepep::roi {
 
+using GatherLaunch = void (*)(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
+                              const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args,
+                              at::Tensor& out);
+
 // The device-specific steps of roi_align_backward_with.
 struct RoiAlignLaunches {
   // Writes sample_offsets[r + 1] = samples of RoI r (adaptive sampling only).
@@ -21,11 +25,22 @@ struct RoiAlignLaunches {
                   double spatial_scale, const RoiAlignArgs& args, at::Tensor& keys, at::Tensor& sources,
                   at::Tensor& weights);
   // Step 4 over every (destination, channel group).
-  void (*gather)(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
-                 const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out);
+  GatherLaunch gather;
   // An uninitialised tensor (every element is written before it is read).
   at::Tensor (*empty)(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device);
 };
+
+// Step 4 on each device (roi_align_backward.cpp, cuda/roi_align_backward.cu).
+void csr_gather_cpu(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
+                    const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out);
+void csr_gather_cuda(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
+                     const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out);
+
+// Steps 2-4 for one chunk of entries: stable sort of keys (in [0, destinations], destinations the sentinel),
+// CSR offsets of every destination, the gather into out.
+void sort_and_gather(const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
+                     int64_t destinations, const at::Tensor& grad, const GatherArgs& args, GatherLaunch gather,
+                     at::Tensor& out);
 
 // Steps 1-4 of roi_csr_gather.h in chunks of at most max_chunk_samples(...) samples, the chunks' sums added
 // in chunk order. position_sensitive: ps_roi_align (grad [K, channels / (PH * PW), PH, PW], aligned).

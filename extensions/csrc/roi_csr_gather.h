@@ -17,8 +17,9 @@
 // per-thread functions (roi_sample_entries, csr_gather_group) in loops, so CPU tests check the CUDA math.
 //
 // Generic layout of the gather: destination d = (n * B + b) * HW + p writes out[((n * C + c) * B + b) * HW
-// + p] from grad[(source / bins) * C * bins + c * bins + source % bins]; roi_align has B = 1, the
-// position-sensitive ops B = PH * PW (grad_input channel c * B + b holds output channel c at bin b).
+// + p] (or, plane-major, out[((n * B + b) * C + c) * HW + p]) from grad[(source / bins) * C * bins + c *
+// bins + source % bins]; roi_align has B = 1, the position-sensitive ops B = PH * PW (grad_input channel
+// c * B + b holds output channel c at bin b), deform_conv2d B = offset groups, plane-major.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -182,7 +183,8 @@ C10_HOST_DEVICE inline void roi_align_sample_entries(int64_t s, int64_t e0, cons
 
 struct GatherArgs {
   int64_t batch, groups_per_plane, channels, planes_per_image, plane_size, bins;
-  bool accumulate;  // add to out (a later chunk of entries) instead of overwriting it
+  bool accumulate;   // add to out (a later chunk of entries) instead of overwriting it
+  bool plane_major;  // out channel b * channels + c (deform_conv2d's offset groups), else c * planes + b
 };
 
 // Step 4 for thread t: destination plane position p, plane b, image n, channels c0 .. c0 + kGroup - 1.
@@ -212,8 +214,9 @@ C10_HOST_DEVICE inline void csr_gather_group(int64_t t, const int64_t* offsets, 
       if (k < channels_here) sum[k] += weight * static_cast<T>(row[k * a.bins]);
     }
   }
-  scalar_t* target = out + ((n * a.channels + c0) * a.planes_per_image + b) * a.plane_size + p;
-  const int64_t channel_stride = a.planes_per_image * a.plane_size;
+  scalar_t* target = a.plane_major ? out + ((n * a.planes_per_image + b) * a.channels + c0) * a.plane_size + p
+                                   : out + ((n * a.channels + c0) * a.planes_per_image + b) * a.plane_size + p;
+  const int64_t channel_stride = a.plane_major ? a.plane_size : a.planes_per_image * a.plane_size;
   for (int k = 0; k < kGroup; ++k) {
     if (k < channels_here) {
       scalar_t* slot = target + k * channel_stride;

@@ -111,3 +111,49 @@ def ps_roi_align_backward_oracle(
             True,
         )
     return out.view(batch_size, channels, height, width)
+
+
+def deform_conv2d_oracle(
+    input: Tensor,
+    weight: Tensor,
+    offset: Tensor,
+    mask: Tensor | None,
+    stride: int,
+    padding: int,
+    dilation: int,
+    offset_groups: int,
+) -> Tensor:
+    """torchvision's ``deform_conv2d`` forward (no bias, ``groups=1``) written with gathers, differentiable: its
+    autograd gives the float64 input gradient. Bilinear sampling as torchvision's: zero outside
+    ``(-1, H) x (-1, W)``, corners outside the map count as zero."""
+    batch, channels, height, width = input.shape
+    out_channels, _, kernel_h, kernel_w = weight.shape
+    out_h, out_w = offset.shape[2:]
+    per_group = channels // offset_groups
+    columns = []  # per tap: [N, C, out_h, out_w]
+    for k in range(kernel_h * kernel_w):
+        ki, kj = divmod(k, kernel_w)
+        base_y = (torch.arange(out_h, dtype=input.dtype) * stride - padding + ki * dilation)[:, None]
+        base_x = (torch.arange(out_w, dtype=input.dtype) * stride - padding + kj * dilation)[None, :]
+        sampled = []
+        for g in range(offset_groups):
+            y = base_y + offset[:, (g * kernel_h * kernel_w + k) * 2]  # [N, out_h, out_w]
+            x = base_x + offset[:, (g * kernel_h * kernel_w + k) * 2 + 1]
+            inside = (y > -1) & (y < height) & (x > -1) & (x < width)
+            y0, x0 = y.floor(), x.floor()
+            value = 0
+            for yp, wy in ((y0, 1 - (y - y0)), (y0 + 1, y - y0)):
+                for xp, wx in ((x0, 1 - (x - x0)), (x0 + 1, x - x0)):
+                    valid = inside & (yp >= 0) & (yp < height) & (xp >= 0) & (xp < width)
+                    flat = (yp.clamp(0, height - 1) * width + xp.clamp(0, width - 1)).long().flatten(1)  # [N, L]
+                    group = input[:, g * per_group : (g + 1) * per_group].flatten(2)  # [N, C/G, H*W]
+                    picked = group.gather(2, flat[:, None, :].expand(-1, per_group, -1)).view(
+                        batch, per_group, out_h, out_w
+                    )
+                    value = value + picked * (wy * wx * valid)[:, None]
+            if mask is not None:
+                value = value * mask[:, g * kernel_h * kernel_w + k][:, None]
+            sampled.append(value)
+        columns.append(torch.cat(sampled, dim=1))
+    stacked = torch.stack(columns, dim=2)  # [N, C, K, out_h, out_w]
+    return torch.einsum("ncklm,ock->nolm", stacked, weight.flatten(2))

@@ -85,20 +85,6 @@ void entries_cuda(int64_t first, int64_t count, const at::Tensor& rois, const at
   });
 }
 
-void gather_cuda(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
-                 const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out) {
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t threads = args.batch * args.groups_per_plane * args.planes_per_image * args.plane_size;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_align_backward_cuda", [&] {
-    using T = at::opmath_type<scalar_t>;
-    gather_kernel<scalar_t, T><<<gather::grid_blocks(threads), gather::kThreads, 0, stream>>>(
-        threads, offsets.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
-        sources.const_data_ptr<int32_t>(), weights.const_data_ptr<T>(), grad.const_data_ptr<scalar_t>(), args,
-        out.data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
-
 at::Tensor empty_cuda(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
   return at::Tensor(at::detail::empty_cuda(sizes, dtype, device, std::nullopt));
 }
@@ -108,7 +94,7 @@ at::Tensor roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& roi
                                    int64_t height, int64_t width, int64_t sampling_ratio, bool aligned) {
   TORCH_CHECK(grad.is_cuda(), "roi_align_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
   const c10::cuda::CUDAGuard device_guard(grad.device());
-  static const RoiAlignLaunches launches{&sample_counts_cuda, &entries_cuda, &gather_cuda, &empty_cuda};
+  static const RoiAlignLaunches launches{&sample_counts_cuda, &entries_cuda, &csr_gather_cuda, &empty_cuda};
   return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
                                  channels, height, width, sampling_ratio, aligned, /*position_sensitive=*/false);
 }
@@ -119,13 +105,28 @@ at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& 
                                       int64_t channels, int64_t height, int64_t width) {
   TORCH_CHECK(grad.is_cuda(), "ps_roi_align_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
   const c10::cuda::CUDAGuard device_guard(grad.device());
-  static const RoiAlignLaunches launches{&sample_counts_cuda, &entries_cuda, &gather_cuda, &empty_cuda};
+  static const RoiAlignLaunches launches{&sample_counts_cuda, &entries_cuda, &csr_gather_cuda, &empty_cuda};
   return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
                                  channels, height, width, sampling_ratio, /*aligned=*/true,
                                  /*position_sensitive=*/true);
 }
 
 }  // namespace
+
+void csr_gather_cuda(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
+                     const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t threads = args.batch * args.groups_per_plane * args.planes_per_image * args.plane_size;
+  if (threads == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "csr_gather_cuda", [&] {
+    using T = at::opmath_type<scalar_t>;
+    gather_kernel<scalar_t, T><<<gather::grid_blocks(threads), gather::kThreads, 0, stream>>>(
+        threads, offsets.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
+        sources.const_data_ptr<int32_t>(), weights.const_data_ptr<T>(), grad.const_data_ptr<scalar_t>(), args,
+        out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
 
 TORCH_LIBRARY_IMPL(deepep, CUDA, m) {
   m.impl("roi_align_backward", &roi_align_backward_cuda);
