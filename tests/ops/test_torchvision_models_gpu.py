@@ -1,6 +1,6 @@
 """End-to-end GPU test: torchvision's Faster R-CNN, Mask R-CNN and Keypoint R-CNN, an R-FCN-style
-``ps_roi_align`` head and a ``roi_pool`` head (random init, tiny images, 3 AdamW steps in Lightning) train
-bitwise-equal in two fresh processes under DeterminismCallback, with the RoI backwards served by the
+``ps_roi_align`` head, a ``roi_pool`` head and a small DCNv2 net (random init, tiny images, 3 AdamW steps in
+Lightning) train bitwise-equal in two fresh processes under DeterminismCallback, with the RoI backwards served by the
 deterministic kernels (torchvision's pure-PyTorch ``_roi_align`` never runs)."""
 
 import os
@@ -52,7 +52,8 @@ _SCRIPT = textwrap.dedent(
         return image, target
 
     class PoolingHead(torch.nn.Module):
-        # a conv backbone and an R-FCN-style position-sensitive head (psroihead) or a roi_pool head
+        # a conv backbone (with a DCNv2 block: dcnnet) and an R-FCN-style position-sensitive head
+        # (psroihead) or a roi_pool head (roipoolhead, dcnnet)
 
         def __init__(self, kind):
             super().__init__()
@@ -62,11 +63,18 @@ _SCRIPT = textwrap.dedent(
                 torch.nn.Conv2d(32, 3 * 9, 3, stride=2, padding=1),
             )
             self.classifier = torch.nn.Linear(27 * 9, 3)
+            self.offset_mask = torch.nn.Conv2d(27, 27, 3, padding=1)
+            self.deform_weight = torch.nn.Parameter(torch.randn(27, 27, 3, 3) * 0.05)
 
         def forward(self, images, targets):
             features = self.backbone(torch.stack(images))  # [B, 27, 40, 48]
             boxes = [target["boxes"] for target in targets]
             labels = torch.cat([target["labels"] for target in targets])
+            if self.kind == "dcnnet":  # a DCNv2 block: offsets and mask predicted from the features
+                offset_mask = self.offset_mask(features)
+                offset, mask = offset_mask[:, :18], torch.sigmoid(offset_mask[:, 18:])
+                deformed = torchvision.ops.deform_conv2d(features, offset, self.deform_weight, padding=1, mask=mask)
+                features = torch.relu(deformed)
             if self.kind == "psroihead":
                 scores = torchvision.ops.ps_roi_align(features, boxes, 3, 0.25, 2).mean((2, 3))  # [R, 3]
             else:
@@ -76,7 +84,7 @@ _SCRIPT = textwrap.dedent(
     class Detection(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            if model_name in ("psroihead", "roipoolhead"):
+            if model_name in ("psroihead", "roipoolhead", "dcnnet"):
                 self.model = PoolingHead(model_name)
                 return
             kwargs = dict(weights=None, weights_backbone=None, min_size=160, max_size=192)
@@ -118,7 +126,7 @@ def _digest(tmp_path, model_name):
     return [line for line in result.stdout.splitlines() if line.startswith("DIGEST ")][-1].split()[1]
 
 
-@pytest.mark.parametrize("model_name", ["fasterrcnn", "maskrcnn", "keypointrcnn", "psroihead", "roipoolhead"])
+@pytest.mark.parametrize("model_name", ["fasterrcnn", "maskrcnn", "keypointrcnn", "psroihead", "roipoolhead", "dcnnet"])
 def test_rcnn_trains_bitwise_reproducibly_under_the_plugin(tmp_path, model_name):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -160,3 +160,35 @@ def test_pooling_backwards_match_torchvision_and_repeat_bitwise(cuda_kernels, na
         for _ in range(19):
             assert torch.equal(first, _pool_grads(op, features, rois, **kwargs))
     torch.testing.assert_close(first, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "dtype, offset_groups, with_mask", [(torch.float32, 1, True), (torch.float32, 2, False), (torch.float64, 1, True)]
+)
+def test_deform_conv2d_backward_matches_torchvision_and_repeats_bitwise(cuda_kernels, dtype, offset_groups, with_mask):
+    """DCNv2 at a ResNet-50 stage-3 shape (256 channels, 28 x 28, 3 x 3)."""
+    from deepep_lightning.ops import refused_ops_routing
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    options = dict(device="cuda", dtype=dtype)
+    input = torch.randn(4, 256, 28, 28, generator=generator, **options)
+    weight = torch.randn(256, 256, 3, 3, generator=generator, **options) * 0.02
+    offset = torch.randn(4, 2 * offset_groups * 9, 28, 28, generator=generator, **options) * 2
+    mask = torch.rand(4, offset_groups * 9, 28, 28, generator=generator, **options) if with_mask else None
+
+    def grads():
+        leaves = [t.detach().requires_grad_(True) for t in (input, offset, weight)]
+        out = torchvision.ops.deform_conv2d(leaves[0], leaves[1], leaves[2], padding=1, mask=mask)
+        return torch.autograd.grad(out.square().sum(), leaves)
+
+    expected = grads()
+    torch.use_deterministic_algorithms(True)
+    with pytest.raises(RuntimeError, match="deterministic"):  # plain deterministic mode refuses it
+        grads()
+    with refused_ops_routing():
+        first = grads()
+        for _ in range(19):
+            assert all(torch.equal(a, b) for a, b in zip(first, grads()))
+    tolerance = 1e-3 if dtype == torch.float32 else 1e-9
+    for mine, theirs in zip(first, expected):
+        torch.testing.assert_close(mine, theirs, rtol=tolerance, atol=tolerance)
