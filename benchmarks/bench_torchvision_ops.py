@@ -3,8 +3,8 @@
 Shapes: a Faster/Mask R-CNN FPN at 800 x 1333 inputs, 2 images, 256 channels: levels P2..P5 (200 x 336 ..
 25 x 42), each called with 2 x 512 RoIs of the sizes that MultiScaleRoIAlign assigns to it (the worst
 case of one level taking every RoI): roi_align with box head 7 x 7 and mask head 14 x 14 at
-``sampling_ratio=2`` and 7 x 7 adaptive (-1); roi_pool 7 x 7; ps_roi_align as R-FCN's 7 x 7 x 10
-classes. deform_conv2d: the DCNv2 3 x 3 conv of ResNet-50's stages 3-5 at 800 x 1333 (2 images). Per case:
+``sampling_ratio=2`` and 7 x 7 adaptive (-1); roi_pool 7 x 7; ps_roi_align and ps_roi_pool as R-FCN's
+7 x 7 x 10 classes. deform_conv2d: the DCNv2 3 x 3 conv of ResNet-50's stages 3-5 at 800 x 1333 (2 images). Per case:
 the median milliseconds of the deepep backward and of torchvision's CUDA kernel (deterministic mode off,
 side by side in one process), their ratio, the peak memory each adds over its inputs, and whether 3
 deepep calls are bitwise equal. Writes JSON::
@@ -85,6 +85,7 @@ def cases(quick):
     """(op, case name, torchvision's backward, deepep's backward), each a zero-argument callable."""
     from deepep_lightning.ops.deform_conv2d import deform_conv2d_backward
     from deepep_lightning.ops.ps_roi_align import ps_roi_align_backward
+    from deepep_lightning.ops.ps_roi_pool import ps_roi_pool_backward
     from deepep_lightning.ops.roi_pool import roi_pool_backward
 
     made = []
@@ -118,6 +119,17 @@ def cases(quick):
                 ps_roi_align_case(level),
             )
         )
+        pool_args = ps_roi_align_case(level)
+        pool_args = pool_args[:6] + pool_args[7:]  # ps_roi_pool: no sampling_ratio
+        made.append(
+            (
+                "ps_roi_pool",
+                f"{level}_rfcn7",
+                torch.ops.torchvision._ps_roi_pool_backward,
+                ps_roi_pool_backward,
+                pool_args,
+            )
+        )
     for stage in DCN_STAGES:
         made.append(
             (
@@ -129,7 +141,7 @@ def cases(quick):
             )
         )
     if quick:
-        made = [made[0], made[3], made[4], made[-1]]
+        made = [made[0], made[3], made[4], made[5], made[-1]]
     return [
         (op, name, lambda f=atomic, a=args: f(*a), lambda f=deepep, a=args: f(*a))
         for op, name, atomic, deepep, args in made

@@ -1,8 +1,8 @@
 """L1 catalogue entries of torchvision's RoI and deformable-convolution ops (empty without torchvision).
 
 Their backwards scatter into the feature map with float ``atomicAdd`` on CUDA: deterministic mode refuses
-``roi_pool``, ``ps_roi_align`` and ``deform_conv2d`` there, and ``roi_align`` turns to a pure-PyTorch path
-in Python. The entries' ``routed`` ops are the ``torchvision::`` backwards that
+``roi_pool``, ``ps_roi_align``, ``ps_roi_pool`` and ``deform_conv2d`` there, and ``roi_align`` turns to a
+pure-PyTorch path in Python. The entries' ``routed`` ops are the ``torchvision::`` backwards that
 :func:`deepep_lightning.ops.patch_refused_ops` sends to a deterministic kernel instead.
 """
 
@@ -36,6 +36,7 @@ def _roi_op(kind: str):
             "roi_align_adaptive": lambda: ops.roi_align(features, rois, 7, 1.0, -1, aligned=True),
             "roi_pool": lambda: ops.roi_pool(features, rois, 7, 1.0),
             "ps_roi_align": lambda: ops.ps_roi_align(features, rois, 3, 1.0, 2),
+            "ps_roi_pool": lambda: ops.ps_roi_pool(features, rois, 3, 1.0),
         }[kind]
         with torch.no_grad():
             shape = forward().shape
@@ -87,6 +88,7 @@ def _entries() -> list[CatalogueEntry]:
                 "torchvision ps_roi_align 3x3",
                 "_ps_roi_align_backward",
             ),
+            ("ps_roi_pool_backward", _roi_op("ps_roi_pool"), "torchvision ps_roi_pool 3x3", "_ps_roi_pool_backward"),
             (
                 "deform_conv2d_backward",
                 _deform_conv2d,

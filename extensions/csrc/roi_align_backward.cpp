@@ -8,6 +8,10 @@
 //                         pooled_height, pooled_width, sampling_ratio, batch_size, channels, height, width)
 //                         -> [N, C, H, W]
 //
+//   roi_csr_gather(keys, sources, weights, grad [K, C, PH, PW], batch, planes = PH * PW, channels = C, height,
+//                  width) -> [N, C * PH * PW, H, W]: steps 2-4 for entries that the caller built (the
+//                  position-sensitive layout; deepep_lightning/ops/ps_roi_pool.py builds ps_roi_pool's).
+//
 // ps_roi_align samples its bins as roi_align with aligned=True does (torchvision's kernels share the
 // formulas) and sends bin b of output channel c to input channel c * PH * PW + b, which is what its
 // forward's channel_mapping always holds; the mapping is therefore not read (it is in the schema so that
@@ -129,6 +133,31 @@ void sort_and_gather(const at::Tensor& keys, const at::Tensor& sources, const at
   gather(offsets, order, sources, weights, grad, args, out);
 }
 
+at::Tensor roi_csr_gather_with(GatherLaunch gather, at::Tensor (*empty)(at::IntArrayRef, at::ScalarType, at::Device),
+                               const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
+                               const at::Tensor& grad, int64_t batch, int64_t planes, int64_t channels,
+                               int64_t height, int64_t width) {
+  TORCH_CHECK(grad.dim() == 4 && grad.size(1) == channels && grad.size(2) * grad.size(3) == planes,
+              "roi_csr_gather: grad must be [K, channels, PH, PW] with PH * PW = planes, got ", grad.sizes());
+  TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == at::kInt && sources.sizes() == keys.sizes() &&
+                  sources.scalar_type() == at::kInt && weights.sizes() == keys.sizes() &&
+                  weights.scalar_type() == (grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat),
+              "roi_csr_gather: keys and sources must be 1-D int32 and weights float (double for double grad) of "
+              "one length");
+  TORCH_CHECK(keys.device() == grad.device() && sources.device() == grad.device() &&
+                  weights.device() == grad.device(),
+              "roi_csr_gather: keys, sources, weights and grad must be on one device");
+  const int64_t destinations = batch * planes * height * width;
+  TORCH_CHECK(batch >= 0 && height >= 0 && width >= 0 && destinations < INT32_MAX,
+              "roi_csr_gather: batch, height, width must be >= 0 with batch * planes * height * width < 2^31 - 1");
+  at::Tensor out = empty({batch, channels * planes, height, width}, grad.scalar_type(), grad.device());
+  if (keys.numel() == 0 || destinations == 0 || channels == 0) return out.zero_();
+  const GatherArgs args{batch, (channels + kGroup - 1) / kGroup, channels, planes, height * width, planes,
+                        /*accumulate=*/false, /*plane_major=*/false};
+  sort_and_gather(keys, sources, weights, destinations, grad.contiguous(), args, gather, out);
+  return out;
+}
+
 void csr_gather_cpu(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
                     const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out) {
   const int64_t threads = args.batch * args.groups_per_plane * args.planes_per_image * args.plane_size;
@@ -196,6 +225,14 @@ at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& r
                                  /*position_sensitive=*/true);
 }
 
+at::Tensor roi_csr_gather_cpu(const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
+                              const at::Tensor& grad, int64_t batch, int64_t planes, int64_t channels, int64_t height,
+                              int64_t width) {
+  TORCH_CHECK(grad.is_cpu(), "roi_csr_gather_cpu: grad must be a CPU tensor, got ", grad.device());
+  return roi_csr_gather_with(&csr_gather_cpu, &empty_cpu, keys, sources, weights, grad, batch, planes, channels,
+                             height, width);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepep, m) {
@@ -206,11 +243,15 @@ TORCH_LIBRARY_FRAGMENT(deepep, m) {
       "ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
       "int pooled_height, int pooled_width, int sampling_ratio, int batch_size, int channels, int height, "
       "int width) -> Tensor");
+  m.def(
+      "roi_csr_gather(Tensor keys, Tensor sources, Tensor weights, Tensor grad, int batch, int planes, "
+      "int channels, int height, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepep, CPU, m) {
   m.impl("roi_align_backward", &roi_align_backward_cpu);
   m.impl("ps_roi_align_backward", &ps_roi_align_backward_cpu);
+  m.impl("roi_csr_gather", &roi_csr_gather_cpu);
 }
 
 }  // namespace deepep::roi

@@ -15,6 +15,7 @@ ENTRIES = [
     "roi_align_adaptive_backward",
     "roi_pool_backward",
     "ps_roi_align_backward",
+    "ps_roi_pool_backward",
     "deform_conv2d_backward",
 ]
 

@@ -1,7 +1,7 @@
 """GPU tests of the deterministic torchvision backwards (deepep_lightning/ops/roi_align.py, roi_pool.py,
-ps_roi_align.py): torchvision's CUDA kernels agree to rounding, repeats are bitwise equal, images do not
-affect each other, plain deterministic mode refuses what the routes serve, and the routed roi_align
-backward runs under torch.compile and in a CUDA graph."""
+ps_roi_align.py, ps_roi_pool.py, deform_conv2d.py): torchvision's CUDA kernels agree to rounding, repeats are
+bitwise equal, images do not affect each other, plain deterministic mode refuses what the routes serve, and
+the routed roi_align backward runs under torch.compile and in a CUDA graph."""
 
 import pytest
 import torch
@@ -142,13 +142,14 @@ def _pool_grads(op, features, rois, **kwargs):
         ("roi_pool", {"output_size": 7, "spatial_scale": 1 / 8}),
         ("ps_roi_align", {"output_size": 3, "spatial_scale": 1 / 8, "sampling_ratio": 2}),
         ("ps_roi_align", {"output_size": 3, "spatial_scale": 1 / 8, "sampling_ratio": -1}),
+        ("ps_roi_pool", {"output_size": 3, "spatial_scale": 1 / 8}),
     ],
 )
 def test_pooling_backwards_match_torchvision_and_repeat_bitwise(cuda_kernels, name, kwargs):
     from deepep_lightning.ops import refused_ops_routing
 
     op = getattr(torchvision.ops, name)
-    features, boxes, _ = _features_and_boxes(channels=63 if name == "ps_roi_align" else 64, rois_per_image=256)
+    features, boxes, _ = _features_and_boxes(channels=63 if name.startswith("ps_") else 64, rois_per_image=256)
     rois = torchvision.ops._utils.convert_boxes_to_roi_format(boxes)
     expected = _pool_grads(op, features, rois, **kwargs)
     torch.use_deterministic_algorithms(True)

@@ -113,6 +113,19 @@ at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& 
 
 }  // namespace
 
+namespace {
+
+at::Tensor roi_csr_gather_cuda(const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
+                               const at::Tensor& grad, int64_t batch, int64_t planes, int64_t channels,
+                               int64_t height, int64_t width) {
+  TORCH_CHECK(grad.is_cuda(), "roi_csr_gather_cuda: grad must be a CUDA tensor, got ", grad.device());
+  const c10::cuda::CUDAGuard device_guard(grad.device());
+  return roi_csr_gather_with(&csr_gather_cuda, &empty_cuda, keys, sources, weights, grad, batch, planes, channels,
+                             height, width);
+}
+
+}  // namespace
+
 void csr_gather_cuda(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
                      const at::Tensor& weights, const at::Tensor& grad, const GatherArgs& args, at::Tensor& out) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -131,6 +144,7 @@ void csr_gather_cuda(const at::Tensor& offsets, const at::Tensor& order, const a
 TORCH_LIBRARY_IMPL(deepep, CUDA, m) {
   m.impl("roi_align_backward", &roi_align_backward_cuda);
   m.impl("ps_roi_align_backward", &ps_roi_align_backward_cuda);
+  m.impl("roi_csr_gather", &roi_csr_gather_cuda);
 }
 
 }  // namespace deepep::roi
