@@ -24,6 +24,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.nn.modules.utils import _pair
+
+try:  # an optional dependency; at module level so that torch.compile traces roi_align without an import
+    from torchvision.ops._utils import check_roi_boxes_shape, convert_boxes_to_roi_format
+except Exception:  # noqa: BLE001 - without a working torchvision nothing here is installed
+    check_roi_boxes_shape = convert_boxes_to_roi_format = None
 
 __all__ = ["dispatcher_roi_align_in_use", "roi_align", "torchvision_ops_available", "use_dispatcher_roi_align"]
 
@@ -66,9 +72,6 @@ def roi_align(
     original = _state["original"]
     if torch.jit.is_scripting() or not isinstance(input, Tensor) or input.is_quantized:
         return original(input, boxes, output_size, spatial_scale, sampling_ratio, aligned)
-    from torch.nn.modules.utils import _pair
-    from torchvision.ops._utils import check_roi_boxes_shape, convert_boxes_to_roi_format
-
     check_roi_boxes_shape(boxes)
     rois = boxes if isinstance(boxes, Tensor) else convert_boxes_to_roi_format(boxes)
     pooled_height, pooled_width = _pair(output_size)

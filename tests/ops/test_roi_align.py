@@ -180,3 +180,15 @@ def test_python_entry_gives_torchvision_results():
         assert torch.equal(_torchvision_entry.roi_align(features, as_list, output_size, **kwargs), as_list_expected)
     with pytest.raises(AssertionError):  # torchvision's own error for boxes of a wrong shape
         _torchvision_entry.roi_align(features, torch.zeros(2, 3), 2)
+
+
+def test_python_entry_traces_in_one_graph_under_torch_compile():
+    generator = torch.Generator().manual_seed(6)
+    features = torch.randn(2, 3, 10, 12, generator=generator)
+    boxes = torch.tensor([[1.0, 0.5, 0.5, 8.0, 7.0], [0.0, 2.0, 1.0, 4.0, 9.0]])
+    _routes.enable_routes("CPU")
+    compiled = torch.compile(lambda x, b: torchvision.ops.roi_align(x, b, 2, 1.0, 2), backend="eager", fullgraph=True)
+    try:
+        assert torch.equal(compiled(features, boxes), ORIGINAL_ROI_ALIGN(features, boxes, 2, 1.0, 2))
+    finally:
+        torch._dynamo.reset()
