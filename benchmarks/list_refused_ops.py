@@ -166,6 +166,35 @@ def candidates(device):
     }
 
 
+def torchvision_candidates(device):
+    """torchvision's RoI and deformable-convolution ops (empty without torchvision)."""
+    try:
+        import torchvision.ops as tv
+    except ImportError:
+        return {}
+    d = dict(device=device)
+
+    def features():  # [2, 8, 12, 12]: 8 channels = 2 groups of a 2 x 2 position-sensitive head
+        return _leaf(2, 8, 12, 12, **d)
+
+    def rois():
+        return torch.tensor([[0, 1.0, 1.0, 9.0, 7.0], [1, 0.5, 2.0, 11.0, 11.0], [0, 3.0, 3.0, 5.0, 6.0]], **d)
+
+    return {
+        "roi_align": lambda: tv.roi_align(features(), rois(), 2, 1.0, 2).sum(),
+        "roi_align_adaptive": lambda: tv.roi_align(features(), rois(), 2, 1.0, -1, aligned=True).sum(),
+        "roi_pool": lambda: tv.roi_pool(features(), rois(), 2, 1.0).sum(),
+        "ps_roi_align": lambda: tv.ps_roi_align(features(), rois(), 2, 1.0, 2).sum(),
+        "ps_roi_pool": lambda: tv.ps_roi_pool(features(), rois(), 2, 1.0).sum(),
+        "deform_conv2d": lambda: tv.deform_conv2d(
+            features(),
+            _leaf(2, 2 * 3 * 3, 10, 10, **d),
+            _leaf(4, 8, 3, 3, **d),
+            mask=torch.sigmoid(_leaf(2, 9, 10, 10, **d)),
+        ).sum(),
+    }
+
+
 def probe(fn):
     """(raised for lack of a deterministic kernel, first error line) for forward + backward of ``fn``."""
     try:
@@ -194,7 +223,7 @@ def main(argv=None):
 
     torch.use_deterministic_algorithms(True)
     results = []
-    for name, fn in candidates(args.device).items():
+    for name, fn in {**candidates(args.device), **torchvision_candidates(args.device)}.items():
         raised, message = probe(fn)
         entry = {"op": name, "raises": raised, "error": message}
         with refused_ops_routing():

@@ -6,13 +6,16 @@ order) and returns a zero-argument callable that runs the op (forward, or forwar
 probes (8M float32 values into 1000 bins, enough to expose atomics on an H200); ``"small"`` keeps
 CPU tests fast.
 
-``routed`` names the ``aten`` ops of an entry that :func:`deepep_lightning.ops.patch_refused_ops` routes
+``routed`` names the dispatcher ops (``aten`` names, or ``"torchvision::name"``) of an entry that
+:func:`deepep_lightning.ops.patch_refused_ops` routes
 to a deterministic kernel (on CUDA, in deterministic mode): the ops PyTorch refuses there, or runs
 deterministically but slowly. An entry with ``routed=()`` runs PyTorch's kernels in every column.
 
 The entries live by family: :mod:`~deepep_lightning.audit.catalogue_indexed` (accumulation by index, the
 atomic-add family), :mod:`~deepep_lightning.audit.catalogue_spatial` (losses and image ops, the family
-deterministic mode refuses) and :mod:`~deepep_lightning.audit.catalogue_dense` (dense ops and DeepEP's own);
+deterministic mode refuses), :mod:`~deepep_lightning.audit.catalogue_torchvision` (torchvision's RoI and
+deformable-convolution ops, when torchvision imports) and :mod:`~deepep_lightning.audit.catalogue_dense`
+(dense ops and DeepEP's own);
 this module puts them in table order.
 """
 
@@ -22,12 +25,15 @@ from deepep_lightning.audit.catalogue_dense import DENSE_ENTRIES
 from deepep_lightning.audit.catalogue_entry import CatalogueEntry
 from deepep_lightning.audit.catalogue_indexed import INDEXED_ENTRIES
 from deepep_lightning.audit.catalogue_spatial import SPATIAL_ENTRIES
+from deepep_lightning.audit.catalogue_torchvision import TORCHVISION_ENTRIES
 
 __all__ = ["CATALOGUE", "CatalogueEntry", "catalogue_names", "size_of"]
 
 _SIZES = {"small": 1 << 12, "large": 1 << 23}
 
-CATALOGUE: dict[str, CatalogueEntry] = {e.name: e for e in [*INDEXED_ENTRIES, *SPATIAL_ENTRIES, *DENSE_ENTRIES]}
+CATALOGUE: dict[str, CatalogueEntry] = {
+    e.name: e for e in [*INDEXED_ENTRIES, *SPATIAL_ENTRIES, *TORCHVISION_ENTRIES, *DENSE_ENTRIES]
+}
 
 
 def catalogue_names() -> list[str]:

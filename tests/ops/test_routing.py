@@ -1,6 +1,7 @@
 """CPU tests of the dispatcher routing (deepep_lightning.ops._routes, routing.py): on in deterministic mode,
 off otherwise, reversible. The routes are installed at the CPU key here (the same wrappers as at CUDA)."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -56,7 +57,7 @@ def spy(monkeypatch):
             calls.append(_route.aten_op)
             return _route.deterministic(*args, **kwargs)
 
-        monkeypatch.setitem(_routes._routes, name, Route(name, counted, route.covers))
+        monkeypatch.setitem(_routes._routes, name, dataclasses.replace(route, deterministic=counted))
     return calls
 
 
@@ -105,6 +106,15 @@ def test_route_validates_its_fields():
         register_route("nll_loss2d_forward")
     with pytest.raises(TypeError, match="dispatch_key must be a str"):
         _routes.enable_routes(1)
+    with pytest.raises(ValueError, match="namespace must be a library name"):
+        Route("roi_align", lambda: None, namespace="torch vision")
+    with pytest.raises(ValueError, match="shape_function is only for aten ops"):
+        Route("roi_align", lambda: None, shape_function=lambda: None, namespace="torchvision")
+    with pytest.raises(TypeError, match="on_install must be callable"):
+        Route("roi_align", lambda: None, namespace="torchvision", on_install=True)
+    other = Route("_roi_align_backward", lambda: None, namespace="torchvision")
+    assert (other.key, other.qualified_name) == ("torchvision::_roi_align_backward",) * 2
+    assert Route("nll_loss2d_forward", lambda: None).key == "nll_loss2d_forward"
 
 
 def test_enable_disable_are_idempotent_and_report_the_previous_state():

@@ -1,0 +1,129 @@
+"""CPU tests of the deterministic deform_conv2d backward (deepep_lightning/ops/deform_conv2d.py): the input
+gradient of deepep::deform_conv2d_grad_input matches a float64 oracle and torchvision's CPU kernel, bad
+arguments are refused in Python, and the route on ``torchvision::_deform_conv2d_backward`` (installed at the
+CPU key here) serves ``deform_conv2d`` in deterministic mode only."""
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("torchvision")
+import torchvision.ops  # noqa: E402
+
+from deepep_lightning.ops import _routes, extension_available, routed_aten_ops  # noqa: E402
+from deepep_lightning.ops.deform_conv2d import deform_conv2d_backward  # noqa: E402
+from tests.ops._roi_oracle import deform_conv2d_oracle  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+
+ROUTE = "torchvision::_deform_conv2d_backward"
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    was = torch.are_deterministic_algorithms_enabled()
+    yield
+    _routes.disable_routes()
+    torch.use_deterministic_algorithms(was)
+
+
+def _case(offset_groups=2, use_mask=True, dtype=torch.float64, stride=1, padding=1, dilation=1, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    batch, channels, out_channels, height, width, kernel = 2, 4, 3, 7, 9, 3
+    input = torch.randn(batch, channels, height, width, generator=generator, dtype=dtype)
+    weight = torch.randn(out_channels, channels, kernel, kernel, generator=generator, dtype=dtype)
+    out_h = (height + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+    out_w = (width + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+    # offsets up to 3 pixels: samples leave the map, a few land on integers (corners dropped)
+    offset = (
+        torch.randn(batch, 2 * offset_groups * kernel * kernel, out_h, out_w, generator=generator, dtype=dtype) * 1.5
+    )
+    offset[:, :, 0, 0] = 1.0
+    mask = torch.rand(batch, offset_groups * kernel * kernel, out_h, out_w, generator=generator, dtype=dtype)
+    return input, weight, offset, (mask if use_mask else None), stride, padding, dilation, offset_groups
+
+
+def _backward_args(input, weight, offset, mask, stride, padding, dilation, offset_groups, grad):
+    use_mask = mask is not None
+    mask_arg = mask if use_mask else torch.zeros(input.shape[0], 1, dtype=input.dtype)  # as torchvision passes it
+    bias = torch.zeros(weight.shape[0], dtype=input.dtype)
+    return (
+        grad,
+        input,
+        weight,
+        offset,
+        mask_arg,
+        bias,
+        stride,
+        stride,
+        padding,
+        padding,
+        dilation,
+        dilation,
+        1,
+        offset_groups,
+        use_mask,
+    )
+
+
+@pytest.mark.parametrize("offset_groups, use_mask, stride, dilation", [(2, True, 1, 1), (1, False, 2, 2)])
+def test_input_gradient_matches_the_float64_oracle_and_torchvision_cpu(offset_groups, use_mask, stride, dilation):
+    input, weight, offset, mask, *rest = _case(offset_groups, use_mask, stride=stride, dilation=dilation)
+    leaf = input.clone().requires_grad_(True)
+    out = deform_conv2d_oracle(leaf, weight, offset, mask, *rest)
+    grad = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    (expected,) = torch.autograd.grad(out, leaf, grad)
+    args = _backward_args(input, weight, offset, mask, *rest, grad)
+    ours = deform_conv2d_backward(*args)
+    theirs = torch.ops.torchvision._deform_conv2d_backward(*args)
+    torch.testing.assert_close(ours[0], expected, rtol=1e-12, atol=1e-12)
+    for mine, torchvision_grad in zip(ours, theirs):
+        torch.testing.assert_close(mine, torchvision_grad, rtol=1e-10, atol=1e-10)
+
+
+def test_opcheck_and_bad_arguments():
+    input, weight, offset, mask, *rest = _case()
+    grad = torch.randn(2, 3, 7, 9, dtype=torch.float64)
+    args = _backward_args(input, weight, offset, mask, *rest, grad)
+    columns = torch.randn(2, 4, 9, 63, dtype=torch.float64)
+    torch.library.opcheck(
+        torch.ops.deepep.deform_conv2d_grad_input.default,
+        (columns, offset, mask, 7, 9, 3, 3, 1, 1, 1, 1, 1, 1, 2, True),
+    )
+    bad = list(args)
+    bad[3] = offset[:, :4]
+    with pytest.raises(ValueError, match=r"deform_conv2d_backward: grad .* / offset \(2, 4, 7, 9\) do not match"):
+        deform_conv2d_backward(*bad)
+    bad = list(args)
+    bad[13] = 3
+    with pytest.raises(ValueError, match="do not split into groups 1 / offset_groups 3"):
+        deform_conv2d_backward(*bad)
+
+
+def test_route_serves_deform_conv2d_in_deterministic_mode_only(monkeypatch):
+    assert ROUTE in routed_aten_ops()
+    calls = []
+    route = _routes.registered_routes()[ROUTE]
+    monkeypatch.setitem(
+        _routes._routes,
+        ROUTE,
+        dataclasses.replace(route, deterministic=lambda *a: calls.append(1) or route.deterministic(*a)),
+    )
+    input, weight, offset, mask, *_ = _case(dtype=torch.float32)
+    leaves = [t.clone().requires_grad_(True) for t in (input, weight, offset, mask)]
+
+    def grads():
+        out = torchvision.ops.deform_conv2d(leaves[0], leaves[2], leaves[1], padding=1, mask=leaves[3])
+        return torch.autograd.grad(out.square().sum(), leaves)
+
+    expected = grads()
+    _routes.enable_routes("CPU")
+    grads()
+    assert calls == []  # negative control: outside deterministic mode torchvision's kernel runs
+    torch.use_deterministic_algorithms(True)
+    routed = grads()
+    assert calls == [1]
+    assert torch.are_deterministic_algorithms_enabled()  # restored after torchvision's call
+    for mine, theirs in zip(routed, expected):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
