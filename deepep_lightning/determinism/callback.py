@@ -28,7 +28,7 @@ What it does, in hook order:
   ``load_from_checkpoint`` needs nothing from the plugin; stores the gradients of an open
   accumulation window (:mod:`~deepep_lightning.determinism.accumulation`; one process, or a
   strategy that keeps every rank's callback state);
-  then SHA-256 digests of its own state and of the model's ``state_dict``.
+  then SHA-256 digests of its own state and of the model's ``state_dict`` (sharded: every rank's shards).
 * ``on_load_checkpoint``: verifies those digests (a mismatch raises
   :class:`~deepep_lightning.determinism.checkpoint_integrity.CheckpointIntegrityError` naming the file)
   and warns when the checkpoint holds no state of this callback (written without it: the resume is
@@ -54,7 +54,7 @@ from typing_extensions import override
 
 from deepep_lightning import _checks, _lightning_compat
 from deepep_lightning.determinism.accumulation import capture_gradients
-from deepep_lightning.determinism.checkpoint_integrity import readable_checkpoint_loader
+from deepep_lightning.determinism.checkpoint_integrity import gather_shard_digests, readable_checkpoint_loader
 from deepep_lightning.determinism.configuration import (
     CublasWorkspaceConfig,
     prime_cublas_and_release_env,
@@ -352,7 +352,7 @@ class DeterminismCallback(Callback):
                     state["train_loaders"] = taken
             if self._window_open:
                 self._save_window_gradients(trainer, pl_module, state)
-            stamp_digests(state, checkpoint)
+            stamp_digests(state, checkpoint, gather_shard_digests(checkpoint.get("state_dict")))
 
     @override
     def on_load_checkpoint(
@@ -363,7 +363,7 @@ class DeterminismCallback(Callback):
         if state is None:
             warn_without_state(path)
             return
-        verify_digests(path, state, checkpoint)
+        verify_digests(path, state, checkpoint, pl_module.state_dict(), trainer.global_rank)
         if state.get("train_loaders"):  # read by Lightning's loop restore, which runs after this hook
             put_back_loader_states(checkpoint, state["train_loaders"])
 

@@ -15,6 +15,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from deepep_lightning import _checks
+from deepep_lightning._sharded import local
 from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
 from deepep_lightning.protocols import step_loss
 
@@ -34,6 +35,8 @@ _VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 def _poison(tensor: Tensor, value: float) -> None:
+    # a sharded tensor (FSDP2, tensor parallel): the first element of this rank's shard, no collective
+    tensor = local(tensor)
     with torch.no_grad():
         tensor[(0,) * tensor.dim()] = value
 

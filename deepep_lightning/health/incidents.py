@@ -23,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from deepep_lightning._enums import StrEnum
 from deepep_lightning._lightning_compat import optimizer_step_progress
+from deepep_lightning._sharded import local
 from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite, locate_nonfinite_update
 from deepep_lightning.health._collectives import min_max_over_ranks
 from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
@@ -269,7 +270,7 @@ class _IncidentHandling:
             self._restore(trainer, pl_module, snapshot)
             weights = f"Weights restored to the snapshot of step {snapshot.step}"
         else:
-            finite = all(bool(torch.isfinite(p.detach()).all()) for p in pl_module.parameters())
+            finite = all(bool(torch.isfinite(local(p.detach())).all()) for p in pl_module.parameters())
             if not trainer.strategy.reduce_boolean_decision(finite, all=True):
                 self._emit(trainer, EventKind.STOPPED, incident["step"], why=why, weights_at_step=None)
                 raise RuntimeError(

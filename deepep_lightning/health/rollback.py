@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
+from deepep_lightning._sharded import local
 from deepep_lightning.health import _replay, _step_hooks, incidents
 from deepep_lightning.health._replay import ReplayEntry, clone_batch
 from deepep_lightning.health._step_hooks import (
@@ -278,8 +279,9 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
     # ---------------------------------------------------------------- the training loop
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        finite = all(bool(torch.isfinite(p.detach()).all()) for p in pl_module.parameters())
-        if not finite:
+        # each rank its own shards, no collective; then one decision for all ranks
+        finite = all(bool(torch.isfinite(local(p.detach())).all()) for p in pl_module.parameters())
+        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             raise RuntimeError("NaNRollbackCallback: the model has non-finite parameters before training starts.")
         self._buffer = []
         self._snapshot(trainer, pl_module)
