@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from deepep_lightning.determinism.sharded_resume import gather_per_rank
+
 __all__ = [
     "CheckpointIntegrityError",
     "digest",
@@ -115,11 +117,7 @@ def gather_shard_digests(state_dict: Any) -> list[str] | None:
     local = local_shards_digest(state_dict)
     if local is None:
         return None
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return [local]
-    gathered: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, local)
-    return [str(item) for item in gathered]
+    return [str(item) for item in gather_per_rank(local)]
 
 
 def _describe_unreadable(path: Any, error: BaseException) -> str:

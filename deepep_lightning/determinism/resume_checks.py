@@ -56,8 +56,9 @@ def stamp_digests(state: dict[str, Any], checkpoint: dict[str, Any], shard_diges
     state["digest"] = {
         "state": digest({k: v for k, v in state.items() if k != "digest"}),
         "model": model_digest(checkpoint.get("state_dict")),
-        "model_shards": shard_digests,
     }
+    if shard_digests is not None:
+        state["digest"]["model_shards"] = list(shard_digests)
 
 
 def verify_digests(
@@ -66,13 +67,15 @@ def verify_digests(
     checkpoint: dict[str, Any],
     loaded_state_dict: Any = None,
     rank: int = 0,
+    world_size: int = 1,
 ) -> None:
     """Compare the digests stored in ``state`` with its content and the checkpoint's ``state_dict``.
 
     A sharded checkpoint (a directory written by ``torch.distributed.checkpoint``) is loaded into the
     module before this runs and its ``state_dict`` is not in ``checkpoint``: pass the module's
-    ``state_dict`` as ``loaded_state_dict`` and this process's ``rank``, and its shards are compared with
-    the digest that rank wrote.
+    ``state_dict`` as ``loaded_state_dict``, this process's ``rank`` and the ``world_size``, and its shards
+    are compared with the digest that rank wrote (by a checkpoint of the same world size; another one is
+    refused before, by :func:`~deepep_lightning.determinism.sharded_resume.check_mesh_layout`).
 
     Raises:
         CheckpointIntegrityError: either no longer matches the digest written with it.
@@ -87,7 +90,7 @@ def verify_digests(
     if saved.get("model") is not None and current_model is not None and saved["model"] != current_model:
         problems.append("the model's state_dict (weights)")
     shards = saved.get("model_shards")
-    if shards and "state_dict" not in checkpoint and 0 <= rank < len(shards):
+    if shards and "state_dict" not in checkpoint and len(shards) == world_size and 0 <= rank < world_size:
         loaded = local_shards_digest(loaded_state_dict)
         if loaded is not None and loaded != shards[rank]:
             problems.append(f"rank {rank}'s shards of the model's state_dict (weights)")

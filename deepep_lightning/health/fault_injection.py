@@ -127,6 +127,13 @@ class FaultInjectionCallback(Callback):
             add_step_hook(pl_module, f"fault:{id(self)}", pre=self._poison_input)
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the parameter as the strategy left it: `configure_model` runs after `setup` (fully_shard, tensor
+        # parallel and meta-device init put new Parameter objects in place)
+        if self._param is not None and self.parameter is not None:
+            self._param = dict(pl_module.named_parameters())[self.parameter]
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         remove_step_hook(pl_module, f"fault:{id(self)}")
 
