@@ -3,18 +3,18 @@
 Usage (from the tests)::
 
     python _fsdp2_run.py --out DIR [--devices 2] [--tensor-parallel 1] [--health] [--fault-rank R --fault-step S]
-                         [--ckpt-every N] [--kill-at N] [--resume DIR] [--skip-rng-restore]
+                         [--ckpt-every N] [--kill-at N] [--resume DIR] [--no-reseed]
+                         [--snapshot-dir DIR --truncate-snapshot-rank R]
 
 Lightning's subprocess launcher re-runs this script for ranks >= 1. The module is a 2-layer MLP whose
 layers and root are sharded with ``fully_shard`` over the data-parallel mesh (with ``--tensor-parallel 2``,
 the first layer is column-parallel and the second row-parallel over the tensor-parallel mesh first).
-Every rank writes ``DIR/rank{r}.json`` (losses step by step, rollback incidents) and
-``DIR/weights_rank{r}.pt`` (the **full** ``state_dict``, gathered from the shards, and each parameter's
-local shard and placements). ``--ckpt-every N`` writes a sharded Lightning checkpoint (a directory) to
-``DIR/ckpt-step{N}`` every ``N`` optimizer steps; ``--kill-at N`` SIGKILLs every rank at the start of
-the batch after global step ``N`` (mid-epoch); ``--resume DIR`` resumes from such a directory.
-Negative control: ``--skip-rng-restore`` resumes with a DeterminismCallback that neither restores the
-checkpointed RNG states nor reseeds per batch.
+Every rank writes ``DIR/rank{r}.json`` (losses step by step, rollback incidents, health events) and
+``DIR/weights_rank{r}.pt`` (the **full** ``state_dict``, gathered from the shards). ``--ckpt-every N``
+writes a sharded Lightning checkpoint (a directory) to ``DIR/ckpt-step{N}`` every ``N`` optimizer
+steps; ``--kill-at N`` SIGKILLs every rank at the start of the batch after global step ``N``
+(mid-epoch); ``--resume DIR`` resumes from such a directory.
+``--truncate-snapshot-rank R`` truncates rank ``R``'s newest snapshot file when ``--fault-step`` starts.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class _Dataset(torch.utils.data.Dataset):
         return self.x[index], self.y[index]
 
 
-def _module(tensor_parallel: int):
+def _module(tensor_parallel: int, seed_per_rank: bool):
     import lightning.pytorch as pl
     from torch.distributed.fsdp import fully_shard
 
@@ -73,6 +73,10 @@ def _module(tensor_parallel: int):
             for layer in (self.net[0], self.net[2]):
                 fully_shard(layer, mesh=mesh["data_parallel"])
             fully_shard(self, mesh=mesh["data_parallel"])
+
+        def on_train_start(self) -> None:
+            if seed_per_rank:  # a stream of its own per data-parallel rank (a resume puts the saved one back later)
+                torch.manual_seed(SEED + self.device_mesh["data_parallel"].get_local_rank())
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -113,7 +117,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--model-checkpoint", action="store_true", help="Lightning's ModelCheckpoint every 3 steps")
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--skip-rng-restore", action="store_true")
+    parser.add_argument(
+        "--no-reseed", action="store_true", help="DeterminismCallback(reseed_every_step=False), a seed per rank"
+    )
+    parser.add_argument("--truncate-snapshot-rank", type=int, default=-1, help="at --fault-step, on that rank")
     args = parser.parse_args(argv)
 
     import lightning.pytorch as pl
@@ -135,22 +142,27 @@ def main(argv: list[str]) -> None:
             if args.kill_at is not None and trainer.global_step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    determinism = DeterminismCallback(SEED, log_fingerprint=False)
-    if args.skip_rng_restore:
-        determinism = DeterminismCallback(SEED, log_fingerprint=False, reseed_every_step=False)
-        determinism._pending.load = lambda state: None  # negative control: the checkpointed RNG is not put back
-    callbacks: list = [determinism, CheckpointThenKill()]
-    rollback = None
+    class TruncateNewestSnapshot(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_rank == args.truncate_snapshot_rank and trainer.global_step == args.fault_step:
+                path = rollback.ring._items[-1][1]
+                with open(path, "r+b") as handle:
+                    handle.truncate(100)
+
+    determinism = DeterminismCallback(SEED, log_fingerprint=False, reseed_every_step=not args.no_reseed)
+    callbacks: list = [determinism, CheckpointThenKill(), TruncateNewestSnapshot()]
+    rollback = health = None
     if args.health:
         rollback = NaNRollbackCallback(snapshot_every_n_steps=4, keep_snapshots=2, snapshot_dir=args.snapshot_dir)
-        callbacks += [NumericalHealthCallback(check_every_n_steps=1, spike_detection=False, log_norms=False), rollback]
+        health = NumericalHealthCallback(check_every_n_steps=1, spike_detection=False, log_norms=False)
+        callbacks += [health, rollback]
     fault = None
     if rank == args.fault_rank:
         fault = FaultInjectionCallback("gradient", steps=[args.fault_step], mode="once")
         callbacks.append(fault)
     if args.model_checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), every_n_train_steps=3, save_last=True))
-    model = _module(args.tensor_parallel)
+    model = _module(args.tensor_parallel, seed_per_rank=args.no_reseed)
     strategy = ModelParallelStrategy(
         data_parallel_size=args.devices // args.tensor_parallel, tensor_parallel_size=args.tensor_parallel
     )
@@ -176,6 +188,7 @@ def main(argv: list[str]) -> None:
         if rollback is not None
         else [],
         "injections": [list(i) for i in fault.injections] if fault is not None else [],
+        "events": [[e["kind"], e["step"]] for e in health.events.events] if health is not None else [],
     }
     weights = _full_weights(model)  # collective: every rank gathers
     with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as handle:
