@@ -107,6 +107,8 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--precision", default="32-true")
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--max-epochs", type=int, default=2)
     parser.add_argument("--health", action="store_true", help="add NumericalHealthCallback and NaNRollbackCallback")
@@ -122,6 +124,10 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--truncate-snapshot-rank", type=int, default=-1, help="at --fault-step, on that rank")
     args = parser.parse_args(argv)
+
+    from deepep_lightning import configure
+
+    configure(SEED)  # first: before CUDA starts (the process group of a CUDA run takes the device)
 
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -167,8 +173,9 @@ def main(argv: list[str]) -> None:
         data_parallel_size=args.devices // args.tensor_parallel, tensor_parallel_size=args.tensor_parallel
     )
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
+        precision=args.precision,
         strategy=strategy,
         max_epochs=args.max_epochs,
         callbacks=callbacks,
