@@ -115,6 +115,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--snapshot-dir", default=None)
     parser.add_argument("--fault-rank", type=int, default=-1)
     parser.add_argument("--fault-step", type=int, default=5)
+    parser.add_argument("--fault-target", default="gradient", help="FaultInjectionCallback target")
+    parser.add_argument("--fault-mode", default="once", help="once: transient; always: reproducible")
+    parser.add_argument("--policy", default="skip", help="NaNRollbackCallback policy")
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--model-checkpoint", action="store_true", help="Lightning's ModelCheckpoint every 3 steps")
     parser.add_argument("--kill-at", type=int, default=None)
@@ -159,12 +162,14 @@ def main(argv: list[str]) -> None:
     callbacks: list = [determinism, CheckpointThenKill(), TruncateNewestSnapshot()]
     rollback = health = None
     if args.health:
-        rollback = NaNRollbackCallback(snapshot_every_n_steps=4, keep_snapshots=2, snapshot_dir=args.snapshot_dir)
+        rollback = NaNRollbackCallback(
+            snapshot_every_n_steps=4, keep_snapshots=2, snapshot_dir=args.snapshot_dir, policy=args.policy
+        )
         health = NumericalHealthCallback(check_every_n_steps=1, spike_detection=False, log_norms=False)
         callbacks += [health, rollback]
     fault = None
     if rank == args.fault_rank:
-        fault = FaultInjectionCallback("gradient", steps=[args.fault_step], mode="once")
+        fault = FaultInjectionCallback(args.fault_target, steps=[args.fault_step], mode=args.fault_mode)
         callbacks.append(fault)
     if args.model_checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), every_n_train_steps=3, save_last=True))
@@ -192,6 +197,17 @@ def main(argv: list[str]) -> None:
         "global_step": trainer.global_step,
         "trace": model.trace,
         "incidents": [{k: v for k, v in i.items() if k in ("step", "reason", "outcome")} for i in rollback.incidents]
+        if rollback is not None
+        else [],
+        "diagnoses": [
+            {
+                "classification": i.get("classification"),
+                "op": (i["diagnosis"] or {}).get("op"),
+                "module_path": (i["diagnosis"] or {}).get("module_path"),
+            }
+            for i in rollback.incidents
+            if "diagnosis" in i
+        ]
         if rollback is not None
         else [],
         "injections": [list(i) for i in fault.injections] if fault is not None else [],
