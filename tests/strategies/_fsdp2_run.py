@@ -14,7 +14,9 @@ Every rank writes ``DIR/rank{r}.json`` (losses step by step, rollback incidents,
 writes a sharded Lightning checkpoint (a directory) to ``DIR/ckpt-step{N}`` every ``N`` optimizer
 steps; ``--kill-at N`` SIGKILLs every rank at the start of the batch after global step ``N``
 (mid-epoch); ``--resume DIR`` resumes from such a directory.
-``--truncate-snapshot-rank R`` truncates rank ``R``'s newest snapshot file when ``--fault-step`` starts.
+``--truncate-snapshot-rank R`` truncates rank ``R``'s newest snapshot file when ``--fault-step`` starts;
+``--nan-op-rank R`` makes ``aten.log`` inside ``net.0``'s forward produce NaN on rank ``R`` at every run of
+step ``--fault-step`` (a reproducible failure: the rollback's locator names it).
 """
 
 from __future__ import annotations
@@ -49,14 +51,26 @@ class _Dataset(torch.utils.data.Dataset):
         return self.x[index], self.y[index]
 
 
-def _module(tensor_parallel: int, seed_per_rank: bool):
+class _Linear(torch.nn.Linear):
+    """A linear layer whose output goes NaN through ``aten.log`` while ``nan_in_forward`` is set."""
+
+    nan_in_forward = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if self.nan_in_forward:
+            out = out + torch.full_like(out, -1.0).log()
+        return out
+
+
+def _module(tensor_parallel: int, seed_per_rank: bool, nan_op_rank: int, nan_op_step: int):
     import lightning.pytorch as pl
     from torch.distributed.fsdp import fully_shard
 
     class ShardedMLP(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+            self.net = torch.nn.Sequential(_Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
             self.trace: list = []  # (step, loss) of every training_step call, replays included
 
         def configure_model(self) -> None:
@@ -80,6 +94,8 @@ def _module(tensor_parallel: int, seed_per_rank: bool):
 
         def training_step(self, batch, batch_idx):
             x, y = batch
+            # a reproducible NaN inside net.0's forward on one rank (replays and the locator's run included)
+            self.net[0].nan_in_forward = self.global_rank == nan_op_rank and self.global_step == nan_op_step
             noise = torch.randn_like(x) * 0.1  # augmentation from the global RNG
             loss = torch.nn.functional.mse_loss(self.net(x + noise), y)
             self.trace.append([int(self.global_step), float(loss.detach())])
@@ -118,6 +134,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fault-target", default="gradient", help="FaultInjectionCallback target")
     parser.add_argument("--fault-mode", default="once", help="once: transient; always: reproducible")
     parser.add_argument("--policy", default="skip", help="NaNRollbackCallback policy")
+    parser.add_argument("--nan-op-rank", type=int, default=-1, help="aten.log makes NaN in net.0 at --fault-step")
     parser.add_argument("--ckpt-every", type=int, default=0)
     parser.add_argument("--model-checkpoint", action="store_true", help="Lightning's ModelCheckpoint every 3 steps")
     parser.add_argument("--kill-at", type=int, default=None)
@@ -173,7 +190,7 @@ def main(argv: list[str]) -> None:
         callbacks.append(fault)
     if args.model_checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=os.path.join(args.out, "mc"), every_n_train_steps=3, save_last=True))
-    model = _module(args.tensor_parallel, seed_per_rank=args.no_reseed)
+    model = _module(args.tensor_parallel, args.no_reseed, args.nan_op_rank, args.fault_step)
     strategy = ModelParallelStrategy(
         data_parallel_size=args.devices // args.tensor_parallel, tensor_parallel_size=args.tensor_parallel
     )

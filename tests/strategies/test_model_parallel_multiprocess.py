@@ -4,8 +4,9 @@ Each run is ``_fsdp2_run.py`` in a fresh session (``fit_process``; Lightning's l
 ranks), with DeterminismCallback, NumericalHealthCallback and NaNRollbackCallback. Two processes:
 a clean run that writes sharded checkpoints (A), the same run SIGKILLed mid-epoch (K), K resumed
 from its step-8 directory (R), the same resume without the loader position (N, negative control),
-a NaN on rank 1's gradient shard while rank 0's newest snapshot file is truncated (C), and a
-one-process resume of A's checkpoint (W, refused). Four processes: a run whose RNG is not reseeded
+a NaN on rank 1's gradient shard while rank 0's newest snapshot file is truncated (C), a reproducible
+NaN inside ``net.0`` on rank 1 (L, located and skipped on both ranks) and a one-process resume of A's
+checkpoint (W, refused). Four processes: a run whose RNG is not reseeded
 per batch (A4) and its resume (R4), so only the per-rank RNG states carry the random stream, and a
 data + tensor parallel run (2 x 2, T4).
 """
@@ -88,6 +89,9 @@ def two(tmp_path_factory, fit_process) -> dict[str, Path]:
         "--truncate-snapshot-rank",
         "0",
     )
+    runs["L"] = _run(
+        fit_process, root / "L", "--health", "--nan-op-rank", "1", "--fault-step", "4", "--max-epochs", "1"
+    )
     runs["W"] = _run(
         fit_process, root / "W", "--devices", "1", "--resume", str(runs["A"] / "ckpt-step8"), expect_ok=False
     )
@@ -150,6 +154,21 @@ def test_nan_on_one_rank_shard_with_a_corrupt_snapshot_rolls_back_every_rank(two
         assert [row[0] for row in record["trace"]].count(FAULT_STEP) == 2
     for rank in (0, 1):
         assert _bitwise_equal(_weights(two["C"], rank), _weights(two["A"], rank))  # as if no fault
+
+
+def test_reproducible_nan_on_one_rank_is_located_by_op_and_module_path_on_every_rank(two):
+    # aten.log in net.0's forward on rank 1 at step 4, every time: the locator replays the step on both
+    # ranks (the sharded forward and backward are collectives), and the origin is reported on both
+    records = [_rank(two["L"], rank) for rank in (0, 1)]
+    located = {"classification": "reproducible", "op": "aten.log.default", "module_path": "net.0"}
+    for record in records:
+        assert record["diagnoses"] == [located]
+        assert [incident["outcome"] for incident in record["incidents"]] == ["recovered"]
+        assert record["global_step"] == 6
+    assert records[0]["events"] == records[1]["events"]  # the same decisions, in lockstep
+    assert ["diagnosis", 4] in records[0]["events"] and ["policy", 4] in records[0]["events"]
+    log = (two["L"] / "log.txt").read_text()
+    assert "on rank 1: first non-finite (NaN) output: aten.log.default in forward" in log
 
 
 def test_resume_on_another_mesh_is_refused_naming_both(two):
