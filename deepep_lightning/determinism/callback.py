@@ -18,7 +18,7 @@ What it does, in hook order:
   shift it, and a resume needs no replay. On the first batch after a resume it first restores the
   checkpointed RNG states (the only mechanism when ``reseed_every_step=False``).
 * ``state_dict``: every RNG state (torch CPU, each CUDA device, numpy, python) as
-  ``weights_only``-loadable values, plus the stack fingerprint.
+  ``weights_only``-loadable values, plus the stack fingerprint and the device mesh (``None`` without one).
 * ``on_after_backward`` / ``on_before_optimizer_step``: track whether an accumulation window is
   open (a backward since the last optimizer step: ``accumulate_grad_batches > 1``, or a manually
   optimised module that steps every few batches).
