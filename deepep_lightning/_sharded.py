@@ -17,8 +17,3 @@ __all__: list[str] = []
 def local(tensor: Tensor) -> Tensor:
     """The local shard of a ``DTensor`` (a view sharing its storage); any other tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def is_sharded(tensor: object) -> bool:
-    """Whether ``tensor`` is a ``DTensor``."""
-    return isinstance(tensor, DTensor)
