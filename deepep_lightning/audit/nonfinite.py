@@ -235,8 +235,8 @@ def locate_nonfinite(
             and installed packages never are either.
         complete_step: run the whole step (forward and backward) even when a parameter or an op
             was already found non-finite. Needed where the step holds collectives every rank must
-            join (FSDP2's all-gathers and reduce-scatters, tensor parallel): the ranks that found
-            nothing run the whole step. Sharded tensors are checked on this rank's shards.
+            join (FSDP2's all-gathers and reduce-scatters, tensor parallel): every rank then runs the
+            same ops, whatever it finds. Sharded tensors are checked on this rank's shards.
 
     Returns:
         A :class:`NonFiniteOp`, or None when every op stayed finite.
