@@ -31,6 +31,7 @@ _EXPORTS = {
     "ConfigureRecord": "deepep_lightning.determinism",
     "DeterminismCallback": "deepep_lightning.determinism",
     "FingerprintMismatchError": "deepep_lightning.determinism",
+    "ShardingLayoutMismatchError": "deepep_lightning.determinism",
     "SeekableSampler": "deepep_lightning.determinism",
     "SeededDataset": "deepep_lightning.determinism",
     "SeekableDataLoader": "deepep_lightning.determinism",

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from deepep_lightning._lightning_compat import current_autograd_node
+from deepep_lightning._sharded import local
 from deepep_lightning.audit._provenance import (
     in_backward,
     innermost_module,
@@ -127,6 +128,7 @@ def _frame_from_node(node: Any, internal: frozenset[str]) -> str | None:
 
 
 def _stats(index: int, value: Tensor) -> dict[str, Any]:
+    value = local(value)  # a DTensor: this rank's shard, no collective
     info: dict[str, Any] = {"index": index, "dtype": str(value.dtype).replace("torch.", ""), "shape": list(value.shape)}
     if value.is_floating_point() or value.is_complex():
         data = value.detach()
@@ -164,6 +166,9 @@ class _CheckNumerics(TorchDispatchMode):
         for value in outputs:
             if not isinstance(value, Tensor) or not (value.is_floating_point() or value.is_complex()):
                 continue
+            # a DTensor (tensor parallel) is checked on this rank's shard: a check over the whole tensor would
+            # be a collective, and ranks stop checking at different ops
+            value = local(value)
             if value.numel() == 0 or bool(torch.isfinite(value).all()):
                 continue
             has_nan = bool(torch.isnan(value).any())
@@ -190,14 +195,15 @@ class _CheckNumerics(TorchDispatchMode):
 
 
 def _nonfinite_parameter(module: torch.nn.Module) -> NonFiniteOp | None:
-    for name, param in module.named_parameters():
+    for name, sharded in module.named_parameters():
+        param = local(sharded)  # FSDP2, tensor parallel: this rank's shard, no collective
         if param.numel() and not bool(torch.isfinite(param.detach()).all()):
             return NonFiniteOp(
                 op="parameter",
                 phase="before",
                 module_path=name,
                 output_dtype=str(param.dtype).replace("torch.", ""),
-                output_shape=tuple(param.shape),
+                output_shape=tuple(sharded.shape),
                 output_nan=bool(torch.isnan(param.detach()).any()),
                 output_inf=bool(torch.isinf(param.detach()).any()),
             )
@@ -211,6 +217,7 @@ def locate_nonfinite(
     backward: bool = True,
     allow_inf_ops: Iterable[str] = DEFAULT_ALLOW_INF_OPS,
     internal_files: Iterable[str] = (),
+    complete_step: bool = False,
     **kwargs: Any,
 ) -> NonFiniteOp | None:
     """Run ``fn(*args, **kwargs)`` (and the backward of its loss) and return the first non-finite op.
@@ -226,6 +233,10 @@ def locate_nonfinite(
         internal_files: paths of the caller's own wrappers around the step (a rollback's replay),
             whose frames are never reported as the user's; torch, Lightning, the standard library
             and installed packages never are either.
+        complete_step: run the whole step (forward and backward) even when a parameter or an op
+            was already found non-finite. Needed where the step holds collectives every rank must
+            join (FSDP2's all-gathers and reduce-scatters, tensor parallel): every rank then runs the
+            same ops, whatever it finds. Sharded tensors are checked on this rank's shards.
 
     Returns:
         A :class:`NonFiniteOp`, or None when every op stayed finite.
@@ -236,10 +247,9 @@ def locate_nonfinite(
         if found:
             print(found.describe())
     """
-    if module is not None:
-        bad_param = _nonfinite_parameter(module)
-        if bad_param is not None:
-            return bad_param
+    bad_param = _nonfinite_parameter(module) if module is not None else None
+    if bad_param is not None and not complete_step:
+        return bad_param
     tracker = named_module_tracker(module) if module is not None else None
     mode = _CheckNumerics(tracker, allow_inf_ops, normalise_files(list(internal_files)))
     with warnings.catch_warnings():
@@ -251,12 +261,12 @@ def locate_nonfinite(
                 with mode:
                     output = fn(*args, **kwargs)
                     loss = step_loss(output)
-                    if backward and loss is not None and loss.requires_grad and mode.found is None:
+                    if backward and loss is not None and loss.requires_grad and (mode.found is None or complete_step):
                         loss.sum().backward() if loss.numel() != 1 else loss.backward()
             finally:
                 if tracker is not None:
                     tracker.__exit__(*sys.exc_info())
-    return mode.found
+    return bad_param or mode.found
 
 
 def locate_nonfinite_update(

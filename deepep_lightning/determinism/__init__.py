@@ -19,6 +19,7 @@ from deepep_lightning.determinism.rng import (
     seed_everything_from,
 )
 from deepep_lightning.determinism.sampler import SampleKey, SeekableSampler
+from deepep_lightning.determinism.sharded_resume import ShardingLayoutMismatchError
 from deepep_lightning.determinism.streams import derive_seed, make_generator
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "SeededDataset",
     "SeekableDataLoader",
     "SeekableSampler",
+    "ShardingLayoutMismatchError",
     "capture_rng_state",
     "collect_fingerprint",
     "configure",

@@ -18,7 +18,7 @@ What it does, in hook order:
   shift it, and a resume needs no replay. On the first batch after a resume it first restores the
   checkpointed RNG states (the only mechanism when ``reseed_every_step=False``).
 * ``state_dict``: every RNG state (torch CPU, each CUDA device, numpy, python) as
-  ``weights_only``-loadable values, plus the stack fingerprint.
+  ``weights_only``-loadable values, plus the stack fingerprint and the device mesh (``None`` without one).
 * ``on_after_backward`` / ``on_before_optimizer_step``: track whether an accumulation window is
   open (a backward since the last optimizer step: ``accumulate_grad_batches > 1``, or a manually
   optimised module that steps every few batches).
@@ -28,14 +28,20 @@ What it does, in hook order:
   ``load_from_checkpoint`` needs nothing from the plugin; stores the gradients of an open
   accumulation window (:mod:`~deepep_lightning.determinism.accumulation`; one process, or a
   strategy that keeps every rank's callback state);
-  then SHA-256 digests of its own state and of the model's ``state_dict``.
+  under a sharding strategy (``ModelParallelStrategy``: FSDP2, tensor parallel), every rank's RNG
+  states, since rank 0 alone writes the callback states (:mod:`~deepep_lightning.determinism.sharded_resume`);
+  then SHA-256 digests of its own state and of the model's ``state_dict`` (sharded: every rank's shards).
 * ``on_load_checkpoint``: verifies those digests (a mismatch raises
   :class:`~deepep_lightning.determinism.checkpoint_integrity.CheckpointIntegrityError` naming the file)
   and warns when the checkpoint holds no state of this callback (written without it: the resume is
   not guaranteed exact); puts its loaders' positions back where Lightning's loop restore reads them.
-  A file that cannot be read at all raises the same error, naming it.
+  A file that cannot be read at all raises the same error, naming it. A checkpoint of another
+  device mesh is refused first, naming both (:mod:`~deepep_lightning.determinism.sharded_resume`).
 * ``load_state_dict``: compares the saved seed and fingerprint with the current ones
-  (:mod:`~deepep_lightning.determinism.resume_checks`).
+  (:mod:`~deepep_lightning.determinism.resume_checks`); a sharded checkpoint gives each rank its own RNG states.
+
+Data order and per-batch streams follow the data-parallel rank (the ranks of one tensor-parallel
+group see the same batch and the same random numbers).
 """
 
 from __future__ import annotations
@@ -54,7 +60,11 @@ from typing_extensions import override
 
 from deepep_lightning import _checks, _lightning_compat
 from deepep_lightning.determinism.accumulation import capture_gradients
-from deepep_lightning.determinism.checkpoint_integrity import readable_checkpoint_loader
+from deepep_lightning.determinism.checkpoint_integrity import (
+    gather_shard_digests,
+    is_sharded_state,
+    readable_checkpoint_loader,
+)
 from deepep_lightning.determinism.configuration import (
     CublasWorkspaceConfig,
     prime_cublas_and_release_env,
@@ -79,6 +89,13 @@ from deepep_lightning.determinism.rng import (
     unseeded_draws_before_first_seed,
 )
 from deepep_lightning.determinism.seed_source import check_seeded_before_model, resolve_seed, warn_if_seed_disagrees
+from deepep_lightning.determinism.sharded_resume import (
+    check_mesh_layout,
+    data_parallel_position,
+    gather_per_rank,
+    mesh_layout,
+    own_rank_value,
+)
 from deepep_lightning.determinism.train_loaders import make_train_loaders_seekable
 from deepep_lightning.ops.routing import patch_refused_ops
 
@@ -198,6 +215,8 @@ class DeterminismCallback(Callback):
         self._wrapped_loader_of: Any = None
         self._rank = 0
         self._world_size = 1
+        self._data_rank, self._data_size = 0, 1  # among the data-parallel replicas: what data and streams follow
+        self._mesh: dict[str, int] | None = None
         self._num_nodes = 1
         self._drawn_unseeded_in_launcher = False
 
@@ -224,6 +243,8 @@ class DeterminismCallback(Callback):
     @override
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
+        self._data_rank, self._data_size = data_parallel_position(trainer)
+        self._mesh = mesh_layout(trainer)
         self._num_nodes = trainer.num_nodes
         self._settle_seed()
         check_seeded_before_model(self.strict, self._drawn_unseeded_in_launcher)
@@ -257,8 +278,8 @@ class DeterminismCallback(Callback):
         return make_train_loaders_seekable(
             loaders,
             seed=self.seed,
-            rank=self._rank,
-            world_size=self._world_size,
+            rank=self._data_rank,
+            world_size=self._data_size,
             strict=self.strict,
             made=self._own_loaders,
         )
@@ -288,7 +309,7 @@ class DeterminismCallback(Callback):
         if results is not None:
             self._pending_results = results
         if self.reseed_every_step:
-            seed_everything_from(self.seed, "train", self._rank, trainer.current_epoch, batch_idx)
+            seed_everything_from(self.seed, "train", self._data_rank, trainer.current_epoch, batch_idx)
 
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -305,7 +326,7 @@ class DeterminismCallback(Callback):
     ) -> None:
         """Before each replayed step (:class:`~deepep_lightning.protocols.ReplayAware`): the original step's reseed."""
         if self.reseed_every_step:
-            seed_everything_from(self.seed, "train", self._rank, epoch, batch_idx)
+            seed_everything_from(self.seed, "train", self._data_rank, epoch, batch_idx)
 
     @override
     def on_train_batch_end(
@@ -330,7 +351,7 @@ class DeterminismCallback(Callback):
     @override
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self.isolate_evaluation:
-            seed_everything_from(self.seed, "validation", self._rank, trainer.global_step)
+            seed_everything_from(self.seed, "validation", self._data_rank, trainer.global_step)
 
     @override
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -351,6 +372,7 @@ class DeterminismCallback(Callback):
             "rng": capture_rng_state(),
             "fingerprint": collect_fingerprint(self._world_size, self._num_nodes),
             "reseed_every_step": self.reseed_every_step,
+            "mesh": self._mesh,
             "logged": {},  # filled by on_save_checkpoint, which sees the trainer
         }
 
@@ -370,7 +392,9 @@ class DeterminismCallback(Callback):
                     state["train_loaders"] = taken
             if self._window_open:
                 self._save_window_gradients(trainer, pl_module, state)
-            stamp_digests(state, checkpoint)
+            if is_sharded_state(checkpoint.get("state_dict")):  # rank 0 alone writes the callback states
+                state["rng_per_rank"] = gather_per_rank(state["rng"])
+            stamp_digests(state, checkpoint, gather_shard_digests(checkpoint.get("state_dict")))
 
     @override
     def on_load_checkpoint(
@@ -381,7 +405,8 @@ class DeterminismCallback(Callback):
         if state is None:
             warn_without_state(path)
             return
-        verify_digests(path, state, checkpoint)
+        check_mesh_layout(state.get("mesh"), self._mesh, self.strict)  # before the shards' digests: per mesh
+        verify_digests(path, state, checkpoint, pl_module.state_dict(), trainer.global_rank, trainer.world_size)
         if state.get("train_loaders"):  # read by Lightning's loop restore, which runs after this hook
             put_back_loader_states(checkpoint, state["train_loaders"])
 
@@ -408,6 +433,9 @@ class DeterminismCallback(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        own_rng = own_rank_value(state_dict.get("rng_per_rank"), self._rank, self._world_size)
+        if own_rng is not None:  # a sharded checkpoint: this rank's RNG, not rank 0's
+            state_dict = {**state_dict, "rng": own_rng}
         check_saved_seed(state_dict.get("seed", self.seed), self.seed, self.strict)
         check_saved_fingerprint(state_dict.get("fingerprint"), self._world_size, self._num_nodes, self.strict)
         self._pending.load(state_dict)

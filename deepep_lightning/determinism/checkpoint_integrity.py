@@ -8,6 +8,11 @@ the file and says what it looks like, instead of torch's zip-reader message.
 
 The digest walks the value in a fixed order (dict keys sorted, tensors as dtype, shape and raw
 bytes), so it depends only on the content, never on pickling details or ``PYTHONHASHSEED``.
+
+A sharded ``state_dict`` (FSDP2's ``fully_shard``, tensor parallel: ``DTensor`` values) is digested
+per rank: each rank's local shard, with its placements and the global shape, since a rank holds
+only its shards and a ``DTensor`` has no bytes of its own. :func:`local_shards_digest` gives that
+digest; :func:`is_sharded_state` tells the two kinds apart.
 """
 
 from __future__ import annotations
@@ -20,8 +25,19 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-__all__ = ["CheckpointIntegrityError", "digest", "model_digest", "readable_checkpoint_loader"]
+from deepep_lightning.determinism.sharded_resume import gather_per_rank
+
+__all__ = [
+    "CheckpointIntegrityError",
+    "digest",
+    "is_sharded_state",
+    "gather_shard_digests",
+    "local_shards_digest",
+    "model_digest",
+    "readable_checkpoint_loader",
+]
 
 
 class CheckpointIntegrityError(RuntimeError):
@@ -29,7 +45,10 @@ class CheckpointIntegrityError(RuntimeError):
 
 
 def _feed(hasher: Any, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, DTensor):  # this rank's shard, and where it sits in the global tensor
+        hasher.update(f"S{value.placements}{tuple(value.shape)}".encode())
+        _feed(hasher, value.to_local())
+    elif isinstance(value, torch.Tensor):
         tensor = value.detach().cpu().contiguous()
         hasher.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
         hasher.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
@@ -60,11 +79,45 @@ def digest(value: Any) -> str:
     return hasher.hexdigest()
 
 
+def is_sharded_state(state_dict: Any) -> bool:
+    """Whether a ``state_dict`` holds ``DTensor`` values (each rank has its own shards)."""
+    return isinstance(state_dict, Mapping) and any(isinstance(v, DTensor) for v in state_dict.values())
+
+
 def model_digest(state_dict: Any) -> str | None:
-    """Digest of a checkpoint's ``state_dict`` entry, or ``None`` when it is not a dict of tensors (sharded)."""
-    if not isinstance(state_dict, Mapping) or not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
+    """Digest of a checkpoint's ``state_dict`` entry, or ``None`` when it is not a dict of plain tensors.
+
+    A sharded ``state_dict`` gives ``None`` here: its digest differs per rank (:func:`local_shards_digest`).
+    """
+    if not isinstance(state_dict, Mapping) or is_sharded_state(state_dict):
+        return None
+    if not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         return None
     return digest(state_dict)
+
+
+def local_shards_digest(state_dict: Any) -> str | None:
+    """This rank's digest of a sharded ``state_dict``: local shards, placements, global shapes; else ``None``.
+
+    Example::
+
+        local_shards_digest(fsdp2_module.state_dict())  # differs per rank; equal across two equal runs
+    """
+    if not is_sharded_state(state_dict):
+        return None
+    return digest(state_dict)
+
+
+def gather_shard_digests(state_dict: Any) -> list[str] | None:
+    """Every rank's :func:`local_shards_digest`, in rank order; ``None`` for a ``state_dict`` that is not sharded.
+
+    Collective for a sharded ``state_dict`` (every rank calls it: ``Trainer.save_checkpoint`` runs on all
+    ranks under a sharding strategy); one process returns its own digest alone.
+    """
+    local = local_shards_digest(state_dict)
+    if local is None:
+        return None
+    return [str(item) for item in gather_per_rank(local)]
 
 
 def _describe_unreadable(path: Any, error: BaseException) -> str:

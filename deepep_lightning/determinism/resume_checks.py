@@ -16,7 +16,12 @@ from typing import Any
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from deepep_lightning.determinism.checkpoint_integrity import CheckpointIntegrityError, digest, model_digest
+from deepep_lightning.determinism.checkpoint_integrity import (
+    CheckpointIntegrityError,
+    digest,
+    local_shards_digest,
+    model_digest,
+)
 from deepep_lightning.determinism.fingerprint import collect_fingerprint, diff_fingerprints
 
 __all__ = [
@@ -42,16 +47,35 @@ def warn_without_state(path: Any) -> None:
     )
 
 
-def stamp_digests(state: dict[str, Any], checkpoint: dict[str, Any]) -> None:
-    """Store in ``state`` the SHA-256 digests of ``state`` itself and of the checkpoint's ``state_dict``."""
+def stamp_digests(state: dict[str, Any], checkpoint: dict[str, Any], shard_digests: list[str] | None = None) -> None:
+    """Store in ``state`` the SHA-256 digests of ``state`` itself and of the checkpoint's ``state_dict``.
+
+    ``shard_digests``: for a sharded ``state_dict``, every rank's digest of its shards
+    (:func:`~deepep_lightning.determinism.checkpoint_integrity.gather_shard_digests`), in rank order.
+    """
     state["digest"] = {
         "state": digest({k: v for k, v in state.items() if k != "digest"}),
         "model": model_digest(checkpoint.get("state_dict")),
     }
+    if shard_digests is not None:
+        state["digest"]["model_shards"] = list(shard_digests)
 
 
-def verify_digests(path: Any, state: dict[str, Any], checkpoint: dict[str, Any]) -> None:
+def verify_digests(
+    path: Any,
+    state: dict[str, Any],
+    checkpoint: dict[str, Any],
+    loaded_state_dict: Any = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> None:
     """Compare the digests stored in ``state`` with its content and the checkpoint's ``state_dict``.
+
+    A sharded checkpoint (a directory written by ``torch.distributed.checkpoint``) is loaded into the
+    module before this runs and its ``state_dict`` is not in ``checkpoint``: pass the module's
+    ``state_dict`` as ``loaded_state_dict``, this process's ``rank`` and the ``world_size``, and its shards
+    are compared with the digest that rank wrote (by a checkpoint of the same world size; another one is
+    refused before, by :func:`~deepep_lightning.determinism.sharded_resume.check_mesh_layout`).
 
     Raises:
         CheckpointIntegrityError: either no longer matches the digest written with it.
@@ -65,6 +89,11 @@ def verify_digests(path: Any, state: dict[str, Any], checkpoint: dict[str, Any])
     current_model = model_digest(checkpoint.get("state_dict"))
     if saved.get("model") is not None and current_model is not None and saved["model"] != current_model:
         problems.append("the model's state_dict (weights)")
+    shards = saved.get("model_shards")
+    if shards and "state_dict" not in checkpoint and len(shards) == world_size and 0 <= rank < world_size:
+        loaded = local_shards_digest(loaded_state_dict)
+        if loaded is not None and loaded != shards[rank]:
+            problems.append(f"rank {rank}'s shards of the model's state_dict (weights)")
     if problems:
         raise CheckpointIntegrityError(
             f"DeterminismCallback: the checkpoint {str(path)!r} is corrupt: {' and '.join(problems)} no longer"

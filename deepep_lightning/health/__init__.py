@@ -6,11 +6,13 @@ from deepep_lightning.health.flags import HealthReason, StepFlags, StepRecord
 from deepep_lightning.health.health_callback import NumericalHealthCallback
 from deepep_lightning.health.regression import RegressionTrigger
 from deepep_lightning.health.rollback import Classification, NaNRollbackCallback, Outcome
+from deepep_lightning.health.sharded_layouts import SHARDABLE_OPTIMIZERS
 from deepep_lightning.health.snapshot import CorruptSnapshotError, Snapshot, SnapshotRing
 from deepep_lightning.health.spike import LossSpikeDetector
 from deepep_lightning.health.verdict import HealthVerdict, NonFiniteError
 
 __all__ = [
+    "SHARDABLE_OPTIMIZERS",
     "Classification",
     "CorruptSnapshotError",
     "EventKind",

@@ -15,6 +15,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from deepep_lightning import _checks
+from deepep_lightning._sharded import local
 from deepep_lightning.health._step_hooks import add_step_hook, remove_step_hook
 from deepep_lightning.protocols import step_loss
 
@@ -34,6 +35,8 @@ _VALUES = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 def _poison(tensor: Tensor, value: float) -> None:
+    # a sharded tensor (FSDP2, tensor parallel): the first element of this rank's shard, no collective
+    tensor = local(tensor)
     with torch.no_grad():
         tensor[(0,) * tensor.dim()] = value
 
@@ -122,6 +125,13 @@ class FaultInjectionCallback(Callback):
             add_step_hook(pl_module, f"fault:{id(self)}", post=self._poison_loss)
         elif self.target in ("parameter", "batch"):
             add_step_hook(pl_module, f"fault:{id(self)}", pre=self._poison_input)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # the parameter as the strategy left it: `configure_model` runs after `setup` (fully_shard, tensor
+        # parallel and meta-device init put new Parameter objects in place)
+        if self._param is not None and self.parameter is not None:
+            self._param = dict(pl_module.named_parameters())[self.parameter]
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -10,6 +10,12 @@ non-finite, and a max-norm cannot overflow, so a huge but finite gradient whose 
 exceeds float32 is not reported as non-finite (its L2 norm may read as inf). One row per step
 (not one AND-ed flag) so a check names the first bad step, not only the interval.
 
+Sharded parameters (``DTensor``: FSDP2, tensor parallel) are checked on the local shard each rank
+owns, with no collective; an empty shard (a tensor smaller than the mesh) is left out. The ranks'
+verdicts are combined at the check (:func:`~deepep_lightning.health.verdict.agree_across_ranks`), so a
+NaN in one rank's shard rolls back every rank. The norms of sharded tensors are those of the local
+shards.
+
 A step costs one kernel for the loss and one for a precomputed gradient norm (the CUDA-graph
 path hands one over); opening a step costs none.
 """
@@ -24,6 +30,7 @@ import torch
 from torch import Tensor
 
 from deepep_lightning._enums import StrEnum
+from deepep_lightning._sharded import local
 
 __all__ = ["HealthReason", "StepFlags", "StepRecord"]
 
@@ -74,6 +81,12 @@ class StepRecord:
         return None
 
 
+def _local_nonempty(tensors: Iterable[Tensor | None]) -> list[Tensor]:
+    """Detached local shards of ``tensors``, without ``None`` and empty ones (they hold no value to check)."""
+    shards = (local(t.detach()) for t in tensors if t is not None)
+    return [t for t in shards if t.numel()]
+
+
 def _max_abs_and_norm(tensors: list[Tensor]) -> Tensor:
     """[largest absolute element, total L2 norm] of ``tensors`` as one float32 device tensor, no host read."""
     max_abs = torch.stack([n.float() for n in torch._foreach_norm(tensors, ord=float("inf"))]).max()
@@ -119,7 +132,7 @@ class StepFlags:
 
     def record_grads(self, step: int, grads: Iterable[Tensor]) -> None:
         """Record the gradients of ``step`` (several calls in one step combine)."""
-        grads = [g.detach() for g in grads if g is not None]
+        grads = _local_nonempty(grads)
         if grads:
             self._write_grads(step, _max_abs_and_norm(grads))
 
@@ -137,7 +150,7 @@ class StepFlags:
 
     def record_params(self, step: int, params: Iterable[Tensor]) -> Tensor | None:
         """Record the parameters' largest absolute element at ``step``; return their total norm (a device tensor)."""
-        params = [p.detach() for p in params]
+        params = _local_nonempty(params)
         if not params:
             return None
         slot = self._slot(step)

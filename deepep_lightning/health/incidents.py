@@ -23,8 +23,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from deepep_lightning._enums import StrEnum
 from deepep_lightning._lightning_compat import optimizer_step_progress
+from deepep_lightning._sharded import local
 from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite, locate_nonfinite_update
-from deepep_lightning.health._collectives import min_max_over_ranks
+from deepep_lightning.determinism.sharded_resume import gather_per_rank
+from deepep_lightning.health._collectives import distributed, min_max_over_ranks
 from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
 from deepep_lightning.health.events import EventKind
 from deepep_lightning.health.flags import HealthReason
@@ -218,20 +220,33 @@ class _IncidentHandling:
             if found is not None
             else "no op of the step (forward, backward, optimizer step) produced a non-finite value when run again"
         )
+        if distributed(trainer):
+            # the origin names the op, for every rank: a non-finite value reaches the other ranks only through a
+            # collective later in the step (a sharded module's all-gather or reduce-scatter, DDP's all-reduce),
+            # so the earliest phase wins, then the lowest rank
+            reports = gather_per_rank((found.to_dict(), text) if found is not None else None)
+            found_at = [(_PHASE_ORDER.get(r[0]["phase"], 4), rank) for rank, r in enumerate(reports) if r is not None]
+            first = min(found_at)[1] if found_at else None
+            found_dict: dict[str, Any] | None = None
+            if first is not None:
+                text = f"on rank {first}: {reports[first][1]}"
+                found_dict = {**reports[first][0], "rank": first}
+        else:
+            found_dict = found.to_dict() if found is not None else None
         self._emit(
             trainer,
             EventKind.DIAGNOSIS,
             replayed.bad_step,
             announce=False,  # warned below, with the whole report
             report=text,
-            op=found and found.op,
-            module=found and found.module_path,
-            phase=found and found.phase,
-            optimizer=found and found.optimizer,
-            parameter=found and found.parameter,
+            op=found_dict and found_dict["op"],
+            module=found_dict and found_dict["module_path"],
+            phase=found_dict and found_dict["phase"],
+            optimizer=found_dict and found_dict["optimizer"],
+            parameter=found_dict and found_dict["parameter"],
         )
         rank_zero_warn(f"NaNRollbackCallback diagnosis at step {replayed.bad_step}:\n{text}")
-        return found.to_dict() if found is not None else None
+        return found_dict
 
     def _skip_cap_reached(self, verdict: HealthVerdict) -> bool:
         assert verdict.bad_step is not None
@@ -269,7 +284,7 @@ class _IncidentHandling:
             self._restore(trainer, pl_module, snapshot)
             weights = f"Weights restored to the snapshot of step {snapshot.step}"
         else:
-            finite = all(bool(torch.isfinite(p.detach()).all()) for p in pl_module.parameters())
+            finite = all(bool(torch.isfinite(local(p.detach())).all()) for p in pl_module.parameters())
             if not trainer.strategy.reduce_boolean_decision(finite, all=True):
                 self._emit(trainer, EventKind.STOPPED, incident["step"], why=why, weights_at_step=None)
                 raise RuntimeError(
@@ -369,18 +384,31 @@ class _IncidentHandling:
                 if isinstance(pl_module, UncapturedSteps):
                     # a captured graph is one opaque launch: run the step eagerly so the locator sees its ops
                     stack.enter_context(pl_module.uncaptured_steps())
+                # several ranks: each runs the whole step, since a sharded module's forward and backward hold
+                # collectives (FSDP2, tensor parallel) that a rank stopping at its first find would leave waiting
+                lockstep = distributed(trainer)
                 found = locate_nonfinite(
                     lambda: pl_module.training_step(clone_batch(entry.batch), entry.batch_idx),
                     module=pl_module,
                     backward=pl_module.automatic_optimization,
                     internal_files=self._plumbing_files,
+                    complete_step=lockstep,
                 )
-                if found is None and pl_module.automatic_optimization:
-                    # forward and backward stayed finite: the update itself went non-finite
-                    found = locate_nonfinite_update(trainer.optimizers, pl_module, internal_files=self._plumbing_files)
+                # forward and backward stayed finite (on some rank): the update itself may have gone non-finite
+                update_needed = found is None
+                if lockstep:
+                    update_needed = not trainer.strategy.reduce_boolean_decision(found is not None, all=True)
+                if update_needed and pl_module.automatic_optimization:
+                    in_update = locate_nonfinite_update(
+                        trainer.optimizers, pl_module, internal_files=self._plumbing_files
+                    )
+                    found = found or in_update
         for optimizer in trainer.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return found
+
+
+_PHASE_ORDER = {"before": 0, "forward": 1, "backward": 2, "optimizer": 3}
 
 
 def _public(incident: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
+from deepep_lightning._sharded import local
 from deepep_lightning.health import _replay, _step_hooks, incidents
 from deepep_lightning.health._replay import ReplayEntry, clone_batch
 from deepep_lightning.health._step_hooks import (
@@ -30,6 +31,7 @@ from deepep_lightning.health.health_callback import NumericalHealthCallback
 from deepep_lightning.health.incidents import _POLICIES, Classification, Outcome, Policy
 from deepep_lightning.health.regression import RegressionTrigger, RegressionVerdict
 from deepep_lightning.health.regression_handling import _RegressionHandling
+from deepep_lightning.health.sharded_layouts import check_sharded_layout
 from deepep_lightning.health.snapshot import Snapshot, SnapshotRing, clone_update_state, restore_update_state
 from deepep_lightning.health.verdict import HealthVerdict
 
@@ -83,6 +85,12 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
     is the newest one that every rank can load, a skipped step is skipped on every rank, and a
     monitored metric is averaged over ranks.
 
+    Sharded modules (FSDP2's ``fully_shard`` or tensor parallel under ``ModelParallelStrategy``): each
+    rank checks and snapshots its local shards (parameters and optimizer state) and restores them in
+    place into the live ``DTensor``\s; the verdict and the snapshot restored are agreed as under DDP.
+    Optimizers whose state is not laid out like the parameters, and CPU offload, are refused at fit
+    start (:mod:`~deepep_lightning.health.sharded_layouts`).
+
     Guarantee scope: bitwise replay needs deterministic kernels (see ``DESIGN.md``) and
     ``accumulate_grad_batches=1``; batches are copied at ``on_train_batch_start`` (host memory
     grows with ``keep_snapshots × snapshot_every_n_steps`` batches).
@@ -126,7 +134,9 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
             once the metric sets a new best or holds within the threshold for ``patience`` checks.
 
     Raises:
-        MisconfigurationException: an invalid argument, or no NumericalHealthCallback in the trainer.
+        MisconfigurationException: an invalid argument, or no NumericalHealthCallback in the trainer; at
+            fit start, a sharded module (FSDP2, tensor parallel) whose optimizer or CPU offload its
+            snapshots cannot serve (:mod:`~deepep_lightning.health.sharded_layouts`).
 
     Example::
 
@@ -296,9 +306,15 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
 
     # ---------------------------------------------------------------- the training loop
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # after the strategy's setup: configure_model has sharded the module and the optimizers exist
+        check_sharded_layout(pl_module, trainer.optimizers)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        finite = all(bool(torch.isfinite(p.detach()).all()) for p in pl_module.parameters())
-        if not finite:
+        # each rank its own shards, no collective; then one decision for all ranks
+        finite = all(bool(torch.isfinite(local(p.detach())).all()) for p in pl_module.parameters())
+        if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             raise RuntimeError("NaNRollbackCallback: the model has non-finite parameters before training starts.")
         self._buffer = []
         self._snapshot(trainer, pl_module)

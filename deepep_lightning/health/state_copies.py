@@ -7,6 +7,12 @@ tensors, never replaced (:func:`restore_module`, :func:`restore_optimizer`), bec
 CUDA graph (e.g. a module whose step is one graph) keeps raw pointers to them and would otherwise
 go on reading freed memory. Optimizer state that did not exist at the copy is returned to "no step
 taken yet" (:func:`reset_optimizer_state`).
+
+A sharded tensor (``DTensor``: FSDP2's ``fully_shard``, tensor parallel) is copied as this rank's
+local shard, with its placements and global shape, and restored into the live ``DTensor``'s local
+shard: the layout, the device mesh and the tensor's identity stay as they are. A sharded entry
+whose live counterpart has another layout is refused (:class:`RuntimeError`): loading a local shard
+as a whole tensor would silently break the model.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from deepep_lightning._sharded import local
 
 __all__ = ["copy_into", "reset_optimizer_state", "restore_module", "restore_optimizer", "to_device", "to_host"]
 
@@ -26,20 +35,39 @@ _LEAF = "__snapshot_tensor__"
 def to_host(tree: Any, events: list[torch.device]) -> Any:
     """Copy every tensor of ``tree`` to host memory; CUDA tensors go to pinned memory asynchronously."""
     if isinstance(tree, Tensor):
-        source = tree.detach()
+        layout = _layout(tree)
+        source = local(tree.detach())
         if source.device.type == "cuda":
             host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
             host.copy_(source, non_blocking=True)
             events.append(source.device)
         else:
             host = source.clone()
-        return {_LEAF: host, "device": str(source.device)}
+        leaf = {_LEAF: host, "device": str(source.device)}
+        if layout is not None:
+            leaf["layout"] = layout
+        return leaf
     if isinstance(tree, dict):
         return {k: to_host(v, events) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
         items = [to_host(v, events) for v in tree]
         return items if isinstance(tree, list) else tuple(items)
     return copy.deepcopy(tree)
+
+
+def _layout(tensor: Tensor) -> str | None:
+    """``"(Shard(dim=0),) [16, 8]"``: a ``DTensor``'s placements and global shape (``None`` for a plain tensor)."""
+    if not isinstance(tensor, DTensor):
+        return None
+    return f"{tensor.placements} {list(tensor.shape)}"
+
+
+def _refuse_layout(name: str, live: Any, saved: dict[str, Any]) -> RuntimeError:
+    return RuntimeError(
+        f"Cannot restore {name!r} in place: the snapshot holds a shard of layout {saved.get('layout')!r}, the live "
+        f"tensor has {_layout(live) if isinstance(live, Tensor) else type(live).__name__!r}. HINT: restore "
+        "snapshots into the sharding (mesh, placements, world size) that took them."
+    )
 
 
 def to_device(tree: Any) -> Any:
@@ -55,9 +83,16 @@ def to_device(tree: Any) -> Any:
 
 
 def copy_into(current: Any, saved: Any) -> bool:
-    """``current.copy_(saved)`` when both are tensors of one shape and dtype; False when it cannot."""
+    """``current.copy_(saved)`` when both are tensors of one shape and dtype; False when it cannot.
+
+    A ``DTensor`` ``current`` takes ``saved`` (its local shard, or a ``DTensor`` of the same layout)
+    into its local shard.
+    """
     if not (isinstance(current, Tensor) and isinstance(saved, Tensor)):
         return False
+    if isinstance(saved, DTensor) and _layout(saved) != _layout(current):
+        return False
+    current, saved = local(current), local(saved)
     if current.shape != saved.shape or current.dtype != saved.dtype:
         return False
     with torch.no_grad():
@@ -88,6 +123,9 @@ def restore_module(pl_module: "pl.LightningModule", saved: dict[str, Any]) -> No
     rest = {}
     for name, value in saved.items():
         leaf = value.get(_LEAF) if isinstance(value, dict) else None
+        sharded = isinstance(value, dict) and "layout" in value
+        if sharded and value["layout"] != _layout(live[name]):
+            raise _refuse_layout(name, live[name], value)
         if not copy_into(live[name], leaf):
             rest[name] = to_device(value)
     if rest:  # extra state, or a tensor whose shape changed: only load_state_dict knows what to do
@@ -124,8 +162,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -
             if key not in saved_state:
                 del live[key]
         for key, value in saved_state.items():
-            restored = to_device(value)
             current = live.get(key)
+            if isinstance(value, dict) and "layout" in value:
+                _restore_sharded_state(live, key, value, param, index)
+                continue
+            restored = to_device(value)
             if not (
                 isinstance(current, Tensor)
                 and isinstance(restored, Tensor)
@@ -133,3 +174,19 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -
                 and copy_into(current, restored)
             ):
                 live[key] = restored
+
+
+def _restore_sharded_state(live: dict[str, Any], key: str, saved: dict[str, Any], param: Tensor, index: int) -> None:
+    """Put a sharded optimizer-state entry back: into the live ``DTensor``, else one laid out like ``param``."""
+    current = live.get(key)
+    if isinstance(current, DTensor):
+        if saved["layout"] != _layout(current) or not copy_into(current, saved[_LEAF]):
+            raise _refuse_layout(f"optimizer state {key!r} of parameter {index}", current, saved)
+        return
+    # absent (e.g. the state a fresh optimizer creates lazily): FSDP2 keeps it in the parameter's layout
+    if not isinstance(param, DTensor) or saved["layout"] != _layout(param):
+        raise _refuse_layout(f"optimizer state {key!r} of parameter {index}", param, saved)
+    shard = saved[_LEAF].to(saved["device"], copy=True)
+    live[key] = DTensor.from_local(
+        shard, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+    )
