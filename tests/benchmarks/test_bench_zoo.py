@@ -1,0 +1,155 @@
+"""benchmarks/bench_zoo.py on the CPU: verdicts, tax and attribution from real fits in fresh processes.
+
+One driver run (module fixture) trains ``tiny_mlp`` and the planted ``planted_nondeterministic`` model (its loss
+factor is a float sum in an order drawn from the process id): two ``plugin`` verdict processes in parallel and
+two alternations of ``plain``/``plugin`` timing processes each. The rest checks the driver's bookkeeping
+in-process: the verdict vocabulary, the tax, the attribution diff, skipped packages, the budget and bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import bench_zoo  # noqa: E402
+import zoo_verdicts  # noqa: E402
+import zoo_worker  # noqa: E402
+from zoo_models import ZooModel, ZooTask  # noqa: E402
+
+FAST = ["--device", "cpu", "--warmup", "1", "--steps", "3", "--profile-steps", "1", "--verdict-steps", "3"]
+
+
+def _driver(out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "benchmarks/bench_zoo.py", "--out", str(out), *FAST, *extra]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def zoo_run(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("zoo")
+    done = _driver(out, "--models", "tiny_mlp", "planted_nondeterministic", "--verdict-modes", "plugin")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return out, json.loads((out / "zoo.json").read_text())
+
+
+@pytest.mark.slow  # 12 fresh fits
+def test_a_deterministic_model_is_bitwise_and_its_tax_and_attribution_are_filled(zoo_run):
+    _, result = zoo_run
+    record = result["models"]["tiny_mlp"]
+    assert record["plugin"]["verdict"] == "bitwise" and record["plugin_timing_runs"]["verdict"] == "bitwise"
+    timing = record["tax"]
+    assert len(timing["alternations"]) == 2
+    assert timing["plain_median_ms"] > 0 and timing["plugin_median_ms"] > 0
+    assert timing["tax"] == pytest.approx(timing["plugin_median_ms"] / timing["plain_median_ms"], rel=1e-3)
+    assert {"kernels", "ops"} <= record["attribution"].keys()  # CPU: op times, no kernels
+    assert record["wall_s"] >= record["verdict_wall_s"] + record["timing_wall_s"] - 1
+    assert result["summary"]["timed"] == 2 and result["environment"]["torch"] == torch.__version__
+
+
+@pytest.mark.slow
+def test_the_planted_nondeterministic_model_comes_out_differs(zoo_run):
+    _, result = zoo_run
+    record = result["models"]["planted_nondeterministic"]
+    assert record["plugin"]["verdict"] == "differs", record["plugin"]
+    assert record["plugin"]["detail"].startswith("loss at step 0")  # the first difference is named
+    assert "tensors, first 'hidden.0.weight'" in record["plugin"]["detail"]
+    assert record["plain"]["verdict"] == "differs" and "tax" in record
+    summary = result["summary"]
+    assert summary["verdicts"]["plugin"] == {"bitwise": 1, "differs": 1}
+    assert summary["met"]["plugin_bitwise"] is False
+
+
+@pytest.mark.slow
+def test_the_table_and_a_later_call_within_its_budget_keep_the_earlier_results(zoo_run):
+    out, _ = zoo_run
+    table = (out / "zoo_table.md").read_text().splitlines()
+    assert table[2].startswith("| tiny_mlp | 32-true | bitwise |") and "**" in table[2]
+    assert table[3].startswith("| planted_nondeterministic | 32-true | differs: loss at step 0")
+    # in-process: past its budget before the first model, so no fit starts
+    assert bench_zoo.main(["--out", str(out), *FAST, "--models", "tiny_cnn", "--budget-s", "1e-9"]) == 0
+    result = json.loads((out / "zoo.json").read_text())
+    assert result["not_run"] == ["tiny_cnn"]
+    assert set(result["models"]) == {"tiny_mlp", "planted_nondeterministic"}
+
+
+def _report(losses=("0x1.0p+0", "0x1.8p-1"), tensors=None, **extra) -> dict:
+    tensors = tensors or {"a.weight": "11", "b.weight": "22"}
+    return {"losses": list(losses), "tensor_digests": tensors, "digest": "".join(tensors.values()), **extra}
+
+
+def test_verdicts_name_the_first_difference_and_the_first_line_of_an_error():
+    assert zoo_verdicts.verdict([_report(), _report()])["verdict"] == "bitwise"
+    differs = zoo_verdicts.verdict([_report(), _report(tensors={"a.weight": "11", "b.weight": "23"})])
+    assert differs == {"verdict": "differs", "detail": "1 tensors, first 'b.weight'"}
+    loss = zoo_verdicts.verdict([_report(), _report(losses=("0x1.0p+0", "0x1.8000000000001p-1"))])
+    assert loss["verdict"] == "differs" and loss["detail"].startswith("loss at step 1: 0.75 vs 0.75000")
+    error = {
+        "type": "RuntimeError",
+        "message": "nll_loss2d_forward_out_cuda_template does not have a deterministic\nmore",
+    }
+    raised = zoo_verdicts.verdict([_report(), {"error": error}])
+    assert raised == {
+        "verdict": "raises",
+        "detail": "RuntimeError: nll_loss2d_forward_out_cuda_template does not have a deterministic",
+    }
+    with pytest.raises(ValueError, match="at least two runs to compare, got 1"):
+        zoo_verdicts.verdict([_report()])
+
+
+def test_the_tax_is_the_ratio_of_medians_and_attribution_names_the_kernel_that_grew():
+    def timed(ms, kernels):
+        return {"median_ms": ms, "step_ms": [100.0, ms, ms, ms], "profile": {"kernels": kernels, "ops": []}}
+
+    gemm = {"name": "gemm", "ms": 2.0}
+    pairs = [(timed(4.0, [gemm]), timed(5.0, [gemm, {"name": "radix_sort", "ms": 0.9}]))] * 2
+    result = zoo_verdicts.tax(pairs, warmup=1, steps=3)
+    assert result["tax"] == 1.25 and [row["tax"] for row in result["alternations"]] == [1.25, 1.25]
+    grown = zoo_verdicts.attribution([plain for plain, _ in pairs], [plugin for _, plugin in pairs])
+    assert grown["kernels"] == [{"name": "radix_sort", "plain_ms": 0.0, "plugin_ms": 0.9, "grown_ms": 0.9}]
+    assert grown["kernels_total_ms"] == {"plain": 2.0, "plugin": 2.9}
+
+
+def test_a_model_whose_package_is_missing_is_skipped_without_a_process(tmp_path):
+    args = bench_zoo._parse(["--out", str(tmp_path), "--models", "tiny_mlp"])
+    absent = ZooModel("needs_absent", ("test",), ("deepep_no_such_package",), lambda generator: ZooTask(None, [], None))  # type: ignore[arg-type]
+    assert bench_zoo.measure(args, absent) == {
+        "precision": "32-true",
+        "groups": ["test"],
+        "skipped": "deepep_no_such_package not installed",
+    }
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_failing_run_is_reported_with_its_type_message_and_frames(tmp_path):
+    out = tmp_path / "run.json"
+    assert zoo_worker.main(["--model", "no_such_model", "--mode", "plain", "--out", str(out), "--device", "cpu"]) == 0
+    report = json.loads(out.read_text())
+    assert (
+        report["error"]["type"] == "ValueError"
+        and "'no_such_model' is neither a model nor a group" in report["error"]["message"]
+    )
+    assert report["error"]["frames"] and "select_models" in report["error"]["frames"][-1]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--parallel", "0"], "--parallel must be >= 1, got 0"),
+        (["--budget-s", "0"], "--budget-s must be > 0, got 0.0"),
+        (["--models", "resnet"], "--models: 'resnet' is neither a model nor a group"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_zoo._parse(["--out", str(tmp_path), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
