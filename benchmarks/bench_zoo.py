@@ -146,9 +146,9 @@ def measure(args: argparse.Namespace, model: ZooModel) -> dict[str, Any]:
 def _write(args: argparse.Namespace, results: dict[str, Any], not_run: list[str], started: float) -> None:
     from _timing import write_json
 
-    settings = {key: value for key, value in vars(args).items() if key not in ("out", "runs_dir", "fresh")}
+    settings = {key: value for key, value in vars(args).items() if key not in ("out", "runs_dir", "fresh", "command")}
     payload = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": args.command,
         "settings": settings,
         "wall_s": round(time.monotonic() - started, 1),
         "not_run": not_run,
@@ -195,6 +195,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as error:
         parser.error(str(error))
     args.runs_dir = args.runs_dir or str(Path(args.out) / "runs")
+    args.command = " ".join(["python3 benchmarks/bench_zoo.py", *(sys.argv[1:] if argv is None else argv)])
     return args
 
 

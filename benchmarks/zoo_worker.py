@@ -51,11 +51,10 @@ def profile_table(profiler: Any, steps: int, cuda: bool, top: int = 40) -> dict[
     for event in profiler.key_averages():
         calls = event.count / steps
         if cuda:
-            if event.self_device_time_total > 0 and not event.key.startswith("aten::"):
-                kernels.append(
-                    {"name": event.key[:_NAME_CHARS], "ms": event.self_device_time_total / 1e3 / steps, "calls": calls}
-                )
-            if event.key.startswith("aten::") and event.device_time_total > 0:
+            if str(event.device_type).endswith("CUDA"):  # a kernel, memcpy or memset on the device's timeline
+                ms = event.self_device_time_total / 1e3 / steps
+                kernels.append({"name": event.key[:_NAME_CHARS], "ms": ms, "calls": calls})
+            elif event.key.startswith("aten::") and event.device_time_total > 0:
                 ops.append({"name": event.key, "ms": event.device_time_total / 1e3 / steps, "calls": calls})
         elif event.key.startswith("aten::") and event.self_cpu_time_total > 0:
             ops.append({"name": event.key, "ms": event.self_cpu_time_total / 1e3 / steps, "calls": calls})
