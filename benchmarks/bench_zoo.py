@@ -2,23 +2,26 @@
 
 Per model of the zoo (``zoo_models.py``; ``--models`` takes names and groups: ``all``, ``vision``,
 ``classification``, ``segmentation``, ``detection``, ``video``, ``flow``, ``timm``, ``nlp``, ``audio``,
-``graph``, ``bf16``, ``test``), every run a real ``Trainer.fit`` in a fresh process (``zoo_worker.py``):
+``graph``, ``bf16``, ``test``), every run a real ``Trainer.fit`` in a fresh process (``zoo_worker.py``), in two
+stages (``--stages``):
 
-1. verdicts, ``--parallel`` processes at a time on the one device: two runs of each of ``--verdict-modes``
-   (default ``plugin``, i.e. ``DeterminismCallback``, and ``trainer_deterministic``, i.e.
-   ``Trainer(deterministic=True)``) of ``--verdict-steps`` steps, each pair compared bitwise (losses and
-   ``state_dict`` digest): ``bitwise`` / ``differs`` / ``raises``;
-2. the tax, one process at a time: ``plain`` and ``plugin`` alternated ``--alternations`` times (ABBA order),
-   each ``--warmup`` untimed + ``--steps`` timed + ``--profile-steps`` profiled steps; the tax is plugin median
-   / plain median over all timed steps, also given per alternation. The plain runs' own verdict (are they
-   bitwise without any determinism?) comes from the same runs;
-3. attribution: the ``torch.profiler`` tables of the timing runs, plain against plugin, name the kernels and
-   aten ops whose time per step grew most.
+1. ``verdict``, for all selected models first, ``--parallel`` processes at a time on the one device (across
+   models): two runs of each of ``--verdict-modes`` (default ``plugin``, i.e. ``DeterminismCallback``, and
+   ``trainer_deterministic``, i.e. ``Trainer(deterministic=True)``) of ``--verdict-steps`` steps, each pair
+   compared bitwise (losses and ``state_dict`` digest): ``bitwise`` / ``differs`` / ``raises``;
+2. ``timing``, model by model, one process at a time: ``plain`` and ``plugin`` alternated ``--alternations``
+   times (ABBA order), each ``--warmup`` untimed + ``--steps`` timed + ``--profile-steps`` profiled steps; the
+   tax is plugin median / plain median over all timed steps, also given per alternation. The plain runs' own
+   verdict (bitwise without any determinism?) comes from the same runs. Attribution: the ``torch.profiler``
+   tables of these runs, plain against plugin, name the kernels and aten ops whose time per step grew most.
 
-A model whose package is missing is ``skipped``; any failure is recorded and the next model runs; no model
-starts once ``--budget-s`` has passed. ``DIR/zoo.json`` is rewritten after every model (results of models
-from an earlier call with the same ``--out`` are kept, unless ``--fresh``), with the wall time each model
-took; ``DIR/zoo_table.md`` is its table. Each run's report and log go to ``--runs-dir``.
+A model whose package is missing is ``skipped``; any failure is recorded and the next model runs. Past
+``--budget-s`` no model starts its verdict runs and no model starts its timing runs (listed in ``not_run``).
+``DIR/zoo.json`` is rewritten whenever a model's stage ends; a stage's fields are merged into the model's
+record from earlier calls with the same ``--out`` (``--fresh`` starts over), so one call can judge the whole
+zoo (``--stages verdict``) and later calls time it group by group. Each record has the wall time of its stages
+(``verdict_wall_s`` counts the models it overlapped with). ``DIR/zoo_table.md`` is the table; each run's
+report and log go to ``--runs-dir``.
 
     python benchmarks/bench_zoo.py --models vision --out benchmarks/results/zoo --budget-s 420
     python benchmarks/bench_zoo.py --models test --device cpu --out /tmp/zoo --warmup 1 --steps 3
@@ -27,12 +30,14 @@ took; ``DIR/zoo_table.md`` is its table. Each run's report and log go to ``--run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,103 +49,128 @@ from zoo_table import markdown_table, summarise  # noqa: E402
 from zoo_verdicts import attribution, tax, verdict  # noqa: E402
 
 
-class Launcher:
-    """Starts ``zoo_worker.py`` runs of one model and collects their reports (a crash becomes an error report)."""
+@dataclasses.dataclass
+class Run:
+    """One ``zoo_worker.py`` process and where its report goes."""
 
-    def __init__(self, args: argparse.Namespace, model: ZooModel) -> None:
-        self.args, self.model = args, model
-        self.folder = Path(args.runs_dir) / model.name
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(_HERE.parent), os.environ.get("PYTHONPATH")])),
-        }
-
-    def start(
-        self, mode: str, label: str, steps: int, warmup: int, profile_steps: int
-    ) -> tuple[subprocess.Popen, Path]:
-        report = self.folder / f"{label}.json"
-        report.unlink(missing_ok=True)
-        command = [sys.executable, str(_HERE / "zoo_worker.py"), "--model", self.model.name, "--mode", mode]
-        command += ["--out", str(report), "--device", self.args.device, "--seed", str(self.args.seed)]
-        command += ["--warmup", str(warmup), "--steps", str(steps), "--profile-steps", str(profile_steps)]
-        log = open(self.folder / f"{label}.log", "w")  # noqa: SIM115 - closed by the child's exit
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
-        log.close()
-        process.started = time.monotonic()  # type: ignore[attr-defined]
-        return process, report
-
-    def collect(self, process: subprocess.Popen, report: Path) -> dict[str, Any]:
-        """Waits for ``process`` (killing its group past ``--process-timeout-s``) and returns its report."""
-        left = self.args.process_timeout_s - (time.monotonic() - process.started)  # type: ignore[attr-defined]
-        try:
-            process.wait(timeout=max(left, 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-            return {
-                "error": {
-                    "type": "Timeout",
-                    "message": f"killed after --process-timeout-s {self.args.process_timeout_s}",
-                }
-            }
-        if report.exists():
-            return json.loads(report.read_text())
-        tail = (report.with_suffix(".log")).read_text(errors="replace").strip().splitlines()[-1:]
-        message = f"exit code {process.returncode} without a report; last output: {tail[0] if tail else ''}"
-        return {"error": {"type": "Crash", "message": message}}
-
-    def run_parallel(self, jobs: list[tuple[str, str]], steps: int) -> dict[str, dict[str, Any]]:
-        """``(mode, label)`` jobs of ``steps`` steps, at most ``--parallel`` at a time; reports by label."""
-        reports: dict[str, dict[str, Any]] = {}
-        pending, running = list(jobs), []
-        while pending or running:
-            while pending and len(running) < self.args.parallel:
-                mode, label = pending.pop(0)
-                running.append((label, *self.start(mode, label, steps, 0, 0)))
-            label, process, report = running.pop(0)
-            reports[label] = self.collect(process, report)
-        return reports
-
-    def run_one(self, mode: str, label: str) -> dict[str, Any]:
-        args = self.args
-        return self.collect(*self.start(mode, label, args.steps, args.warmup, args.profile_steps))
+    process: subprocess.Popen
+    report: Path
+    started: float
 
 
-def measure(args: argparse.Namespace, model: ZooModel) -> dict[str, Any]:
-    """The record of one model: verdicts, tax, attribution and the wall time of each stage."""
-    record: dict[str, Any] = {"precision": model.precision, "groups": list(model.groups)}
-    package = missing_package(model)
-    if package is not None:
-        return {**record, "skipped": f"{package} not installed"}
-    launcher = Launcher(args, model)
-    started = time.monotonic()
-    jobs = [(mode, f"{mode}_{copy}") for mode in args.verdict_modes for copy in "ab"]
-    runs = launcher.run_parallel(jobs, args.verdict_steps)
-    for mode in args.verdict_modes:
-        record[mode] = verdict([runs[f"{mode}_a"], runs[f"{mode}_b"]])
-    record["verdict_wall_s"] = round(time.monotonic() - started, 1)
-    if record.get("plugin", {}).get("verdict") == "raises" or args.alternations == 0:
-        record["tax_note"] = "not timed: the plugin raises" if args.alternations else "not timed: --alternations 0"
-        return record
+def _worker_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(_HERE.parent), os.environ.get("PYTHONPATH")])),
+    }
+
+
+def start_run(args: argparse.Namespace, model: ZooModel, mode: str, label: str, timing: bool) -> Run:
+    """Starts one fit of ``model`` in ``mode``: a timing run (warm-up, timed and profiled steps) or a verdict run."""
+    folder = Path(args.runs_dir) / model.name
+    folder.mkdir(parents=True, exist_ok=True)
+    report = folder / f"{label}.json"
+    report.unlink(missing_ok=True)
+    steps = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--profile-steps", str(args.profile_steps)]
+    if not timing:
+        steps = ["--warmup", "0", "--steps", str(args.verdict_steps), "--profile-steps", "0"]
+    command = [sys.executable, str(_HERE / "zoo_worker.py"), "--model", model.name, "--mode", mode]
+    command += ["--out", str(report), "--device", args.device, "--seed", str(args.seed), *steps]
+    with open(folder / f"{label}.log", "w") as log:
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True
+        )
+    return Run(process, report, time.monotonic())
+
+
+def finished(args: argparse.Namespace, run: Run) -> bool:
+    """True once ``run`` has exited or outlived ``--process-timeout-s``."""
+    return run.process.poll() is not None or time.monotonic() - run.started > args.process_timeout_s
+
+
+def collect(args: argparse.Namespace, run: Run) -> dict[str, Any]:
+    """Waits for ``run`` (killing its process group past ``--process-timeout-s``) and returns its report."""
+    try:
+        run.process.wait(timeout=max(args.process_timeout_s - (time.monotonic() - run.started), 0.1))
+    except subprocess.TimeoutExpired:
+        os.killpg(run.process.pid, signal.SIGKILL)
+        run.process.wait()
+        return {"error": {"type": "Timeout", "message": f"killed after --process-timeout-s {args.process_timeout_s}"}}
+    if run.report.exists():
+        return json.loads(run.report.read_text())
+    tail = run.report.with_suffix(".log").read_text(errors="replace").strip().splitlines()[-1:]
+    message = f"exit code {run.process.returncode} without a report; last output: {tail[0] if tail else ''}"
+    return {"error": {"type": "Crash", "message": message}}
+
+
+def verdict_stage(
+    args: argparse.Namespace,
+    models: list[ZooModel],
+    past_budget: Callable[[], bool],
+    done: Callable[[ZooModel, dict[str, Any]], None],
+) -> list[str]:
+    """Two runs per ``--verdict-modes`` mode of every model, ``--parallel`` processes at a time across models.
+
+    ``done(model, fields)`` receives each model's verdicts as soon as its runs are in. A model none of whose runs
+    has started when ``past_budget()`` turns true is not started; returns those models' names.
+    """
+    jobs = [(model, mode, copy) for model in models for mode in args.verdict_modes for copy in "ab"]
+    reports: dict[str, dict[str, Any]] = {model.name: {} for model in models}
+    begun: dict[str, float] = {}
+    running: list[tuple[ZooModel, str, Run]] = []
+    not_run: list[str] = []
+    while jobs or running:
+        while jobs and len(running) < args.parallel:
+            if jobs[0][0].name not in begun and past_budget():
+                not_run = list(dict.fromkeys(model.name for model, _, _ in jobs))
+                jobs.clear()
+                break
+            model, mode, copy = jobs.pop(0)
+            begun.setdefault(model.name, time.monotonic())
+            running.append((model, f"{mode}_{copy}", start_run(args, model, mode, f"{mode}_{copy}", timing=False)))
+        ready = [item for item in running if finished(args, item[2])]
+        if not ready:
+            time.sleep(0.1)
+            continue
+        for item in ready:
+            running.remove(item)
+            model, label, run = item
+            reports[model.name][label] = collect(args, run)
+            if len(reports[model.name]) == 2 * len(args.verdict_modes):
+                runs = reports[model.name]
+                fields = {mode: verdict([runs[f"{mode}_a"], runs[f"{mode}_b"]]) for mode in args.verdict_modes}
+                fields["verdict_wall_s"] = round(time.monotonic() - begun[model.name], 1)
+                done(model, fields)
+    return not_run
+
+
+def timing_stage(args: argparse.Namespace, model: ZooModel, record: dict[str, Any]) -> dict[str, Any]:
+    """Plain and plugin runs one at a time, alternated ABBA; the tax, its attribution and the plain verdict."""
+    if record.get("plugin", {}).get("verdict") == "raises":
+        return {"tax_note": "not timed: the plugin raises"}
     started = time.monotonic()
     pairs = []
     for alternation in range(args.alternations):
         order = ("plain", "plugin") if alternation % 2 == 0 else ("plugin", "plain")  # ABBA against drift
-        done = {mode: launcher.run_one(mode, f"time_{mode}_{alternation}") for mode in order}
-        pairs.append((done["plain"], done["plugin"]))
-    record["timing_wall_s"] = round(time.monotonic() - started, 1)
+        reports: dict[str, dict[str, Any]] = {}
+        for mode in order:  # one at a time: each run's clock sees the device alone
+            reports[mode] = collect(args, start_run(args, model, mode, f"time_{mode}_{alternation}", timing=True))
+        pairs.append((reports["plain"], reports["plugin"]))
+    fields: dict[str, Any] = {"timing_wall_s": round(time.monotonic() - started, 1)}
+    if len(pairs) > 1:
+        if "plain" not in args.verdict_modes:  # the plain pair of --verdict-modes, when run, stands
+            fields["plain"] = verdict([plain for plain, _ in pairs])
+        fields["plugin_timing_runs"] = verdict([plugin for _, plugin in pairs])
     failed = next((report for pair in pairs for report in pair if "error" in report), None)
-    if "plain" not in record:  # the plain pair of --verdict-modes, when given, stands
-        record["plain"] = verdict([plain for plain, _ in pairs]) if len(pairs) > 1 else None
-    record["plugin_timing_runs"] = verdict([plugin for _, plugin in pairs]) if len(pairs) > 1 else None
     if failed is not None:
-        record["tax_note"] = f"not timed: a timing run raised {failed['error']['type']}"
-        record["timing_error"] = failed["error"]
-        return record
-    record["tax"] = tax(pairs, args.warmup, args.steps)
-    record["attribution"] = attribution([plain for plain, _ in pairs], [plugin for _, plugin in pairs])
-    return record
+        return {
+            **fields,
+            "tax_note": f"not timed: a timing run raised {failed['error']['type']}",
+            "timing_error": failed["error"],
+        }
+    fields["tax"] = tax(pairs, args.warmup, args.steps)
+    fields["attribution"] = attribution([plain for plain, _ in pairs], [plugin for _, plugin in pairs])
+    return fields
 
 
 def _write(args: argparse.Namespace, results: dict[str, Any], not_run: list[str], started: float) -> None:
@@ -165,7 +195,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="folder of zoo.json and zoo_table.md")
     parser.add_argument("--runs-dir", default=None, help="each run's report and log (default: OUT/runs)")
     parser.add_argument("--budget-s", type=float, default=None, help="start no model after this many seconds")
-    parser.add_argument("--parallel", type=int, default=4, help="verdict processes at a time")
+    parser.add_argument("--parallel", type=int, default=4, help="verdict processes at a time, across models")
     parser.add_argument("--alternations", type=int, default=2, help="plain/plugin timing pairs (0: no timing)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per timing run")
@@ -176,6 +206,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=["plugin", "trainer_deterministic"],
         choices=("plugin", "trainer_deterministic", "plain"),
         help="modes run twice in parallel and compared bitwise (plain's verdict also comes from the timing runs)",
+    )
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=["verdict", "timing"],
+        choices=("verdict", "timing"),
+        help="verdict: the parallel bitwise runs of all models first; timing: the one-at-a-time tax runs",
     )
     parser.add_argument("--verdict-steps", type=int, default=5, help="steps of each verdict run")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -209,20 +246,42 @@ def main(argv: list[str] | None = None) -> int:
     if path.exists() and not args.fresh:
         results = json.loads(path.read_text()).get("models", {})
     not_run: list[str] = []
-    for index, model in enumerate(selected):
-        if args.budget_s is not None and time.monotonic() - started > args.budget_s:
-            not_run = [later.name for later in selected[index:]]
-            print(f"--budget-s {args.budget_s} passed: not run: {' '.join(not_run)}", flush=True)
-            break
-        model_started = time.monotonic()
-        try:
-            record = measure(args, model)
-        except Exception as error:  # noqa: BLE001 - a driver failure on one model is that model's result
-            record = {"precision": model.precision, "driver_error": f"{type(error).__name__}: {error}"}
-        record["wall_s"] = round(time.monotonic() - model_started, 1)
-        results[model.name] = record
-        print(f"{model.name}: {json.dumps({k: v for k, v in record.items() if k != 'attribution'})[:400]}", flush=True)
+
+    def past_budget() -> bool:
+        return args.budget_s is not None and time.monotonic() - started > args.budget_s
+
+    def update(model: ZooModel, fields: dict[str, Any]) -> None:
+        """Merges ``fields`` into the model's record (a stage run again replaces its own fields) and writes."""
+        record = results.setdefault(model.name, {})
+        record.update({"precision": model.precision, "groups": list(model.groups), **fields})
+        record["wall_s"] = round(record.get("verdict_wall_s", 0) + record.get("timing_wall_s", 0), 1)
+        shown = {key: value for key, value in fields.items() if key != "attribution"}
+        print(f"{model.name}: {json.dumps(shown)[:400]}", flush=True)
         _write(args, results, not_run, started)
+
+    runnable = []
+    for model in selected:
+        package = missing_package(model)
+        if package is None:
+            runnable.append(model)
+        else:
+            results.pop(model.name, None)
+            update(model, {"skipped": f"{package} not installed"})
+    if "verdict" in args.stages:
+        not_run += verdict_stage(args, runnable, past_budget, update)
+    if "timing" in args.stages and args.alternations:
+        for model in runnable:
+            if model.name in not_run:
+                continue
+            if past_budget():
+                not_run.append(model.name)
+                continue
+            try:
+                update(model, timing_stage(args, model, results.get(model.name, {})))
+            except Exception as error:  # noqa: BLE001 - a driver failure on one model is that model's result
+                update(model, {"driver_error": f"{type(error).__name__}: {error}"})
+    if not_run:
+        print(f"--budget-s {args.budget_s} passed; not run: {' '.join(not_run)}", flush=True)
     _write(args, results, not_run, started)
     return 0
 

@@ -35,7 +35,7 @@ def zoo_run(tmp_path_factory) -> tuple[Path, dict]:
     and two timing alternations, then the planted model's verdict alone (8 fits, ~5 s of start-up each)."""
     out = tmp_path_factory.mktemp("zoo")
     assert bench_zoo.main(["--out", str(out), *FAST, "--models", "tiny_mlp", "--verdict-modes", "plugin"]) == 0
-    planted = ["--models", "planted_nondeterministic", "--verdict-modes", "plugin", "--alternations", "0"]
+    planted = ["--models", "planted_nondeterministic", "--verdict-modes", "plugin", "--stages", "verdict"]
     assert bench_zoo.main(["--out", str(out), *FAST, *planted]) == 0
     return out, json.loads((out / "zoo.json").read_text())
 
@@ -61,7 +61,7 @@ def test_the_planted_nondeterministic_model_comes_out_differs(zoo_run):
     assert record["plugin"]["verdict"] == "differs", record["plugin"]
     assert record["plugin"]["detail"].startswith("loss at step 0")  # the first difference is named
     assert "tensors, first 'hidden.0.weight'" in record["plugin"]["detail"]
-    assert record["tax_note"] == "not timed: --alternations 0" and "tax" not in record
+    assert "tax" not in record and "timing_wall_s" not in record  # --stages verdict
     summary = result["summary"]
     assert summary["verdicts"]["plugin"] == {"bitwise": 1, "differs": 1}
     assert summary["met"]["plugin_bitwise"] is False
@@ -117,14 +117,12 @@ def test_the_tax_is_the_ratio_of_medians_and_attribution_names_the_kernel_that_g
     assert grown["kernels_total_ms"] == {"plain": 2.0, "plugin": 2.9}
 
 
-def test_a_model_whose_package_is_missing_is_skipped_without_a_process(tmp_path):
-    args = bench_zoo._parse(["--out", str(tmp_path), "--models", "tiny_mlp"])
+def test_a_model_whose_package_is_missing_is_skipped_without_a_process(tmp_path, monkeypatch):
     absent = ZooModel("needs_absent", ("test",), ("deepep_no_such_package",), lambda generator: ZooTask(None, [], None))  # type: ignore[arg-type]
-    assert bench_zoo.measure(args, absent) == {
-        "precision": "32-true",
-        "groups": ["test"],
-        "skipped": "deepep_no_such_package not installed",
-    }
+    monkeypatch.setattr(bench_zoo, "select_models", lambda selection: [absent])
+    assert bench_zoo.main(["--out", str(tmp_path), "--models", "tiny_mlp"]) == 0
+    record = json.loads((tmp_path / "zoo.json").read_text())["models"]["needs_absent"]
+    assert record["skipped"] == "deepep_no_such_package not installed" and "plugin" not in record
     assert not (tmp_path / "runs").exists()
 
 
