@@ -138,7 +138,7 @@ def _hf(name: str, build: Any, *groups: str) -> ZooModel:
     return ZooModel(name, ("transformers", *groups), ("transformers",), build)
 
 
-_GPT2 = {"n_positions": 512, "n_embd": 384, "n_layer": 6, "n_head": 6}
+_GPT2 = {"n_positions": 512, "n_embd": 384, "n_layer": 6, "n_head": 6, "bos_token_id": 1, "eos_token_id": 2}
 _LLAMA = {
     "hidden_size": 512,
     "intermediate_size": 1408,
