@@ -19,6 +19,7 @@ import argparse
 import hashlib
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -166,10 +167,7 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
         report["steps_run"] = len(clock.step_ms)
         report["step_ms"] = [round(value, 4) for value in clock.step_ms]
         report["losses"] = [float(loss.float().item()).hex() for loss in module.losses]
-    timed = sorted(clock.step_ms[args.warmup : timed_end])
-    report["median_ms"] = (
-        timed[len(timed) // 2] if len(timed) % 2 else sum(timed[len(timed) // 2 - 1 : len(timed) // 2 + 1]) / 2
-    )
+    report["median_ms"] = statistics.median(clock.step_ms[args.warmup : timed_end])
     report["digest"], report["tensor_digests"] = tensor_digests(module.model.state_dict())
     if clock.profiler is not None:
         report["profile"] = profile_table(clock.profiler, args.profile_steps, module.device.type == "cuda")
