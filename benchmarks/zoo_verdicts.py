@@ -5,7 +5,8 @@ writes files:
 
 * :func:`verdict`: ``bitwise`` (every report has the same losses and ``state_dict`` digest as the first),
   ``differs`` (naming the first loss step and the first tensor that differ) or ``raises`` (the error's first
-  line; a process that died without a report counts as raising, with its exit code).
+  line, and the whole error with its last frames; a process that died without a report counts as raising,
+  with its exit code).
 * :func:`tax`: plugin median / plain median per alternation and over all timed steps of all alternations.
 * :func:`attribution`: the kernels (and aten ops) whose device time per step grew most from plain to plugin,
   each profile averaged over the alternations.
@@ -35,7 +36,8 @@ def verdict(reports: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for report in reports:
         if "error" in report:
             error = report["error"]
-            return {"verdict": "raises", "detail": f"{error['type']}: {_first_line(error['message'])}"}
+            detail = f"{error['type']}: {_first_line(error['message'])}"
+            return {"verdict": "raises", "detail": detail, "error": error}  # with its last frames, where known
     first = reports[0]
     for other in reports[1:]:
         notes = []

@@ -100,6 +100,7 @@ def test_verdicts_name_the_first_difference_and_the_first_line_of_an_error():
     assert raised == {
         "verdict": "raises",
         "detail": "RuntimeError: nll_loss2d_forward_out_cuda_template does not have a deterministic",
+        "error": error,
     }
     with pytest.raises(ValueError, match="at least two runs to compare, got 1"):
         zoo_verdicts.verdict([_report()])
