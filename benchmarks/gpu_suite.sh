@@ -13,6 +13,9 @@
 #   audit             audit_gpu.py                refused_ops       bench_refused_ops.py, twice
 #   refused_ops_list  list_refused_ops.py         ddp, ddp_ablation bench_ddp.py, ddp_ablation.py (2 GPUs)
 #   silent_ops        sweep_silent_ops.py: OpInfo, ModuleInfo, large/cuDNN/SDPA/compile cases, bitwise x3
+#   zoo               bench_zoo.py: models ZOO_MODELS (default all), stages ZOO_STAGES (default verdict timing),
+#                     ZOO_PARALLEL verdict processes (8), nothing started past ZOO_BUDGET_S (420); it continues
+#                     benchmarks/results/zoo/zoo.json (earlier calls' records are kept), so calls can split the zoo
 #   gpu-tests         every test marked gpu and not multigpu; gpu-tests-multi: the multigpu tests (2 GPUs)
 #                     (GPU_TESTS="tests/ops/test_x.py ..." runs those files instead of tests/)
 #
@@ -22,7 +25,7 @@
 # time limit still returns every run that finished.
 set -u
 SECTIONS="setup train_step all_action_q sanitize determinism_tax determinism_tax_graph learning collapse_recovery health_overhead audit refused_ops"
-SECTIONS+=" refused_ops_list silent_ops ddp ddp_ablation gpu-tests gpu-tests-multi"
+SECTIONS+=" refused_ops_list silent_ops ddp ddp_ablation zoo gpu-tests gpu-tests-multi"
 for section in "$@"; do
   case " $SECTIONS " in
     *" $section "*) ;;
@@ -294,6 +297,13 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
     ddp_ablation)
       run ddp_ablation 540 python3 benchmarks/ddp_ablation.py --out "$LOGS/ddp_ablation" --gpus 2 --budget-s 350
       keep "$LOGS/ddp_ablation/ddp_ablation.json" "$RESULTS/ddp_ablation" ;;
+    zoo)
+      # a fresh machine has no /tmp/r: continue the result in the tree (the previous calls' records)
+      mkdir -p "$RESULTS/zoo"
+      [ -f "$RESULTS/zoo/zoo.json" ] || cp benchmarks/results/zoo/zoo.json "$RESULTS/zoo/" 2>/dev/null
+      # shellcheck disable=SC2086 # ZOO_MODELS and ZOO_STAGES are lists
+      run bench_zoo 560 python3 benchmarks/bench_zoo.py --models ${ZOO_MODELS:-all} --stages ${ZOO_STAGES:-verdict timing} \
+        --parallel "${ZOO_PARALLEL:-8}" --budget-s "${ZOO_BUDGET_S:-420}" --out "$RESULTS/zoo" --runs-dir "$LOGS/zoo_runs" ;;
     gpu-tests)
       gpu_tests gpu_tests 540 "gpu and not multigpu" ;;
     gpu-tests-multi)
