@@ -58,6 +58,11 @@ def roi_align_backward_unsupported_reason(
         return "tensor subclasses with __torch_function__ are left to torchvision"
     if grad.dtype not in FLOAT_DTYPES or rois.dtype != grad.dtype:
         return f"dtype {grad.dtype} (rois {rois.dtype}) is not one of {list(FLOAT_DTYPES)} for both"
+    if grad.is_cuda and grad.dtype in (torch.float16, torch.bfloat16):
+        # The CUDA gather's half-precision path gives NaNs on the H200 (tests/ops/test_torchvision_ops_cuda.py);
+        # float16/bfloat16 stay torchvision's (its deterministic path for roi_align, a refusal for the others).
+        # Autocast runs roi_align in float32, so mixed-precision training takes the covered path.
+        return f"{grad.dtype} on CUDA is left to torchvision: only float32/float64 are covered there"
     sizes = (pooled_height, pooled_width, batch_size, channels, height, width, sampling_ratio)
     if not all(isinstance(size, int) and not isinstance(size, bool) for size in sizes):
         return f"sizes {sizes!r} must be ints"
