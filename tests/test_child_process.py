@@ -1,0 +1,65 @@
+"""Tests of the suite's one subprocess runner (tests/conftest.py): a deadline that moves with progress.
+
+A child that keeps printing outlives its idle limit many times over; a silent, idle child fails the
+test after the limit, and its whole session (a grandchild too) is killed; a silent child that computes
+is seen using CPU, which also counts as progress.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+from conftest import ChildProcess, run_process, session_cpu_seconds
+
+_PRINTS_FOR_4_S = "import time\nfor _ in range(16):\n    print('step', flush=True)\n    time.sleep(0.25)"
+_SLEEPS_WITH_A_GRANDCHILD = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(120)"
+)
+
+
+def test_a_child_that_keeps_printing_outlives_its_idle_limit():
+    started = time.monotonic()
+    done = run_process([sys.executable, "-c", _PRINTS_FOR_4_S], idle_timeout_s=2)
+    assert done.returncode == 0 and done.stdout.count("step") == 16
+    assert time.monotonic() - started > 2  # longer than the limit: the deadline moved
+
+
+def test_a_silent_idle_child_fails_the_test_and_its_session_is_killed(tmp_path):
+    """Negative control: no output, no CPU for the limit."""
+    process = ChildProcess([sys.executable, "-c", _SLEEPS_WITH_A_GRANDCHILD], stdout_path=tmp_path / "out.txt")
+    started = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"made no progress \(no output, no CPU\) for 2 s"):
+        process.wait(idle_timeout_s=2)
+    assert time.monotonic() - started < 60
+    assert process.process.returncode == -9
+    grandchild = int((tmp_path / "out.txt").read_text().split()[0])
+    for _ in range(50):  # the grandchild is killed with the session; init reaps it
+        if not os.path.exists(f"/proc/{grandchild}") or " Z " in open(f"/proc/{grandchild}/stat").read():
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"grandchild {grandchild} outlived the session")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_a_silent_computing_child_is_seen_using_cpu(tmp_path):
+    burn = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end:\n    pass"
+    computing = ChildProcess([sys.executable, "-c", burn], stdout_path=tmp_path / "burn.txt")
+    sleeping = ChildProcess([sys.executable, "-c", "import time; time.sleep(30)"], stdout_path=tmp_path / "sleep.txt")
+    try:
+        deadline = time.monotonic() + 60
+        while session_cpu_seconds(computing.process.pid) < 0.8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert session_cpu_seconds(computing.process.pid) >= 0.8
+        assert computing.wait(idle_timeout_s=60) == 0
+        # negative control: a sleeping session uses (next to) none
+        assert session_cpu_seconds(sleeping.process.pid) < 0.5
+    finally:
+        sleeping.kill()
+        sleeping.process.wait()
