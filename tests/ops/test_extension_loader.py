@@ -107,14 +107,16 @@ def _stderr_of(run_process, code: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
-def test_loading_the_extension_prints_no_cuda_home_guess(run_process):
-    # negative control first: torch's own import logs the guess on this machine (a CUDA toolkit, no GPU)
-    if _CUDA_HOME_GUESS not in _stderr_of(run_process, "import torch.utils.cpp_extension"):
-        pytest.skip("torch logs no CUDA_HOME guess here (a visible GPU, or no CUDA toolkit)")
+def test_a_cached_load_prints_no_build_line_and_no_cuda_home_guess(run_process):
     load = "from deepep_lightning.ops import extension_available; assert extension_available()"
     stderr = _stderr_of(run_process, load)
+    # the session's start built it, so this load compiles nothing and says nothing (test_build_cache.py
+    # shows the lines of a load that compiles)
+    assert "deepep_lightning: build" not in stderr
+    # negative control: torch's own import logs the guess on this machine (a CUDA toolkit, no GPU)
+    if _CUDA_HOME_GUESS not in _stderr_of(run_process, "import torch.utils.cpp_extension"):
+        pytest.skip("torch logs no CUDA_HOME guess here (a visible GPU, or no CUDA toolkit)")
     assert _CUDA_HOME_GUESS not in stderr
-    assert "deepep_lightning: build" not in stderr  # the session's first load built it: no build lines
 
 
 def test_a_compiled_module_is_loaded_instead_of_building(tmp_path, monkeypatch):
