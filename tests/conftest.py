@@ -55,7 +55,8 @@ _LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
 
 # seconds a subprocess may go without output and without using CPU before the test fails
 IDLE_TIMEOUT_S = float(os.environ.get("DEEPEP_LIGHTNING_TEST_IDLE_TIMEOUT_S", "180"))
-# CPU seconds its session must use to count as progress: more than idle threads and polls use
+# CPU seconds its session must use to count as progress (at most a twentieth of the idle limit): more
+# than idle threads and polls use
 CPU_PROGRESS_S = 0.5
 
 
@@ -282,6 +283,7 @@ class ChildProcess:
 
     def wait(self, idle_timeout_s: float = IDLE_TIMEOUT_S) -> int:
         """The exit code (``-9`` after a SIGKILL); fails the test after ``idle_timeout_s`` without progress."""
+        cpu_progress_s = min(CPU_PROGRESS_S, idle_timeout_s / 20)  # a short limit needs less CPU per window
         try:
             progress = self._progress()
             last_progress_at = time.monotonic()
@@ -291,7 +293,7 @@ class ChildProcess:
                 except subprocess.TimeoutExpired:
                     pass
                 now = self._progress()
-                if now[0] != progress[0] or now[1] >= progress[1] + CPU_PROGRESS_S or now[1] < progress[1]:
+                if now[0] != progress[0] or now[1] >= progress[1] + cpu_progress_s or now[1] < progress[1]:
                     progress, last_progress_at = now, time.monotonic()
                 elif time.monotonic() - last_progress_at > idle_timeout_s:
                     self.kill()

@@ -2,12 +2,13 @@
 
 A child that keeps printing outlives its idle limit many times over; a silent, idle child fails the
 test after the limit, and its whole session (a grandchild too) is killed; a silent child that computes
-is seen using CPU, which also counts as progress.
+is seen using CPU, which also counts as progress, also when two busy processes slow it down.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -63,3 +64,23 @@ def test_a_silent_computing_child_is_seen_using_cpu(tmp_path):
     finally:
         sleeping.kill()
         sleeping.process.wait()
+
+
+@pytest.mark.slow
+def test_a_silent_child_slowed_by_two_busy_processes_passes_where_a_fixed_limit_fails(tmp_path):
+    """The load check: two CPU-bound processes compete with a child that computes 4 CPU-seconds without
+    output. Its idle limit (3 s) is shorter than its run, yet it passes; a fixed 3 s limit kills it."""
+    spin = [sys.executable, "-c", "while True:\n    pass"]
+    busy = [ChildProcess(spin, stdout_path=tmp_path / f"busy{index}.txt") for index in range(2)]
+    work = "import time\nend = time.process_time() + 4.0\nwhile time.process_time() < end:\n    pass"
+    try:
+        started = time.monotonic()
+        assert run_process([sys.executable, "-c", work], idle_timeout_s=3).returncode == 0
+        assert time.monotonic() - started > 3
+    finally:
+        for process in busy:
+            process.kill()
+            process.process.wait()
+    # negative control: the same child under a wall-clock limit of the same length (no load needed)
+    with pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", work], timeout=3)
