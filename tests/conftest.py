@@ -13,6 +13,7 @@ Fixtures for every test directory:
 * ``fit_process``: the class :class:`FitProcess`, which runs a test script (a fit) in a fresh
   Python process under a progress-based deadline and kills every process the script started.
 * ``run_process``: :func:`run_process`, ``subprocess.run`` for any command under that deadline.
+* ``child_process``: the class :class:`ChildProcess` they are built on, for any command.
 
 Subprocesses have no wall-clock limit, which a busy machine makes them exceed: they fail when they
 make no progress (no new output and under half a CPU second in their whole session) for
@@ -206,7 +207,7 @@ def quiet_trainer(**overrides: Any) -> pl.Trainer:
     return pl.Trainer(**{**_QUIET_TRAINER, **overrides})
 
 
-def session_cpu_seconds(session_id: int) -> float:
+def _session_cpu_seconds(session_id: int) -> float:
     """CPU seconds used by the live processes of a session (and the children they reaped); Linux only."""
     ticks = 0
     with contextlib.suppress(OSError):
@@ -308,9 +309,13 @@ class ChildProcess:
     def output_tail(self, chars: int = 4000) -> str:
         return "\n".join(path.read_text(errors="replace")[-chars:] for path in self.paths)
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by the live processes of its session (and the children they reaped)."""
+        return _session_cpu_seconds(self.process.pid)
+
     def _progress(self) -> tuple[tuple[int, ...], float]:
         sizes = tuple(path.stat().st_size if path.exists() else 0 for path in self.paths)
-        return sizes, session_cpu_seconds(self.process.pid)
+        return sizes, self.cpu_seconds()
 
     def kill(self) -> None:
         """SIGKILL every process of its session (a no-op once they are gone)."""
@@ -374,3 +379,8 @@ def fit_process() -> type[FitProcess]:
 @pytest.fixture(scope="session", name="run_process")
 def _run_process_fixture():
     return run_process
+
+
+@pytest.fixture(scope="session")
+def child_process() -> type[ChildProcess]:
+    return ChildProcess
