@@ -11,7 +11,14 @@ Fixtures for every test directory:
 * ``quiet_trainer``: :func:`quiet_trainer`, a CPU ``Trainer`` factory without logger, progress
   bar, model summary or checkpoints (``quiet_trainer(max_steps=4, callbacks=[...])``).
 * ``fit_process``: the class :class:`FitProcess`, which runs a test script (a fit) in a fresh
-  Python process with a hard timeout that kills every process the script started.
+  Python process under a progress-based deadline and kills every process the script started.
+* ``run_process``: :func:`run_process`, ``subprocess.run`` for any command under that deadline.
+* ``child_process``: the class :class:`ChildProcess` they are built on, for any command.
+
+Subprocesses have no wall-clock limit, which a busy machine makes them exceed: they fail when they
+make no progress (no new output and under half a CPU second in their whole session) for
+:data:`IDLE_TIMEOUT_S`. The C++ extension is built once at session start, before pytest-xdist starts
+its workers, so no test waits on another process's build.
 """
 
 from __future__ import annotations
@@ -20,9 +27,13 @@ import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import contextlib
 import signal
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +52,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 # set by Lightning's launcher or a parent run: a child must start its own process group
 _LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
+
+
+# seconds a subprocess may go without output and without using CPU before the test fails
+IDLE_TIMEOUT_S = float(os.environ.get("DEEPEP_LIGHTNING_TEST_IDLE_TIMEOUT_S", "180"))
+# CPU seconds its session must use to count as progress (at most a twentieth of the idle limit): more
+# than idle threads and polls use
+CPU_PROGRESS_S = 0.5
+
+
+def pytest_sessionstart(session):
+    """Build (or load) the C++ extension once, before any test or xdist worker needs it."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller has built it
+        return
+    from deepep_lightning.ops import extension_available
+
+    capture = session.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        extension_available()  # the loader prints its build lines (rank 0) or falls back with a warning
 
 
 def pytest_collection_modifyitems(config, items):
@@ -178,56 +207,158 @@ def quiet_trainer(**overrides: Any) -> pl.Trainer:
     return pl.Trainer(**{**_QUIET_TRAINER, **overrides})
 
 
-class FitProcess:
-    """A test script (usually one ``fit``) running in a fresh Python process, in its own session.
+def _session_cpu_seconds(session_id: int) -> float:
+    """CPU seconds used by the live processes of a session (and the children they reaped); Linux only."""
+    ticks = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as handle:
+                    stat = handle.read()
+            except OSError:  # exited meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, pgrp, session
+            if int(fields[3]) == session_id:
+                ticks += sum(int(field) for field in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
 
-    The environment is this one without the launcher variables, with the repository on
-    ``PYTHONPATH`` and one OpenMP thread; output goes to ``log_path``. :meth:`wait` kills the whole
-    session afterwards (and on a timeout, failing the test), so no rank or DataLoader worker
+
+def subprocess_env(**overrides: str) -> dict[str, str]:
+    """This environment without the launcher variables, with the repository on ``PYTHONPATH`` and one
+    OpenMP thread; ``overrides`` on top."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(overrides)
+    return env
+
+
+class ChildProcess:
+    """A command running in its own session, with a deadline that moves while it makes progress.
+
+    Progress is new output (``stdout_path`` or ``stderr_path`` grew) or :data:`CPU_PROGRESS_S` more CPU
+    seconds used by the processes of its session: a fit on a busy machine runs slower but keeps going, a hung one (a
+    deadlock, a rank waiting for a peer that died) stops both. :meth:`wait` kills the whole session
+    afterwards (and when the deadline passes, failing the test), so no rank or DataLoader worker
     outlives the test.
+
+    Args:
+        command: the argv.
+        stdout_path: file for its standard output (and its standard error without ``stderr_path``).
+        stderr_path: file for its standard error.
+        cwd: working directory (default: the repository).
+        env: its environment (default: :func:`subprocess_env`).
 
     Example::
 
-        process = FitProcess(script, ["--out", str(out)], log_path=out / "log.txt")
-        assert process.wait(timeout_s=180) == 0, process.output_tail()
+        process = ChildProcess([sys.executable, "-c", "print(1)"], stdout_path=tmp_path / "out.txt")
+        assert process.wait() == 0, process.output_tail()
     """
 
-    def __init__(self, script: Path | str, args: list[str], *, log_path: Path, cwd: Path | None = None) -> None:
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-        env["OMP_NUM_THREADS"] = "1"
-        self.script, self.args, self.log_path = Path(script), list(args), Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "w") as log:  # the child holds its own descriptor
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        stdout_path: Path,
+        stderr_path: Path | None = None,
+        cwd: Path | str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.command = [str(part) for part in command]
+        self.paths = [Path(stdout_path)] + ([Path(stderr_path)] if stderr_path is not None else [])
+        for path in self.paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as files:  # the child holds its own descriptors
+            out = files.enter_context(open(self.paths[0], "w"))
+            err = files.enter_context(open(self.paths[1], "w")) if stderr_path is not None else subprocess.STDOUT
             self.process = subprocess.Popen(
-                [sys.executable, str(script), *self.args],
+                self.command,
                 cwd=str(cwd or REPO),
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
+                env=subprocess_env() if env is None else env,
+                stdout=out,
+                stderr=err,
                 start_new_session=True,
             )
 
-    def wait(self, timeout_s: float) -> int:
-        """The exit code (``-9`` after a SIGKILL); fails the test when the script runs past ``timeout_s``."""
+    def wait(self, idle_timeout_s: float = IDLE_TIMEOUT_S) -> int:
+        """The exit code (``-9`` after a SIGKILL); fails the test after ``idle_timeout_s`` without progress."""
+        cpu_progress_s = min(CPU_PROGRESS_S, idle_timeout_s / 20)  # a short limit needs less CPU per window
         try:
-            return self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self._kill_session()
-            self.process.wait()
-            command = " ".join([self.script.name, *self.args])
-            pytest.fail(f"{command} did not finish in {timeout_s} s\n{self.output_tail()}")
+            progress = self._progress()
+            last_progress_at = time.monotonic()
+            while True:
+                try:
+                    return self.process.wait(timeout=1.0)
+                except subprocess.TimeoutExpired:
+                    pass
+                now = self._progress()
+                if now[0] != progress[0] or now[1] >= progress[1] + cpu_progress_s or now[1] < progress[1]:
+                    progress, last_progress_at = now, time.monotonic()
+                elif time.monotonic() - last_progress_at > idle_timeout_s:
+                    self.kill()
+                    self.process.wait()
+                    pytest.fail(
+                        f"{' '.join(self.command)[:500]} made no progress (no output, no CPU) for "
+                        f"{idle_timeout_s:.0f} s\n{self.output_tail()}"
+                    )
         finally:
-            self._kill_session()
+            self.kill()
 
     def output_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+        return "\n".join(path.read_text(errors="replace")[-chars:] for path in self.paths)
 
-    def _kill_session(self) -> None:
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by the live processes of its session (and the children they reaped)."""
+        return _session_cpu_seconds(self.process.pid)
+
+    def _progress(self) -> tuple[tuple[int, ...], float]:
+        sizes = tuple(path.stat().st_size if path.exists() else 0 for path in self.paths)
+        return sizes, self.cpu_seconds()
+
+    def kill(self) -> None:
+        """SIGKILL every process of its session (a no-op once they are gone)."""
         try:
             os.killpg(self.process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+class FitProcess(ChildProcess):
+    """A test script (usually one ``fit``) run with this interpreter as a :class:`ChildProcess`.
+
+    Its environment is :func:`subprocess_env`; standard output and error go to ``log_path``.
+
+    Example::
+
+        process = FitProcess(script, ["--out", str(out)], log_path=out / "log.txt")
+        assert process.wait() == 0, process.output_tail()
+    """
+
+    def __init__(self, script: Path | str, args: list[str], *, log_path: Path, cwd: Path | None = None) -> None:
+        self.script, self.args, self.log_path = Path(script), list(args), Path(log_path)
+        super().__init__([sys.executable, str(script), *self.args], stdout_path=log_path, cwd=cwd)
+
+
+def run_process(
+    command: Sequence[str],
+    *,
+    cwd: Path | str | None = None,
+    env: dict[str, str] | None = None,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True)`` as a :class:`ChildProcess`.
+
+    Returns the exit code and both outputs as text. ``env`` defaults to :func:`subprocess_env`.
+    """
+    with tempfile.TemporaryDirectory(prefix="deepep_lightning_run_") as directory:
+        out, err = Path(directory) / "stdout", Path(directory) / "stderr"
+        process = ChildProcess(command, stdout_path=out, stderr_path=err, cwd=cwd or os.getcwd(), env=env)
+        code = process.wait(idle_timeout_s)
+        return subprocess.CompletedProcess(
+            process.command, code, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
 
 
 @pytest.fixture(scope="session")
@@ -243,3 +374,13 @@ def _quiet_trainer_fixture():
 @pytest.fixture(scope="session")
 def fit_process() -> type[FitProcess]:
     return FitProcess
+
+
+@pytest.fixture(scope="session", name="run_process")
+def _run_process_fixture():
+    return run_process
+
+
+@pytest.fixture(scope="session")
+def child_process() -> type[ChildProcess]:
+    return ChildProcess

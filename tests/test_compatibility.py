@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -189,19 +188,12 @@ _SIXTEEN_MIXED_GPU = textwrap.dedent(
 
 
 @pytest.mark.gpu
-def test_sixteen_mixed_with_a_grad_scaler_runs_bitwise_and_rolls_back_on_gpu(tmp_path):
+def test_sixteen_mixed_with_a_grad_scaler_runs_bitwise_and_rolls_back_on_gpu(tmp_path, run_process):
     """16-mixed on CUDA (GradScaler): two runs and a rolled-back transient fault equal; other initial weights differ."""
     script = tmp_path / "sixteen_mixed.py"
     script.write_text(_SIXTEEN_MIXED_GPU)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run(
-        [sys.executable, str(script), str(REPO / "tests")],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_process([sys.executable, str(script), str(REPO / "tests")], cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "RUN_TO_RUN True" in result.stdout and "ROLLBACK True" in result.stdout
     assert "OTHER_INIT False" in result.stdout
@@ -380,7 +372,7 @@ def _snippets(name: str) -> list[str]:
     return blocks
 
 
-def test_the_documented_load_from_checkpoint_snippet_runs_without_the_plugin(tmp_path, quiet_trainer):
+def test_the_documented_load_from_checkpoint_snippet_runs_without_the_plugin(tmp_path, quiet_trainer, run_process):
     """A checkpoint written with the three callbacks loads (inference) and fine-tunes where the plugin is absent."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -406,9 +398,7 @@ def test_the_documented_load_from_checkpoint_snippet_runs_without_the_plugin(tmp
     script.write_text(_WITHOUT_THE_PLUGIN.replace("__BLOCKS__", repr(blocks)))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PL_GLOBAL_SEED")}
     env["PYTHONPATH"] = str(tmp_path)
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_process([sys.executable, str(script)], cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "WEIGHTS_EQUAL True" in result.stdout
     assert "FINE_TUNED_STEPS 5" in result.stdout

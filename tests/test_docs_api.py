@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -196,7 +195,7 @@ def test_types_render_with_their_allowed_values():
     assert gen_api.render_type(list[int]) == "list[int]"
 
 
-def test_the_check_command_names_exactly_the_stale_block_under_another_hash_seed(tmp_path, text, expected):
+def test_the_check_command_names_exactly_the_stale_block_under_another_hash_seed(tmp_path, text, expected, run_process):
     """``--check`` on a copy with one stale default exits 1 naming that block and no other than this process
     finds: under another PYTHONHASHSEED the rest still matches (a set default is rendered sorted)."""
     stale = tmp_path / "api.md"
@@ -206,6 +205,6 @@ def test_the_check_command_names_exactly_the_stale_block_under_another_hash_seed
     assert "the block for 'LossSpikeDetector' is stale" in findings
     env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO))
     command = [sys.executable, str(REPO / "docs" / "gen_api.py"), "--check", "--file", str(stale)]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_process(command, env=env, cwd=REPO)
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stdout.splitlines() == [f"{stale}: {finding}" for finding in findings]

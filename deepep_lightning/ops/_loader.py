@@ -1,21 +1,26 @@
-"""JIT build and load of the ``deepep`` C++/CUDA extension, once per process.
+"""Load the ``deepep`` C++/CUDA extension once per process: the compiled module, else a JIT build.
 
-Every ``extensions/csrc/*.cpp`` and, when CUDA is usable (a CUDA build of torch, a GPU and
-``nvcc``), every ``extensions/csrc/cuda/*.cu`` (in a built package: ``deepep_lightning/_csrc``, see
-:func:`csrc_dir`) is compiled into one library with
-:func:`torch.utils.cpp_extension.load` and loaded with ``torch.ops.load_library`` semantics, so
-adding an op is adding files: its C++ sources here, a Python module that calls
-:func:`register_op_python_side` (built on :func:`on_extension_loaded`) for its ``register_fake`` /
-``register_autograd``.
+A package installed with ``DEEPEP_LIGHTNING_BUILD_EXTENSION`` set carries the extension compiled at
+install time (``deepep_lightning/_C*.so``, built by ``setup.py`` with
+:class:`torch.utils.cpp_extension.BuildExtension`); the loader loads it and needs no compiler. Otherwise
+(and when that module does not load, or in a checkout whose sources are newer than it) every
+``extensions/csrc/*.cpp`` and, when CUDA is usable (a CUDA build of torch, a GPU and ``nvcc``), every
+``extensions/csrc/cuda/*.cu`` (in a built package: ``deepep_lightning/_csrc``, see :func:`csrc_dir`)
+is compiled into one library with :func:`torch.utils.cpp_extension.load` and loaded with
+``torch.ops.load_library`` semantics, so adding an op is adding files: its C++ sources here, a Python
+module that calls :func:`register_op_python_side` (built on :func:`on_extension_loaded`) for its
+``register_fake`` / ``register_autograd``. Both builds take their sources and flags from
+:mod:`deepep_lightning.ops._build_config`.
 
-The build is cached by torch under ``TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``); later processes only re-link when a source changed. CUDA code is
-built for sm_90 (``-gencode=arch=compute_90,code=sm_90``) unless ``TORCH_CUDA_ARCH_LIST`` is set,
-which torch then honours. When the build fails (no compiler, no ninja) the ops fall back to the
-pure-PyTorch references and ONE warning says so; ``DEEPEP_LIGHTNING_DISABLE_EXTENSION=1`` selects
-the references without trying (and without a warning).
+The JIT build is cached (:mod:`deepep_lightning.ops._build_cache`: ``$TORCH_EXTENSIONS_DIR``, else a
+directory keyed by interpreter, torch and CUDA); later processes only re-link when a source changed. A
+load that compiles prints one line before and one after, on rank 0. CUDA code is built for sm_90
+unless ``TORCH_CUDA_ARCH_LIST`` is set, which torch then honours. When the build fails (no compiler, no
+ninja) the ops fall back to the pure-PyTorch references and ONE warning says so;
+``DEEPEP_LIGHTNING_DISABLE_EXTENSION=1`` selects the references without trying (and without a warning).
 """
 
+import importlib.machinery
 import logging
 import os
 import shutil
@@ -26,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+from deepep_lightning.ops import _build_config
+from deepep_lightning.ops._build_cache import BuildAnnouncement, build_directory, needs_compile
+
 __all__ = [
     "extension_available",
     "cuda_kernels_available",
@@ -33,20 +41,23 @@ __all__ = [
     "on_extension_loaded",
     "register_op_python_side",
     "csrc_dir",
+    "compiled_module_path",
+    "extension_library",
 ]
 
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "DEEPEP_LIGHTNING_DISABLE_EXTENSION"
 VERBOSE_ENV = "DEEPEP_LIGHTNING_VERBOSE_BUILD"
-_EXTENSION_NAME = "deepep_lightning_ext"
-_SM90_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
+# an op whose CUDA kernel a compiled module holds exactly when it was built with the CUDA sources
+_CUDA_PROBE_OP = "deepep::all_action_q"
 
 _lock = threading.RLock()  # re-entrant: a hook may query the loader
 _attempted = False
 _loaded = False
 _error: str | None = None
 _with_cuda = False
+_library: Path | None = None
 _hooks: list[Callable[[], None]] = []
 
 
@@ -114,21 +125,81 @@ def _build_hint(err: Exception) -> str:
 
 
 def _sources(with_cuda: bool) -> list[str]:
-    root = csrc_dir()
-    sources = sorted(root.glob("*.cpp"))
-    if with_cuda:
-        sources += sorted((root / "cuda").glob("*.cu"))
+    sources = _build_config.source_files(csrc_dir(), with_cuda)
     if not sources:
         package = Path(__file__).resolve().parents[1]
         raise _MissingSourcesError(
-            f"no C++ sources under {str(root)!r} nor {str(package / '_csrc')!r}: this install of "
+            f"no C++ sources under {str(csrc_dir())!r} nor {str(package / '_csrc')!r}: this install of "
             "deepep_lightning lacks its package data"
         )
     return [str(path) for path in sources]
 
 
+def compiled_module_path() -> Path | None:
+    """The extension compiled at install time (``deepep_lightning/_C*.so``), or ``None`` without one.
+
+    In a source checkout a compiled module older than a source or header of ``extensions/csrc`` is
+    ignored (``None``), so an edited kernel is JIT-built rather than shadowed by a stale build.
+    """
+    package = Path(__file__).resolve().parents[1]
+    root = csrc_dir()
+    return _compiled_module_in(package, root if root != package / "_csrc" else None)
+
+
+def _compiled_module_in(package: Path, checkout_sources: Path | None) -> Path | None:
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = package / f"{_build_config.COMPILED_MODULE}{suffix}"
+        if not path.is_file():
+            continue
+        if checkout_sources is not None and _build_config.newest_source_mtime(checkout_sources) > path.stat().st_mtime:
+            log.info("deepep_lightning.ops: %s is older than the sources in %s; JIT-building", path, checkout_sources)
+            return None
+        return path
+    return None
+
+
+def _load_compiled(path: Path) -> bool:
+    """Loads the compiled module; returns whether its CUDA kernels are usable here."""
+    torch.ops.load_library(str(path))
+    try:
+        has_cuda_kernels = torch._C._dispatch_has_kernel_for_dispatch_key(_CUDA_PROBE_OP, "CUDA")
+    except RuntimeError:  # the module defines no such op: nothing to run on CUDA
+        has_cuda_kernels = False
+    if torch.cuda.is_available() and not has_cuda_kernels:
+        warnings.warn(
+            f"deepep_lightning.ops: the compiled extension {str(path)!r} holds the CPU kernels only, so CUDA "
+            f"tensors use the pure-PyTorch references. HINT: reinstall with {_build_config.AOT_BUILD_ENV}=1 "
+            "where nvcc is found, or uninstall it and let the JIT build compile the CUDA kernels.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    return bool(has_cuda_kernels and torch.cuda.is_available())
+
+
 def _build_and_load() -> bool:
-    """Builds (or re-uses) and loads the library; returns whether the CUDA kernels are in it."""
+    """Loads the compiled module, else builds (or re-uses) the JIT library; returns whether the CUDA
+    kernels are in it."""
+    global _library
+    compiled = compiled_module_path()
+    if compiled is not None:
+        try:
+            with_cuda = _load_compiled(compiled)
+        except OSError as err:  # built for another torch or platform: the JIT build still works
+            warnings.warn(
+                f"deepep_lightning.ops: the compiled extension {str(compiled)!r} does not load "
+                f"({str(err).splitlines()[0][:300]}); JIT-building it from the sources instead. HINT: "
+                "reinstall deepep_lightning against this torch.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        else:
+            _library = compiled
+            return with_cuda
+    return _jit_build_and_load()
+
+
+def _jit_build_and_load() -> bool:
+    global _library
     _import_cpp_extension_quietly()
     from torch.utils.cpp_extension import load
 
@@ -139,22 +210,29 @@ def _build_and_load() -> bool:
             "are built; CUDA tensors use the pure-PyTorch references. HINT: install the CUDA "
             "toolkit (nvcc) or set CUDA_HOME.",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
-    cuda_flags = ["-O3"]
-    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
-        cuda_flags += _SM90_FLAGS
     # Distinct names keep a CPU-only and a CUDA build of one checkout apart in the cache.
+    name = _build_config.JIT_NAME + ("_cuda" if with_cuda else "_cpu")
+    sources = _sources(with_cuda)
+    directory = build_directory(name)
+    announcement = BuildAnnouncement(directory, sources) if needs_compile(directory, name, csrc_dir()) else None
+    if announcement is not None:
+        announcement.start()
     load(
-        name=_EXTENSION_NAME + ("_cuda" if with_cuda else "_cpu"),
-        sources=_sources(with_cuda),
-        extra_cflags=["-O3", "-ffp-contract=off"],
-        extra_cuda_cflags=cuda_flags,
+        name=name,
+        sources=sources,
+        extra_cflags=list(_build_config.CXX_FLAGS),
+        extra_cuda_cflags=_build_config.cuda_flags(),
         extra_include_paths=[str(csrc_dir())],
+        build_directory=str(directory),
         with_cuda=with_cuda,
         is_python_module=False,
         verbose=os.environ.get(VERBOSE_ENV, "0") == "1",
     )
+    if announcement is not None:
+        announcement.done()
+    _library = directory / f"{name}.so"
     return with_cuda
 
 
@@ -219,6 +297,12 @@ def cuda_kernels_available() -> bool:
 def extension_error() -> str | None:
     """Why the extension is not available (``None`` when it is, or was not tried yet)."""
     return _error
+
+
+def extension_library() -> Path | None:
+    """The library the ops were loaded from: the compiled module or the JIT build (``None`` before or
+    without a load)."""
+    return _library
 
 
 def on_extension_loaded(hook: Callable[[], None]) -> None:

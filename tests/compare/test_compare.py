@@ -4,9 +4,7 @@ Runs are written with ``torch.utils.tensorboard.SummaryWriter``, as Lightning's 
 """
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -282,25 +280,17 @@ def test_lightning_tensorboard_logger_runs(tmp_path, boring_module, quiet_traine
 
 
 @pytest.mark.slow
-def test_two_seeded_train_py_runs_are_identical(tmp_path):
+def test_two_seeded_train_py_runs_are_identical(tmp_path, fit_process, run_process):
     """End to end: two short ``train.py`` runs with one seed, in separate processes, compare identical.
 
     The comparison runs as its own process too, as the ``deepep-compare`` script does (``sys.exit(main())``).
     """
     if not (REPO / "train.py").is_file() or not (REPO / "configs" / "default.yaml").is_file():
         pytest.skip("train.py or configs/default.yaml is missing")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env["OMP_NUM_THREADS"] = "1"
     steps = 6
 
-    def launch(*command):
-        pipe = subprocess.PIPE
-        return subprocess.Popen(command, cwd=REPO, env=env, stdout=pipe, stderr=pipe, text=True)
-
     def train(save_dir):
-        return launch(
-            sys.executable,
-            "train.py",
+        args = [
             "fit",
             "--config",
             "configs/default.yaml",
@@ -309,18 +299,19 @@ def test_two_seeded_train_py_runs_are_identical(tmp_path):
             "--trainer.log_every_n_steps=1",
             "--trainer.enable_checkpointing=false",
             f"--trainer.logger.init_args.save_dir={save_dir}",
-            "--model.fused_value_head=false",  # the pure-PyTorch value head: no extension build in CI
-        )
+            "--model.fused_value_head=false",  # the pure-PyTorch value head
+        ]
+        return fit_process(REPO / "train.py", args, log_path=tmp_path / f"{save_dir.name}.log")
 
     runs = [train(tmp_path / "a"), train(tmp_path / "b")]  # side by side: most of the time is the import
     for process in runs:
-        _, err = process.communicate(timeout=300)
-        assert process.returncode == 0, err[-3000:]
-    compare = launch(
-        sys.executable, "-m", "deepep_lightning.compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "-"
+        assert process.wait() == 0, process.output_tail(3000)
+    compare = run_process(
+        [sys.executable, "-m", "deepep_lightning.compare", str(tmp_path / "a"), str(tmp_path / "b"), "--json", "-"],
+        cwd=REPO,
     )
-    out, err = compare.communicate(timeout=300)
-    assert compare.returncode == 0, out[-3000:] + err[-3000:]
+    out = compare.stdout
+    assert compare.returncode == 0, out[-3000:] + compare.stderr[-3000:]
     report = json.loads(out)
     assert report["identical"] is True
     loss = report["comparisons"][0]["tags"]["train/loss"]  # the curves were really there

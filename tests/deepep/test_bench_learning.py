@@ -14,33 +14,33 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _bench(out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
+def _bench(run_process, out: Path, *extra: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "benchmarks/bench_learning.py", "--out", str(out), "--device", "cpu", "--quick"]
     command += ["--seeds", "--memory-horizons", "8", *extra]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_process(command, cwd=REPO, env=env)
 
 
-def _memory_run(out: Path, *extra: str) -> dict:
-    done = _bench(out, *extra)
+def _memory_run(run_process, out: Path, *extra: str) -> dict:
+    done = _bench(run_process, out, *extra)
     assert done.returncode == 0, done.stderr[-3000:]
     (run,) = json.loads((out / "learning_gpu.json").read_text())["memory"]
     return run
 
 
 @pytest.mark.slow  # two fresh processes
-def test_a_memory_run_stops_at_the_first_checkpoint_after_its_time_budget(tmp_path):
-    budgeted = _memory_run(tmp_path / "budget", "--memory-seconds", "0.001")
+def test_a_memory_run_stops_at_the_first_checkpoint_after_its_time_budget(tmp_path, run_process):
+    budgeted = _memory_run(run_process, tmp_path / "budget", "--memory-seconds", "0.001")
     assert budgeted["seconds_budget"] == 0.001
     assert budgeted["steps_run"] == 25 and [point[0] for point in budgeted["checkpoints"]] == [25]
     # negative control: without a budget the run goes through the quick budget's 50 steps
-    whole = _memory_run(tmp_path / "whole")
+    whole = _memory_run(run_process, tmp_path / "whole")
     assert whole["seconds_budget"] is None
     assert whole["steps_run"] == 50 and [point[0] for point in whole["checkpoints"]] == [25, 50]
 
 
-def test_a_budget_that_is_not_positive_is_refused_by_name(tmp_path):
-    done = _bench(tmp_path, "--memory-seconds", "0", timeout=120)
+def test_a_budget_that_is_not_positive_is_refused_by_name(tmp_path, run_process):
+    done = _bench(run_process, tmp_path, "--memory-seconds", "0")
     assert done.returncode == 2 and "--memory-seconds must be > 0, got 0.0" in done.stderr
 
 

@@ -1,4 +1,4 @@
-"""Two-process gloo fits for the rollback's DDP tests, run in a fresh process with a hard timeout.
+"""Two-process gloo fits for the rollback's DDP tests, run in a fresh process (``fit_process``).
 
 Usage: ``python tests/health/_ddp_scenarios.py SCENARIO OUT_DIR``; each rank writes
 ``OUT_DIR/<run>.rank<r>.json`` with its final weights, its health events and its step.

@@ -115,16 +115,16 @@ def test_deepep_real_overflow_detected_diagnosed_and_recovered(tmp_path):
 
 
 @pytest.mark.slow
-def test_nan_demo_comment_names_the_op_its_diagnosis_reports(tmp_path):
+def test_nan_demo_comment_names_the_op_its_diagnosis_reports(tmp_path, run_process):
     """configs/nan_demo.yaml, run as train.py would (its callbacks and model), names the op of its comment."""
     import json
-    import subprocess
+    import os
     import sys
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
     config = repo / "configs" / "nan_demo.yaml"
-    result = subprocess.run(
+    result = run_process(
         [
             sys.executable,
             str(repo / "train.py"),
@@ -135,9 +135,7 @@ def test_nan_demo_comment_names_the_op_its_diagnosis_reports(tmp_path):
             str(tmp_path),
         ],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
+        env=dict(os.environ),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     events_file = next(tmp_path.glob("nan_demo/version_*/health_events.jsonl"))

@@ -5,7 +5,7 @@ terminal streams); the subprocess test sees the terminal as a user does (stderr 
 """
 
 import logging
-import subprocess
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -68,23 +68,23 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _terminal(tmp_path, fault):
+def _terminal(run_process, tmp_path, fault):
     tests = str(Path(__file__).resolve().parents[1])
     script = _SCRIPT.format(tests=tests, fault=fault, root=str(tmp_path))
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    result = run_process([sys.executable, "-c", script], env=dict(os.environ))
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout + result.stderr
 
 
 @pytest.mark.slow
-def test_terminal_of_a_fresh_process_shows_the_recovered_nan_and_the_summary(tmp_path):
-    shown = _terminal(tmp_path / "fault", 5)
+def test_terminal_of_a_fresh_process_shows_the_recovered_nan_and_the_summary(tmp_path, run_process):
+    shown = _terminal(run_process, tmp_path / "fault", 5)
     assert "deepep_lightning health: step 5: detected" in shown and "step 5: transient" in shown
     assert "deepep_lightning: fit ended at step 8" in shown
     assert "health: 1 detected, 1 rolled back, 1 transient, 0 recovered, 0 stopped" in shown
     assert "train/loss=" in shown and "train/loss=n/a" not in shown
     # negative control: the step after max_steps never runs, so no incident and no health line
-    clean = _terminal(tmp_path / "clean", 99)
+    clean = _terminal(run_process, tmp_path / "clean", 99)
     assert "deepep_lightning health:" not in clean and "health: 0 detected" in clean
 
 

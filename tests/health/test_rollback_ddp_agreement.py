@@ -10,7 +10,7 @@ SCRIPT = __file__.replace("test_rollback_ddp_agreement.py", "_ddp_scenarios.py")
 
 def _run(fit_process, tmp_path, scenario, names):
     process = fit_process(SCRIPT, [scenario, str(tmp_path)], log_path=tmp_path / f"{scenario}.log")
-    assert process.wait(timeout_s=240) == 0, process.output_tail()
+    assert process.wait() == 0, process.output_tail()
     return {name: [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in (0, 1)] for name in names}
 
 

@@ -25,7 +25,7 @@ def test_ordered_sum_adds_rows_in_order():
 def test_ordered_hook_is_independent_of_the_bucket_layout(tmp_path, fit_process):
     out = tmp_path / "reduction.json"
     process = fit_process(SCRIPT, [str(out)], log_path=tmp_path / "log.txt", cwd=tmp_path)
-    assert process.wait(timeout_s=180) == 0, process.output_tail()
+    assert process.wait() == 0, process.output_tail()
     result = json.loads(out.read_text())
     # DDP's all-reduce: the first step (one bucket) and a later one (rebuilt buckets) differ in bits
     assert result["allreduce"] == {"restart_equal": False, "ordered_sum_equal": False, "mean_close": True}
@@ -40,7 +40,7 @@ def test_ordered_hook_on_two_gpus_with_nccl(tmp_path, fit_process):
     out = tmp_path / "reduction.json"
     args = [str(out), "--backend", "nccl", "--world-size", "2"]
     process = fit_process(SCRIPT, args, log_path=tmp_path / "log.txt", cwd=tmp_path)
-    assert process.wait(timeout_s=300) == 0, process.output_tail()
+    assert process.wait() == 0, process.output_tail()
     result = json.loads(out.read_text())
     assert result["ordered"] == {"restart_equal": True, "ordered_sum_equal": True, "mean_close": True}
     assert result["allreduce"]["restart_equal"] and result["allreduce"]["mean_close"]

@@ -1,7 +1,6 @@
 """GPU tests of deepep_lightning/ops/all_action_q.py: the CUDA kernels (run by the lead on the H200)."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -147,11 +146,9 @@ def test_capturable_in_a_cuda_graph(deterministic):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=name)
 
 
-def test_clean_under_torch_cuda_sanitizer():
+def test_clean_under_torch_cuda_sanitizer(run_process):
     env = dict(os.environ, TORCH_CUDA_SANITIZER="1", PYTHONPATH=str(REPO))
     script = REPO / "benchmarks" / "sanitize_all_action_q.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--quick"], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = run_process([sys.executable, str(script), "--quick"], env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "CSAN" not in result.stderr and "data race" not in result.stderr.lower(), result.stderr[-3000:]

@@ -3,7 +3,6 @@ bitwise reproducibly under DeterminismCallback in two fresh processes, while Tra
 it (PyTorch's "ctc_loss_backward_gpu does not have a deterministic implementation")."""
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -77,18 +76,11 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, mode, seed=0):
+def _run(run_process, tmp_path, mode, seed=0):
     script = tmp_path / "train_ctc.py"
     script.write_text(_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(
-        [sys.executable, str(script), mode, str(seed)],
-        env=env,
-        cwd=str(REPO),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    return run_process([sys.executable, str(script), mode, str(seed)], env=env, cwd=str(REPO))
 
 
 def _digest(result):
@@ -102,14 +94,14 @@ def gpu():
         pytest.skip("needs CUDA")
 
 
-def test_ctc_model_trains_bitwise_reproducibly_under_the_plugin(gpu, tmp_path):
-    first, second = (_digest(_run(tmp_path, "plugin")) for _ in range(2))
+def test_ctc_model_trains_bitwise_reproducibly_under_the_plugin(gpu, tmp_path, run_process):
+    first, second = (_digest(_run(run_process, tmp_path, "plugin")) for _ in range(2))
     assert first == second
     # Negative control: the digest sees the training (another seed, another model).
-    assert _digest(_run(tmp_path, "plugin", seed=1)) != first
+    assert _digest(_run(run_process, tmp_path, "plugin", seed=1)) != first
 
 
-def test_lightning_deterministic_trainer_refuses_the_ctc_model(gpu, tmp_path):
-    result = _run(tmp_path, "lightning")
+def test_lightning_deterministic_trainer_refuses_the_ctc_model(gpu, tmp_path, run_process):
+    result = _run(run_process, tmp_path, "lightning")
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ctc_loss_backward_gpu does not have a deterministic implementation" in result.stdout

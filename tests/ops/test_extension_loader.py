@@ -1,7 +1,8 @@
 """Tests of deepep_lightning/ops/_loader.py: build once, thread-safe, one warning on fallback."""
 
+import importlib.machinery
+import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -98,17 +99,63 @@ def test_real_extension_is_loaded_once_per_process():
 _CUDA_HOME_GUESS = "No CUDA runtime is found"
 
 
-def _stderr_of(code: str) -> str:
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+def _stderr_of(run_process, code: str) -> str:
+    run = run_process([sys.executable, "-c", code], env=dict(os.environ))
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stderr
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
-def test_loading_the_extension_prints_no_cuda_home_guess():
-    # negative control first: torch's own import logs the guess on this machine (a CUDA toolkit, no GPU)
-    if _CUDA_HOME_GUESS not in _stderr_of("import torch.utils.cpp_extension"):
+def test_a_cached_load_prints_no_build_line_and_no_cuda_home_guess(run_process):
+    load = "from deepep_lightning.ops import extension_available; assert extension_available()"
+    stderr = _stderr_of(run_process, load)
+    # the session's start built it, so this load compiles nothing and says nothing (test_build_cache.py
+    # shows the lines of a load that compiles)
+    assert "deepep_lightning: build" not in stderr
+    # negative control: torch's own import logs the guess on this machine (a CUDA toolkit, no GPU)
+    if _CUDA_HOME_GUESS not in _stderr_of(run_process, "import torch.utils.cpp_extension"):
         pytest.skip("torch logs no CUDA_HOME guess here (a visible GPU, or no CUDA toolkit)")
-    stderr = _stderr_of("from deepep_lightning.ops import extension_available; assert extension_available()")
     assert _CUDA_HOME_GUESS not in stderr
+
+
+def test_a_compiled_module_is_loaded_instead_of_building(tmp_path, monkeypatch):
+    compiled = tmp_path / "_C.so"
+    loaded: list[str] = []
+    monkeypatch.setattr(_loader, "_library", None)
+    monkeypatch.setattr(_loader, "compiled_module_path", lambda: compiled)
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr(_loader, "_jit_build_and_load", lambda: pytest.fail("JIT-built despite a compiled module"))
+    assert _loader._build_and_load() is (torch.cuda.is_available() and _loader.cuda_kernels_available())
+    assert loaded == [str(compiled)] and _loader.extension_library() == compiled
+
+
+def test_a_compiled_module_that_does_not_load_falls_back_to_the_jit_build(tmp_path, monkeypatch):
+    """Negative control: a module built against another torch warns once and the JIT build runs."""
+    compiled = tmp_path / "_C.so"
+    jit_builds: list[int] = []
+
+    def broken(path):
+        raise OSError(f"{path}: undefined symbol: _ZN3c104impl")
+
+    monkeypatch.setattr(_loader, "compiled_module_path", lambda: compiled)
+    monkeypatch.setattr(torch.ops, "load_library", broken)
+    monkeypatch.setattr(_loader, "_jit_build_and_load", lambda: jit_builds.append(1) or False)
+    with pytest.warns(RuntimeWarning, match=r"does not load .*undefined symbol.*JIT-building"):
+        assert _loader._build_and_load() is False
+    assert jit_builds == [1]
+
+
+def test_a_compiled_module_older_than_the_checkout_sources_is_ignored(tmp_path):
+    package, sources = tmp_path / "deepep_lightning", tmp_path / "csrc"
+    package.mkdir(), sources.mkdir()
+    assert _loader._compiled_module_in(package, sources) is None  # none built
+    compiled = package / f"_C{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    compiled.write_bytes(b"")
+    (sources / "op.cpp").write_text("// older")
+    os.utime(sources / "op.cpp", (0, 0))
+    assert _loader._compiled_module_in(package, sources) == compiled
+    (sources / "op.h").write_text("// edited after the build")
+    os.utime(sources / "op.h", (compiled.stat().st_mtime + 10,) * 2)
+    assert _loader._compiled_module_in(package, sources) is None  # the checkout's edit wins: JIT
+    assert _loader._compiled_module_in(package, None) == compiled  # an installed package has no checkout

@@ -3,7 +3,6 @@ F.cross_entropy) trains bitwise reproducibly under DeterminismCallback in two fr
 Trainer(deterministic=True) refuses it (PyTorch's nll_loss2d / adaptive-pool errors)."""
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -71,13 +70,11 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _run(tmp_path, mode):
+def _run(run_process, tmp_path, mode):
     script = tmp_path / "train_segmentation.py"
     script.write_text(_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run(
-        [sys.executable, str(script), mode], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=900
-    )
+    return run_process([sys.executable, str(script), mode], env=env, cwd=str(REPO))
 
 
 @pytest.fixture
@@ -86,16 +83,16 @@ def gpu():
         pytest.skip("needs CUDA")
 
 
-def test_segmentation_net_trains_bitwise_reproducibly_under_the_plugin(gpu, tmp_path):
+def test_segmentation_net_trains_bitwise_reproducibly_under_the_plugin(gpu, tmp_path, run_process):
     digests = []
     for _ in range(2):
-        result = _run(tmp_path, "plugin")
+        result = _run(run_process, tmp_path, "plugin")
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         digests.append([line for line in result.stdout.splitlines() if line.startswith("DIGEST ")][-1].split()[1])
     assert digests[0] == digests[1]
 
 
-def test_lightning_deterministic_trainer_refuses_the_segmentation_net(gpu, tmp_path):
-    result = _run(tmp_path, "lightning")
+def test_lightning_deterministic_trainer_refuses_the_segmentation_net(gpu, tmp_path, run_process):
+    result = _run(run_process, tmp_path, "lightning")
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     assert "does not have a deterministic implementation" in result.stdout

@@ -6,7 +6,6 @@ Run on the GPU machine: ``python -m pytest tests/ops/test_refused_ops_cuda.py -q
 
 import hashlib
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -166,15 +165,13 @@ _TRAIN_SCRIPT = textwrap.dedent(
 )
 
 
-def test_model_trains_bitwise_reproducibly_in_two_processes(tmp_path):
+def test_model_trains_bitwise_reproducibly_in_two_processes(tmp_path, run_process):
     script = tmp_path / "train_stn.py"
     script.write_text(_TRAIN_SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     digests = []
     for _ in range(2):
-        result = subprocess.run(
-            [sys.executable, str(script)], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=600
-        )
+        result = run_process([sys.executable, str(script)], env=env, cwd=str(REPO))
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         lines = [line for line in result.stdout.splitlines() if line.startswith("DIGEST ")]
         assert lines, result.stdout[-3000:]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.gpu
 @pytest.mark.multigpu
-def test_two_gpu_runs_bitwise_rollback_lockstep_and_invariance(tmp_path):
+def test_two_gpu_runs_bitwise_rollback_lockstep_and_invariance(tmp_path, run_process):
     env = dict(
         os.environ,
         NCCL_NVLS_ENABLE="0",
@@ -40,7 +39,7 @@ def test_two_gpu_runs_bitwise_rollback_lockstep_and_invariance(tmp_path):
         "--runs",
         "det_a,det_b,fault,inv_1,inv_2",
     ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
+    result = run_process(command, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((tmp_path / "ddp.json").read_text())
     assert summary["bitwise_run_to_run"] is True

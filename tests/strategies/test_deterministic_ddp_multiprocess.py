@@ -1,7 +1,7 @@
 """DeterministicDDPStrategy with 2 gloo processes, launched through ``strategy="ddp_deterministic"``.
 
 Each run is ``_ddp_run.py`` in a fresh session (``fit_process``; Lightning's launcher starts rank 1);
-a hard timeout kills the whole session, so a hung rank fails the test instead of hanging CI. Four runs in
+a progress-based deadline kills the whole session, so a hung rank fails the test instead of hanging CI. Four runs in
 all: two clean ones (A, B), one with a fault on rank 1 only (C) and one single-process run in
 world-size-invariant mode (V).
 """
@@ -18,14 +18,13 @@ from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.strategies import CHECKPOINT_KEY, DeterministicDDPStrategy
 
 SCRIPT = Path(__file__).with_name("_ddp_run.py")
-TIMEOUT_S = 180  # one run takes 20-45 s on the loaded 2-core CI machine
 SEED, NUM_SAMPLES = 321, 32  # as in _ddp_run.py
 FAULT_STEP = 5  # 4 steps per epoch: the rollback restores the epoch-end snapshot and replays across the boundary
 
 
 def _ok(fit_process, out: Path, *args: str) -> Path:
     process = fit_process(SCRIPT, ["--out", str(out), *args], log_path=out / "log.txt", cwd=out)
-    assert process.wait(timeout_s=TIMEOUT_S) == 0, process.output_tail()
+    assert process.wait() == 0, process.output_tail()
     return out
 
 

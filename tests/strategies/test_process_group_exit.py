@@ -8,7 +8,7 @@ still alive. Negative control: without the handler the group outlives every ``at
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -33,24 +33,24 @@ for _ in range(calls):
 """
 
 
-def _exit_state(tmp_path: Path, calls: int) -> list:
+def _exit_state(run_process, tmp_path: Path, calls: int) -> list:
     out = tmp_path / "state.json"
     command = [sys.executable, "-c", _SCRIPT, str(out), str(tmp_path / "store"), str(calls)]
-    completed = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    completed = run_process(command, env=dict(os.environ))
     assert completed.returncode == 0, completed.stderr[-3000:]
     return json.loads(out.read_text())
 
 
 @pytest.mark.slow
-def test_the_group_is_destroyed_before_the_interpreter_finalizes(tmp_path):
-    alive_at_exit, destroyed, handler_runs = _exit_state(tmp_path, calls=2)
+def test_the_group_is_destroyed_before_the_interpreter_finalizes(tmp_path, run_process):
+    alive_at_exit, destroyed, handler_runs = _exit_state(run_process, tmp_path, calls=2)
     assert alive_at_exit is False
     assert destroyed == [True]  # destroyed while alive
     assert handler_runs == 1  # registered twice (fit, then test): one handler
 
 
 @pytest.mark.slow
-def test_without_the_handler_the_group_outlives_every_exit_handler(tmp_path):
-    alive_at_exit, destroyed, handler_runs = _exit_state(tmp_path, calls=0)
+def test_without_the_handler_the_group_outlives_every_exit_handler(tmp_path, run_process):
+    alive_at_exit, destroyed, handler_runs = _exit_state(run_process, tmp_path, calls=0)
     assert alive_at_exit is True
     assert destroyed == [] and handler_runs == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +20,16 @@ _TRAINER = (
 )
 
 
-def _fresh_process(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=_ROOT, capture_output=True, text=True, timeout=300)
+def _fresh_process(run_process, code: str) -> subprocess.CompletedProcess:
+    return run_process([sys.executable, "-c", code], cwd=_ROOT, env=dict(os.environ))
 
 
-def test_import_deepep_lightning_makes_the_name_work_in_a_fresh_process():
-    result = _fresh_process("import deepep_lightning\n" + _TRAINER)
+def test_import_deepep_lightning_makes_the_name_work_in_a_fresh_process(run_process):
+    result = _fresh_process(run_process, "import deepep_lightning\n" + _TRAINER)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "DeterministicDDPStrategy"
     # negative control: without the import, Lightning does not know the name
-    unregistered = _fresh_process(_TRAINER)
+    unregistered = _fresh_process(run_process, _TRAINER)
     assert unregistered.returncode != 0
     assert "ddp_deterministic" in unregistered.stderr
 

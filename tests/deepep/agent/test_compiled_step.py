@@ -7,7 +7,6 @@ import copy
 import json
 import os
 import re
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -279,16 +278,13 @@ def test_bad_arguments_are_refused_by_name():
 
 
 @pytest.mark.slow  # a fresh process compiles again
-def test_benchmark_quick_runs_on_cpu(tmp_path):
+def test_benchmark_quick_runs_on_cpu(tmp_path, run_process):
     # one variant per kind of step (op by op, compiled timestep, the extension's rollout kernel)
     variants = ["eager", "compiled_eager", "rollout_kernel_eager"]
-    out = subprocess.run(
+    out = run_process(
         [sys.executable, "benchmarks/bench_train_step.py", "--quick", "--out", str(tmp_path), "--variants", *variants],
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))},
-        capture_output=True,
-        text=True,
-        timeout=240,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads((tmp_path / "train_step_quick.json").read_text())
