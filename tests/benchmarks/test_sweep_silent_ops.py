@@ -8,7 +8,6 @@ in both modes and exits 1 while any case differs with the plugin on.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,7 +64,7 @@ def test_bytes_equal_sees_one_ulp_nan_payloads_and_signed_zero(sweep_modules):
 
 
 @pytest.mark.slow
-def test_driver_runs_opinfo_in_both_modes_and_fails_on_the_planted_difference(tmp_path: Path):
+def test_driver_runs_opinfo_in_both_modes_and_fails_on_the_planted_difference(tmp_path: Path, run_process):
     pytest.importorskip("expecttest")  # PyTorch's OpInfo database needs it
     command = [
         sys.executable,
@@ -85,7 +84,7 @@ def test_driver_runs_opinfo_in_both_modes_and_fails_on_the_planted_difference(tm
         "--shards",
         "1",
     ]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    result = run_process(command, cwd=REPO)
     assert result.returncode == 1, result.stdout + result.stderr  # the planted case differs with the plugin on
     report = json.loads((tmp_path / "silent_ops.json").read_text())
     for mode in ("pytorch", "plugin"):

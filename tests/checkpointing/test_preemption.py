@@ -29,7 +29,6 @@ pytestmark = pytest.mark.slow
 _TESTS = Path(__file__).resolve().parents[1]
 _FIT = _TESTS / "determinism" / "_run_fit.py"
 _DDP = _TESTS / "strategies" / "_ddp_run.py"
-_TIMEOUT_S = 300
 _CKPT_EVERY = 5
 # the batch after step N gets the signal; step N + 1 is then the newest step, never a periodic checkpoint's
 _SIGNAL_AT = random.choice([n for n in range(_CKPT_EVERY, 18) if (n + 1) % _CKPT_EVERY])
@@ -46,7 +45,7 @@ def _ddp_args(out: Path, *extra: str) -> list[str]:
 
 def _wait(processes: dict, expected: dict[str, int]) -> None:
     for name, (process, _) in processes.items():
-        code = process.wait(timeout_s=_TIMEOUT_S)
+        code = process.wait()
         assert code == expected[name], f"{name}: exit code {code}, expected {expected[name]}\n{process.output_tail()}"
 
 

@@ -145,7 +145,7 @@ def test_gpu_raft_trains_bitwise_under_the_callback_while_deterministic_mode_dif
     for run in ("plugin_a", "plugin_b", "plain_a", "plain_b"):
         out = tmp_path / f"{run}.json"
         process = fit_process(script, [str(out), run.split("_")[0]], log_path=tmp_path / f"{run}.txt")
-        assert process.wait(timeout_s=600) == 0, process.output_tail()
+        assert process.wait() == 0, process.output_tail()
         results[run] = json.loads(out.read_text())
     assert results["plugin_a"] == results["plugin_b"]
     assert results["plain_a"]["digest"] != results["plain_b"]["digest"]  # Trainer(deterministic=True) alone

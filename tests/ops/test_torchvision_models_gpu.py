@@ -3,8 +3,6 @@
 Lightning) train bitwise-equal in two fresh processes under DeterminismCallback, with the RoI backwards served by the
 deterministic kernels (torchvision's pure-PyTorch ``_roi_align`` never runs)."""
 
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -115,19 +113,16 @@ _SCRIPT = textwrap.dedent(
 )
 
 
-def _digest(tmp_path, model_name):
+def _digest(tmp_path, run_process, model_name):
     script = tmp_path / "train_detection.py"
     script.write_text(_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run(
-        [sys.executable, str(script), model_name], env=env, cwd=str(REPO), capture_output=True, text=True, timeout=900
-    )
+    result = run_process([sys.executable, str(script), model_name], cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [line for line in result.stdout.splitlines() if line.startswith("DIGEST ")][-1].split()[1]
 
 
 @pytest.mark.parametrize("model_name", ["fasterrcnn", "maskrcnn", "keypointrcnn", "psroihead", "roipoolhead", "dcnnet"])
-def test_rcnn_trains_bitwise_reproducibly_under_the_plugin(tmp_path, model_name):
+def test_rcnn_trains_bitwise_reproducibly_under_the_plugin(tmp_path, run_process, model_name):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    assert _digest(tmp_path, model_name) == _digest(tmp_path, model_name)
+    assert _digest(tmp_path, run_process, model_name) == _digest(tmp_path, run_process, model_name)
