@@ -13,13 +13,15 @@ in two modes, each in its own worker processes:
 
 Writes ``OUT/silent_ops_<mode>_<shard>.json`` as it goes (a worker stopped at its budget keeps what it
 measured) and ``OUT/silent_ops.json``: per mode the count of each verdict (``bitwise``, ``differs``,
-``raises``, ``error``, ``skipped``), every ``differs`` case with its first differing tensor, and the
-cases the plugin fixes. Exit code 1 when a case differs in the plugin mode (the target is none), 0 otherwise::
+``raises``, ``error``, ``skipped``), every ``differs`` case with its first differing tensor (``silent``: the
+names, the planted negative control aside), and the cases the plugin fixes. Exit code 1 when a case runs and
+differs in the plugin mode (the target is none), 2 when the planted control came out equal (the sweep could
+not have seen a difference), 0 otherwise::
 
     PYTHONPATH=$PWD python benchmarks/sweep_silent_ops.py --out benchmarks/results/silent_ops --device cuda
 
 ``--device cpu --sources paths,planted`` is the CPU smoke run of the driver (the planted shuffled sum must
-differ).
+differ). ``--resummarise`` rebuilds ``silent_ops.json`` from the workers' files in ``--out`` without running.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from bitwise_repeat import run_case  # noqa: E402
 from silent_op_cases import FLOATING, module_cases, opinfo_cases, path_cases, planted_cases  # noqa: E402
 
 SOURCES = ("opinfo", "module", "paths", "planted")
+PLANTED_CONTROL = "planted/shuffled_sum"  # must come out "differs", or the sweep cannot see a difference
 MODES = ("pytorch", "plugin")
 _DTYPES = {str(d)[6:]: d for d in FLOATING}
 
@@ -152,8 +155,13 @@ def summarise(out: Path, modes: list[str]) -> dict:
             "not_reached": sum(shard.get("not_reached", 0) for shard in shards),
             "all_workers_done": bool(shards) and all(shard.get("done") for shard in shards),
             "differs": [v for v in verdicts if v["verdict"] == "differs"],
+            # what runs and differs, the planted negative control aside: the target is none with the plugin
+            "silent": sorted(v["name"] for v in verdicts if v["verdict"] == "differs" and v["path"] != "planted"),
             "raises": sorted(v["name"] for v in verdicts if v["verdict"] == "raises"),
         }
+        planted = {v["name"]: v["verdict"] for v in verdicts if v["path"] == "planted"}
+        if planted:
+            report["modes"][mode]["planted_control_detected"] = planted.get(PLANTED_CONTROL) == "differs"
     if set(modes) == set(MODES):
         pytorch, plugin = verdict_of["pytorch"], verdict_of["plugin"]
         report["plugin_fixes"] = sorted(
@@ -176,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", type=int, default=4, help="worker processes per mode")
     parser.add_argument("--budget-s", type=float, default=420.0, help="each worker starts no case after this")
     parser.add_argument("--only", default="", help="comma list of name prefixes: ops, modules, path families")
+    parser.add_argument("--resummarise", action="store_true", help="rebuild silent_ops.json from --out's files")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="plugin", help=argparse.SUPPRESS)
     parser.add_argument("--shard", type=int, default=0, help=argparse.SUPPRESS)
@@ -197,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    if args.resummarise:
+        previous = json.loads((out / "silent_ops.json").read_text()) if (out / "silent_ops.json").exists() else {}
+        report = summarise(out, modes)
+        # the machine the workers ran on, not the one summarising
+        report.update({key: previous[key] for key in ("torch", "device", "worker_exit_codes") if key in previous})
+        _write_json(out / "silent_ops.json", report)
+        return exit_status(report)
     for stale in out.glob("silent_ops_*_*.json"):
         stale.unlink()
     processes = [
@@ -214,8 +230,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  differs: {case['name']}: {case['detail']}")
     if "plugin_fixes" in report:
         print(f"fixed by the plugin: {len(report['plugin_fixes'])}")
+    return exit_status(report)
+
+
+def exit_status(report: dict) -> int:
+    """2: a planted control came out equal (the sweep cannot see differences); 1: a case runs and differs
+    with the plugin on; 0: neither."""
+    modes = report["modes"].values()
+    if any(mode.get("planted_control_detected") is False for mode in modes):
+        return 2
     plugin = report["modes"].get("plugin")
-    return 1 if plugin is not None and plugin["differs"] else 0
+    return 1 if plugin is not None and plugin["silent"] else 0
 
 
 if __name__ == "__main__":

@@ -85,12 +85,23 @@ def test_driver_runs_opinfo_in_both_modes_and_fails_on_the_planted_difference(tm
         "1",
     ]
     result = run_process(command, cwd=REPO)
-    assert result.returncode == 1, result.stdout + result.stderr  # the planted case differs with the plugin on
+    assert result.returncode == 0, result.stdout + result.stderr  # only the planted control differs
     report = json.loads((tmp_path / "silent_ops.json").read_text())
     for mode in ("pytorch", "plugin"):
         summary = report["modes"][mode]
         assert summary["all_workers_done"] and summary["not_reached"] == 0
         assert [case["name"] for case in summary["differs"]] == ["planted/shuffled_sum"]
+        assert summary["silent"] == [] and summary["planted_control_detected"]
         assert summary["counts"]["bitwise"] >= 8  # index_add and cumsum: 2 dtypes x 2 samples each, and the control
         assert summary["by_path"]["opinfo"] == {"bitwise": summary["counts"]["bitwise"] - 1}
     assert "planted/shuffled_sum: repeat 1" in result.stdout
+
+
+def test_exit_status_fails_on_a_silent_op_and_on_a_blind_sweep(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from sweep_silent_ops import exit_status
+
+    clean = {"silent": [], "planted_control_detected": True}
+    assert exit_status({"modes": {"pytorch": {**clean, "silent": ["x"]}, "plugin": clean}}) == 0
+    assert exit_status({"modes": {"plugin": {**clean, "silent": ["cudnn/grid_sample"]}}}) == 1
+    assert exit_status({"modes": {"plugin": {**clean, "planted_control_detected": False}}}) == 2
