@@ -67,10 +67,12 @@ def roi_align(
 ) -> Tensor:
     """``torchvision.ops.roi_align`` that always calls ``torch.ops.torchvision.roi_align``.
 
-    Quantized inputs and TorchScript go to torchvision's function unchanged.
+    Quantized inputs, TorchScript and float16/bfloat16 CUDA inputs (the route covers float32/float64 there, so
+    torchvision's own choice stays: its pure-PyTorch path in deterministic mode) go to torchvision's function.
     """
     original = _state["original"]
-    if torch.jit.is_scripting() or not isinstance(input, Tensor) or input.is_quantized:
+    half_on_cuda = isinstance(input, Tensor) and input.is_cuda and input.dtype in (torch.float16, torch.bfloat16)
+    if torch.jit.is_scripting() or not isinstance(input, Tensor) or input.is_quantized or half_on_cuda:
         return original(input, boxes, output_size, spatial_scale, sampling_ratio, aligned)
     check_roi_boxes_shape(boxes)
     rois = boxes if isinstance(boxes, Tensor) else convert_boxes_to_roi_format(boxes)

@@ -60,7 +60,8 @@ def roi_align_backward_unsupported_reason(
         return f"dtype {grad.dtype} (rois {rois.dtype}) is not one of {list(FLOAT_DTYPES)} for both"
     if grad.is_cuda and grad.dtype in (torch.float16, torch.bfloat16):
         # The CUDA gather's half-precision path gives NaNs on the H200 (tests/ops/test_torchvision_ops_cuda.py);
-        # float16/bfloat16 stay torchvision's (its deterministic path for roi_align, a refusal for the others).
+        # float16/bfloat16 stay torchvision's: the Python roi_align entry keeps its pure-PyTorch path for them
+        # (ops/_torchvision_entry.py), and a direct call of the backward op meets torchvision's refusal.
         # Autocast runs roi_align in float32, so mixed-precision training takes the covered path.
         return f"{grad.dtype} on CUDA is left to torchvision: only float32/float64 are covered there"
     sizes = (pooled_height, pooled_width, batch_size, channels, height, width, sampling_ratio)
