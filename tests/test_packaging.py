@@ -85,7 +85,9 @@ def _venv_with(run_process, wheel: Path, venv: Path) -> Path:
     # this environment's site-packages (a venv's own, a conda env's, the base's, the user's), after the venv's
     visible = [path for path in sys.path if Path(path).name in ("site-packages", "dist-packages")]
     (purelib / "_tests_environment.pth").write_text("\n".join(visible) + "\n")
+    # --ignore-installed: the environment it sees may hold this package already (an editable install)
     install = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", "-q"]
+    install += ["--ignore-installed"]
     installed = run_process([*install, str(wheel)])
     assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     return python
