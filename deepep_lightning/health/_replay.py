@@ -10,8 +10,6 @@ LR schedulers with ``interval="step"`` are stepped as the epoch loop does.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,26 +37,6 @@ class ReplayEntry:
     batch_idx: int
     epoch: int
     is_last_batch: bool = False  # the epoch loop also stepped interval="epoch" schedulers after it
-
-
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-@contextlib.contextmanager
-def silenced_logging(pl_module: pl.LightningModule) -> Iterator[None]:
-    had = {name: name in pl_module.__dict__ for name in ("log", "log_dict")}
-    saved = {name: pl_module.__dict__.get(name) for name in had}
-    pl_module.__dict__["log"] = _noop
-    pl_module.__dict__["log_dict"] = _noop
-    try:
-        yield
-    finally:
-        for name, present in had.items():
-            if present:
-                pl_module.__dict__[name] = saved[name]
-            else:
-                pl_module.__dict__.pop(name, None)
 
 
 def call_replay_hooks(trainer: pl.Trainer, pl_module: pl.LightningModule, entry: ReplayEntry) -> None:

@@ -25,6 +25,12 @@ from typing import Any
 import lightning.pytorch as pl
 
 from deepep_lightning._lightning_compat import attached_trainer
+from deepep_lightning._patches import (
+    patch_optimizer_step,
+    patch_training_step,
+    unpatch_optimizer_step,
+    unpatch_training_step,
+)
 
 __all__: list[str] = []
 
@@ -75,7 +81,7 @@ def add_step_hook(
     if hooks is None:
         hooks = _Hooks()
         module.__dict__[_ATTR] = hooks
-        module.__dict__["training_step"] = _wrapper(module, module.training_step)
+        patch_training_step(module, lambda original: _wrapper(module, original))
     if pre is not None:
         hooks.pre[name] = pre
     if post is not None:
@@ -93,7 +99,7 @@ def remove_step_hook(module: pl.LightningModule, name: str) -> None:
     hooks.innermost.discard(name)
     if not hooks.pre and not hooks.post:
         del module.__dict__[_ATTR]
-        module.__dict__.pop("training_step", None)
+        unpatch_training_step(module)
 
 
 def install_optimizer_step_skip(pl_module: pl.LightningModule, skips: Callable[[], bool]) -> None:
@@ -104,19 +110,21 @@ def install_optimizer_step_skip(pl_module: pl.LightningModule, skips: Callable[[
     data position and ``global_step`` move on as for a taken step. ``on_before_optimizer_step`` and
     gradient clipping run inside the optimizer's step and so are skipped with it.
     """
-    original = type(pl_module).optimizer_step.__get__(pl_module)
 
-    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        if not skips():
-            original(epoch, batch_idx, optimizer, optimizer_closure)
-            return
-        if optimizer_closure is not None:
-            optimizer_closure()
-        optimizer.zero_grad(set_to_none=True)
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+            if not skips():
+                original(epoch, batch_idx, optimizer, optimizer_closure)
+                return
+            if optimizer_closure is not None:
+                optimizer_closure()
+            optimizer.zero_grad(set_to_none=True)
 
-    pl_module.__dict__["optimizer_step"] = optimizer_step
+        return optimizer_step
+
+    patch_optimizer_step(pl_module, wrap)
 
 
 def remove_optimizer_step_skip(module: pl.LightningModule) -> None:
     """Undo :func:`install_optimizer_step_skip`."""
-    module.__dict__.pop("optimizer_step", None)
+    unpatch_optimizer_step(module)

@@ -23,11 +23,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from deepep_lightning._enums import StrEnum
 from deepep_lightning._lightning_compat import optimizer_step_progress
+from deepep_lightning._patches import silenced_logging
 from deepep_lightning._sharded import local
 from deepep_lightning.audit.nonfinite import NonFiniteOp, locate_nonfinite, locate_nonfinite_update
 from deepep_lightning.determinism.sharded_resume import gather_per_rank
 from deepep_lightning.health._collectives import distributed, min_max_over_ranks
-from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step, silenced_logging
+from deepep_lightning.health._replay import ReplayEntry, call_replay_hooks, clone_batch, run_step
 from deepep_lightning.health.events import EventKind
 from deepep_lightning.health.flags import HealthReason
 from deepep_lightning.health.health_callback import NumericalHealthCallback

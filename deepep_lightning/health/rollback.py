@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
+from deepep_lightning._lightning_compat import is_last_batch
 from deepep_lightning._sharded import local
 from deepep_lightning.health import _replay, _step_hooks, incidents
 from deepep_lightning.health._replay import ReplayEntry, clone_batch
@@ -342,7 +343,7 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         assert self._health is not None
-        is_last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        is_last = is_last_batch(trainer)
         if self._buffer:
             self._buffer[-1].is_last_batch = is_last
         self._health.end_step(trainer.global_step - 1, outputs)
