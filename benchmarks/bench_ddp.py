@@ -158,7 +158,9 @@ def _worker(args: argparse.Namespace) -> None:
         "step_times_s": timer.times,
         "weights_sha256": digest.hexdigest(),
         "global_step": trainer.global_step,
-        "incidents": [{k: v for k, v in i.items() if k in ("step", "reason", "outcome")} for i in rollback.incidents]
+        "incidents": [
+            {k: v for k, v in i.to_dict().items() if k in ("step", "reason", "outcome")} for i in rollback.incidents
+        ]
         if rollback is not None
         else [],
         "fingerprint": strategy.fingerprint() if hasattr(strategy, "fingerprint") else {},

@@ -12,25 +12,29 @@ and :func:`deepep_lightning.configure` use this module too and must not pay for 
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from lightning.pytorch.core.optimizer import LightningOptimizer
     from torchmetrics import Metric
 
 __all__ = [
     "attached_trainer",
     "cluster_environment",
+    "counted_optimizer_step",
     "cuda_in_bad_fork",
     "current_autograd_node",
     "ddp_comm_hook",
     "ddp_kwargs",
     "epoch_result_collection",
     "finish_restored_epoch",
+    "is_last_batch",
     "metric_state_names",
     "metric_update_count",
     "module_tracker",
@@ -278,6 +282,28 @@ def optimizer_step_progress(trainer: "pl.Trainer") -> tuple[Any, Any]:
     """
     epoch_loop = trainer.fit_loop.epoch_loop
     return epoch_loop.automatic_optimization.optim_progress, epoch_loop.manual_optimization.optim_step_progress
+
+
+def is_last_batch(trainer: "pl.Trainer") -> bool:
+    """Whether the batch the fit loop is on is its epoch's last (``fit_loop.epoch_loop.batch_progress``).
+
+    The health check and the rollback's snapshot are due at an epoch's end; after the last batch the
+    epoch loop steps ``interval="epoch"`` schedulers, which a replay of that batch must do too.
+    """
+    return bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+
+
+@contextlib.contextmanager
+def counted_optimizer_step(lightning_optimizer: "LightningOptimizer") -> Iterator[None]:
+    """Lightning's bookkeeping of one optimizer step around a step taken without ``LightningOptimizer.step``.
+
+    Calls ``LightningOptimizer._on_before_step`` before the block and ``_on_after_step`` after it (not
+    when the block raises, as ``LightningOptimizer.step`` does): the manual-optimisation loop counts
+    ``global_step`` through these, so a step replayed from a CUDA graph is counted like an eager one.
+    """
+    lightning_optimizer._on_before_step()
+    yield
+    lightning_optimizer._on_after_step()
 
 
 def run_optimization_step(

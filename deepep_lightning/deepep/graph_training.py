@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from deepep_lightning._lightning_compat import counted_optimizer_step
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.lr_decay import decay_module_lrs
 
@@ -62,10 +63,9 @@ def graphed_training_step(module: DeepEPModule) -> dict[str, torch.Tensor]:
             capture_key=lambda: module._graph_capture_key(optimizer),
             static_tensors=lambda: graph_static_tensors(module, optimizer),
         )
-    # Lightning counts optimizer steps through these hooks; the step itself runs inside the graph.
-    lightning_optimizer._on_before_step()
-    outputs = module._whole_step(optimizer) if module._uncaptured else cast(GraphedTrainStep, module._graphed)()
-    lightning_optimizer._on_after_step()
+    # Lightning counts the optimizer step through its own bookkeeping; the step itself runs inside the graph.
+    with counted_optimizer_step(lightning_optimizer):
+        outputs = module._whole_step(optimizer) if module._uncaptured else cast(GraphedTrainStep, module._graphed)()
     return outputs
 
 

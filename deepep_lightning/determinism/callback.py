@@ -59,6 +59,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks, _lightning_compat
+from deepep_lightning._patches import patch_strategy_load_checkpoint, unpatch_strategy_load_checkpoint
 from deepep_lightning.determinism.accumulation import capture_gradients
 from deepep_lightning.determinism.checkpoint_integrity import (
     gather_shard_digests,
@@ -254,8 +255,7 @@ class DeterminismCallback(Callback):
         if self.patch_refused_ops and self._routing_was_on is None:
             self._routing_was_on = patch_refused_ops(True)
         if stage == "fit" and not getattr(trainer.strategy.load_checkpoint, "__deepep_readable__", False):
-            # instance attribute over the class method; teardown deletes it
-            trainer.strategy.load_checkpoint = readable_checkpoint_loader(trainer.strategy.load_checkpoint)  # type: ignore[method-assign]
+            patch_strategy_load_checkpoint(trainer.strategy, readable_checkpoint_loader)  # teardown removes it
             self._wrapped_loader_of = trainer.strategy
         if stage == "fit" and self.seekable_data:
             original = _lightning_compat.wrap_train_dataloader_source(trainer, self._make_seekable)
@@ -271,7 +271,7 @@ class DeterminismCallback(Callback):
             _lightning_compat.unwrap_train_dataloader_source(trainer, self._original_source)
             self._original_source = None
         if self._wrapped_loader_of is not None:
-            vars(self._wrapped_loader_of).pop("load_checkpoint", None)
+            unpatch_strategy_load_checkpoint(self._wrapped_loader_of)
             self._wrapped_loader_of = None
 
     def _make_seekable(self, loaders: Any) -> Any:

@@ -4,6 +4,7 @@ from deepep_lightning.health.events import EventKind
 from deepep_lightning.health.fault_injection import FaultInjectionCallback
 from deepep_lightning.health.flags import HealthReason, StepFlags, StepRecord
 from deepep_lightning.health.health_callback import NumericalHealthCallback
+from deepep_lightning.health.incident import Incident
 from deepep_lightning.health.regression import RegressionTrigger
 from deepep_lightning.health.rollback import Classification, NaNRollbackCallback, Outcome
 from deepep_lightning.health.sharded_layouts import SHARDABLE_OPTIMIZERS
@@ -19,6 +20,7 @@ __all__ = [
     "FaultInjectionCallback",
     "HealthReason",
     "HealthVerdict",
+    "Incident",
     "LossSpikeDetector",
     "NaNRollbackCallback",
     "NonFiniteError",

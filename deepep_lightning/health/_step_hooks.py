@@ -13,8 +13,7 @@ optimizer step being computed). Hooks run in the order they were added, except
 others and their post-hooks before all others (rollback's skip must save the state
 the step really starts from, after a fault was planted in it).
 
-A skipped step still returns its output (Lightning refuses ``None`` under DDP); its update is
-dropped by :func:`install_optimizer_step_skip`, a wrapper of the module's ``optimizer_step`` hook.
+Rollback's skipped steps use such a hook (:mod:`deepep_lightning.health._step_skip`).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from deepep_lightning._lightning_compat import attached_trainer
+from deepep_lightning._patches import patch_training_step, unpatch_training_step
 
 __all__: list[str] = []
 
@@ -75,7 +75,7 @@ def add_step_hook(
     if hooks is None:
         hooks = _Hooks()
         module.__dict__[_ATTR] = hooks
-        module.__dict__["training_step"] = _wrapper(module, module.training_step)
+        patch_training_step(module, lambda original: _wrapper(module, original))
     if pre is not None:
         hooks.pre[name] = pre
     if post is not None:
@@ -93,30 +93,4 @@ def remove_step_hook(module: pl.LightningModule, name: str) -> None:
     hooks.innermost.discard(name)
     if not hooks.pre and not hooks.post:
         del module.__dict__[_ATTR]
-        module.__dict__.pop("training_step", None)
-
-
-def install_optimizer_step_skip(pl_module: pl.LightningModule, skips: Callable[[], bool]) -> None:
-    """Wrap the module's ``optimizer_step`` hook: on a skipped step, run the closure (training step and
-    backward, so every DDP rank runs the same all-reduces) but not the optimizer, and drop the gradients.
-
-    Lightning counts the step either way (its progress counters advance around the hook), so the
-    data position and ``global_step`` move on as for a taken step. ``on_before_optimizer_step`` and
-    gradient clipping run inside the optimizer's step and so are skipped with it.
-    """
-    original = type(pl_module).optimizer_step.__get__(pl_module)
-
-    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        if not skips():
-            original(epoch, batch_idx, optimizer, optimizer_closure)
-            return
-        if optimizer_closure is not None:
-            optimizer_closure()
-        optimizer.zero_grad(set_to_none=True)
-
-    pl_module.__dict__["optimizer_step"] = optimizer_step
-
-
-def remove_optimizer_step_skip(module: pl.LightningModule) -> None:
-    """Undo :func:`install_optimizer_step_skip`."""
-    module.__dict__.pop("optimizer_step", None)
+        unpatch_training_step(module)

@@ -14,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
+from deepep_lightning._lightning_compat import is_last_batch
 from deepep_lightning.health.check_scalars import log_check_scalars, log_epoch_scalar
 from deepep_lightning.health.events import DEFAULT_EVENTS_FILENAME, INCIDENT_KINDS, EventKind, HealthEventLog
 from deepep_lightning.health.flags import HealthReason, StepFlags
@@ -253,7 +254,7 @@ class NumericalHealthCallback(Callback):
         end = trainer.global_step
         if end - self._next_unchecked >= self.check_every_n_steps:
             return True
-        if trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        if is_last_batch(trainer):
             return True
         return trainer.max_steps >= 0 and end >= trainer.max_steps
 

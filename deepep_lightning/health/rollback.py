@@ -17,22 +17,23 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from deepep_lightning import _checks
+from deepep_lightning._lightning_compat import is_last_batch
 from deepep_lightning._sharded import local
-from deepep_lightning.health import _replay, _step_hooks, incidents
-from deepep_lightning.health._replay import ReplayEntry, clone_batch
-from deepep_lightning.health._step_hooks import (
-    add_step_hook,
-    install_optimizer_step_skip,
-    remove_optimizer_step_skip,
-    remove_step_hook,
-)
+from deepep_lightning.health import _step_hooks, _step_skip, recovery
+from deepep_lightning.health._replay import Replayer
+from deepep_lightning.health._step_skip import StepSkip
 from deepep_lightning.health.events import EventKind, run_log_dir
+from deepep_lightning.health.flags import HealthReason
 from deepep_lightning.health.health_callback import NumericalHealthCallback
-from deepep_lightning.health.incidents import _POLICIES, Classification, Outcome, Policy
+from deepep_lightning.health.incident import Classification, Incident, Outcome
+from deepep_lightning.health.policy import POLICIES, AppliedPolicy, Policy
+from deepep_lightning.health.recovery import FailureRecovery
 from deepep_lightning.health.regression import RegressionTrigger, RegressionVerdict
-from deepep_lightning.health.regression_handling import _RegressionHandling
+from deepep_lightning.health.regression_handling import RegressionHandler
 from deepep_lightning.health.sharded_layouts import check_sharded_layout
-from deepep_lightning.health.snapshot import Snapshot, SnapshotRing, clone_update_state, restore_update_state
+from deepep_lightning.health.snapshot import Snapshot, SnapshotRing
+from deepep_lightning.health.snapshot_file import prepare_writable_directory
+from deepep_lightning.health.stop import FiniteStop
 from deepep_lightning.health.verdict import HealthVerdict
 
 __all__ = ["Classification", "NaNRollbackCallback", "Outcome", "Policy"]
@@ -40,7 +41,7 @@ __all__ = ["Classification", "NaNRollbackCallback", "Outcome", "Policy"]
 log = logging.getLogger(__name__)
 
 
-class NaNRollbackCallback(_RegressionHandling, Callback):
+class NaNRollbackCallback(Callback):
     r"""Survive NaN/Inf and loss spikes: roll back to a healthy snapshot, replay, and decide.
 
     Works with a :class:`~deepep_lightning.NumericalHealthCallback` in the same trainer (it
@@ -145,7 +146,7 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
     """
 
     # the frames a diagnosis runs through on its way to the step: never reported as the user's code
-    _plumbing_files = (__file__, incidents.__file__, _replay.__file__, _step_hooks.__file__)
+    _plumbing_files = (__file__, recovery.__file__, _step_hooks.__file__, _step_skip.__file__)
 
     def __init__(
         self,
@@ -167,7 +168,7 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
         )
         # each snapshot is a full copy of model and optimizer state (host memory or disk)
         self.keep_snapshots: int = _checks.int_in_range(None, "keep_snapshots", keep_snapshots, 1, 1000)
-        self.policy: Policy = _checks.choice(None, "policy", policy, _POLICIES)
+        self.policy: Policy = _checks.choice(None, "policy", policy, POLICIES)
         self.skip_batches: int = _checks.int_at_least(None, "skip_batches", skip_batches, 1)
         _checks.number(
             None, "lr_factor", lr_factor, minimum=0, maximum=1, exclusive_minimum=True, exclusive_maximum=True
@@ -188,20 +189,24 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
                 f"`NaNRollbackCallback(regression=...)` must be a RegressionTrigger or None, got {regression!r}."
             )
         self.regression = regression
-        self._snapshot_metric: dict[int, float] = {}  # snapshot step -> the monitored value at it
-        self._monitor_missing_warned = False
         self.ring = SnapshotRing(self.keep_snapshots)
-        self.incidents: list[dict[str, Any]] = []
+        self.incidents: list[Incident] = []
         self.stopped = False
         self.stop_report: dict[str, Any] | None = None
         self.resumed_stop_report: dict[str, Any] | None = None  # the stop a resumed checkpoint was written after
+        self._applied = AppliedPolicy(self.policy, self.skip_batches, self.lr_factor, self.max_skipped_steps)
+        self._regression = (
+            RegressionHandler(regression, self._applied, self.max_retries, self._emit, self._snapshot)
+            if regression is not None
+            else None
+        )
         self._health: NumericalHealthCallback | None = None
-        self._buffer: list[ReplayEntry] = []
-        self._skip_steps: set[int] = set()
-        self._lr_scale = 1.0
+        # built at setup, where the health callback and the snapshot ring are known
+        self._replayer: Replayer | None = None
+        self._recovery: FailureRecovery | None = None
+        self._finite_stop: FiniteStop | None = None
         self._last_snapshot_step: int | None = None
-        # the update state before a skipped manual-optimisation step, and what to put it back into
-        self._undo: tuple[list[Any], pl.LightningModule, list[torch.optim.Optimizer]] | None = None
+        self._step_skip = StepSkip(self.skips)
 
     @property
     def state_key(self) -> str:
@@ -230,11 +235,7 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
                 directory = os.path.join(run_log_dir(trainer), directory)
             directory = os.path.join(directory, f"rank{trainer.global_rank}")
             try:
-                os.makedirs(directory, exist_ok=True)
-                probe = os.path.join(directory, f".write-probe.{os.getpid()}")
-                with open(probe, "wb"):
-                    pass
-                os.remove(probe)
+                prepare_writable_directory(directory)
             except OSError as error:
                 raise MisconfigurationException(
                     f"`NaNRollbackCallback(snapshot_dir={self.snapshot_dir!r})` must be a writable directory: "
@@ -251,58 +252,42 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
             )
         else:
             rank_zero_info(f"NaNRollbackCallback: snapshots in host memory, at most {self.keep_snapshots}")
-        add_step_hook(
-            pl_module,
-            "rollback",
-            innermost=True,
-            post=self._skip_hook,
-            pre=lambda step, batch: self._before_step(trainer, pl_module, step, batch),
+        self._replayer = Replayer(self._health, self._applied, self._rolls_back, self._plumbing_files)
+        self._finite_stop = FiniteStop(
+            self._replayer, self.ring, self._applied, self._regression, self._emit, self._stopped_with
         )
-        install_optimizer_step_skip(pl_module, lambda: self.skips(trainer.global_step))
+        self._recovery = FailureRecovery(
+            self._replayer,
+            self.ring,
+            self._applied,
+            self.max_retries,
+            self.locate,
+            self._emit,
+            self._finite_stop,
+            self._snapshot,
+        )
+        self._step_skip.install(trainer, pl_module)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        remove_step_hook(pl_module, "rollback")
-        remove_optimizer_step_skip(pl_module)
-        self._undo = None
+        self._step_skip.remove(pl_module)
         if self._health is not None:
             self._health.detach_rollback()
 
     def skips(self, step: int) -> bool:
         """Whether optimizer step ``step`` is skipped (its update dropped; the health checks ignore it)."""
-        return self.stopped or step in self._skip_steps
-
-    def _before_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: Any) -> Any:
-        # a manual step (a CUDA graph) updates inside training_step: keep what it will change, put it back after
-        if self.skips(step) and not pl_module.automatic_optimization:
-            self._undo = (clone_update_state(pl_module, trainer.optimizers), pl_module, trainer.optimizers)
-        return batch
-
-    def _skip_hook(self, step: int, output: Any) -> Any:
-        # The output is returned as it is: Lightning refuses a None step under DDP (and warns about it
-        # alone), and every rank must run the same backward; the optimizer step is skipped instead.
-        if self._undo is not None and self.skips(step):
-            saved, pl_module, optimizers = self._undo
-            self._undo = None
-            restore_update_state(pl_module, optimizers, saved)
-        return output
+        return self.stopped or self._applied.skips(step)
 
     # ---------------------------------------------------------------- snapshots
     def _snapshot(self, trainer: pl.Trainer, pl_module: pl.LightningModule, metric: float | None = None) -> None:
-        assert self._health is not None
-        snapshot = Snapshot.capture(trainer, pl_module, self._health.state_dict(), self._lr_scale)
+        assert self._health is not None and self._replayer is not None
+        snapshot = Snapshot.capture(trainer, pl_module, self._health.state_dict(), self._applied.lr_scale)
         self._last_snapshot_step = snapshot.step  # a write that failed is tried again a full interval later
         if not self.ring.push(snapshot):
             return
-        if self.regression is not None:
-            if metric is not None:
-                self._snapshot_metric[snapshot.step] = metric
-            kept = set(self.ring.steps())
-            self._snapshot_metric = {step: v for step, v in self._snapshot_metric.items() if step in kept}
-            ranked = self.regression.rank(self._snapshot_metric)
-            self.ring.pinned = ranked[0] if ranked else None
-        oldest = self.ring.steps()[0]
-        self._buffer = [entry for entry in self._buffer if entry.step >= oldest]
+        if self._regression is not None:  # the snapshot with the best metric is kept beyond the ring's size
+            self.ring.pinned = self._regression.note_snapshot(snapshot.step, metric, self.ring.steps())
+        self._replayer.drop_before(self.ring.steps()[0])
 
     # ---------------------------------------------------------------- the training loop
     @override
@@ -316,7 +301,8 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
         finite = all(bool(torch.isfinite(local(p.detach())).all()) for p in pl_module.parameters())
         if not trainer.strategy.reduce_boolean_decision(finite, all=True):
             raise RuntimeError("NaNRollbackCallback: the model has non-finite parameters before training starts.")
-        self._buffer = []
+        assert self._replayer is not None
+        self._replayer.clear()
         self._snapshot(trainer, pl_module)
         report = self.resumed_stop_report
         if report is not None:
@@ -331,20 +317,16 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        entry = ReplayEntry(trainer.global_step, clone_batch(batch), batch_idx, trainer.current_epoch)
-        if self._buffer and self._buffer[-1].step == entry.step:
-            self._buffer[-1] = entry
-        else:
-            self._buffer.append(entry)
+        assert self._replayer is not None
+        self._replayer.record(trainer.global_step, batch, batch_idx, trainer.current_epoch)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        assert self._health is not None
-        is_last = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
-        if self._buffer:
-            self._buffer[-1].is_last_batch = is_last
+        assert self._health is not None and self._replayer is not None
+        is_last = is_last_batch(trainer)
+        self._replayer.mark_last_batch(is_last)
         self._health.end_step(trainer.global_step - 1, outputs)
         if self.stopped:
             return
@@ -357,23 +339,26 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
     def _handle_check(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, verdict: HealthVerdict, is_last: bool
     ) -> None:
+        assert self._recovery is not None and self._finite_stop is not None
         if not verdict.healthy and self._rolls_back(verdict):
-            self._handle_failure(trainer, pl_module, verdict)
+            assert verdict.bad_step is not None  # every unhealthy verdict names its step
+            incident = Incident(verdict.bad_step, str(verdict.reason), detected_at=trainer.global_step)
+            self.incidents.append(incident)
+            self._recovery.handle(trainer, pl_module, verdict, incident)
             return
         if not verdict.healthy:
             assert verdict.bad_step is not None  # every unhealthy verdict names its step
             self._emit(trainer, EventKind.SPIKE_IGNORED, verdict.bad_step, details=verdict.details)
         # an ignored loss spike still has a metric to judge: a collapse often moves the loss as well
-        metric = self._monitored(trainer) if self.regression is not None else None
-        regression = RegressionVerdict.NONE
-        if metric is not None and self.regression is not None:
-            regression = self.regression.update(metric, trainer.global_step)
-        if regression is RegressionVerdict.COLLAPSED:
-            assert metric is not None  # only a read metric collapses
-            self._handle_regression(trainer, pl_module, metric)
-            return
-        if regression is RegressionVerdict.RECOVERED:
-            self._regression_held(trainer)
+        metric = self._regression.monitored(trainer) if self._regression is not None else None
+        if metric is not None and self._regression is not None:
+            regression = self._regression.trigger.update(metric, trainer.global_step)
+            if regression is RegressionVerdict.COLLAPSED:
+                self.incidents.append(self._regression.open_incident(trainer.global_step, metric))
+                self._regression.handle(trainer, pl_module, self.incidents[-1], self.ring, self._finite_stop)
+                return
+            if regression is RegressionVerdict.RECOVERED:
+                self._regression.held(trainer, next(i for i in reversed(self.incidents) if i.reason == "regression"))
         if verdict.healthy and (
             is_last or trainer.global_step - (self._last_snapshot_step or 0) >= self.snapshot_every_n_steps
         ):
@@ -383,9 +368,8 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "skip_steps": sorted(self._skip_steps),
-            "lr_scale": self._lr_scale,
-            "incidents": copy.deepcopy(self.incidents),
+            **self._applied.state_dict(),  # skip_steps, lr_scale
+            "incidents": copy.deepcopy([incident.to_dict() for incident in self.incidents]),
             "stopped": self.stopped,
             "stop_report": copy.deepcopy(self.stop_report),
             "regression": self.regression.state_dict() if self.regression is not None else None,
@@ -393,9 +377,8 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._skip_steps = set(state_dict.get("skip_steps", []))
-        self._lr_scale = float(state_dict.get("lr_scale", 1.0))
-        self.incidents = list(state_dict.get("incidents", []))
+        self._applied.load_state_dict(state_dict)
+        self.incidents = [Incident.from_dict(incident) for incident in state_dict.get("incidents", [])]
         # A checkpoint written after a stop holds the finite weights the stop left (see ``stop_report``);
         # resuming it trains on from them (a stopped state would skip every step), with a warning.
         self.resumed_stop_report = state_dict.get("stop_report") if state_dict.get("stopped", False) else None
@@ -405,3 +388,17 @@ class NaNRollbackCallback(_RegressionHandling, Callback):
         self.stop_report = None
         if self.regression is not None and state_dict.get("regression") is not None:
             self.regression.load_state_dict(state_dict["regression"])
+
+    # ---------------------------------------------------------------- actions of an incident
+    def _emit(
+        self, trainer: pl.Trainer, kind: EventKind, step: int, announce: bool = True, **fields: Any
+    ) -> dict[str, Any]:
+        assert self._health is not None
+        return self._health.events.emit(trainer, kind, step, announce=announce, **fields)
+
+    def _rolls_back(self, verdict: HealthVerdict) -> bool:
+        return verdict.reason != HealthReason.LOSS_SPIKE or self.rollback_on_spike
+
+    def _stopped_with(self, report: dict[str, Any]) -> None:
+        self.stopped = True
+        self.stop_report = report

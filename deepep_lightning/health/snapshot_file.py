@@ -27,6 +27,7 @@ from deepep_lightning.checkpointing.atomic_file import atomic_write_bytes, write
 __all__ = [
     "CorruptSnapshotError",
     "SnapshotWriteError",
+    "prepare_writable_directory",
     "read_snapshot_payload",
     "remove_dead_temporary_files",
     "write_snapshot_payload",
@@ -114,3 +115,16 @@ def remove_dead_temporary_files(directory: str) -> list[str]:
             continue
         removed.append(path)
     return removed
+
+
+def prepare_writable_directory(directory: str) -> None:
+    """Create ``directory`` and check that this process can write a file in it.
+
+    Raises:
+        OSError: it cannot be created or written in.
+    """
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, f".write-probe.{os.getpid()}")
+    with open(probe, "wb"):
+        pass
+    os.remove(probe)

@@ -102,9 +102,9 @@ def test_an_optimizer_step_nan_is_named_and_never_reported_as_no_op(tmp_path):
 
 def test_negative_control_without_the_update_locator_the_same_nan_is_reported_as_no_op(tmp_path, monkeypatch):
     """The diagnosis without its optimizer-step locator: the forward and backward are finite, so "no op"."""
-    from deepep_lightning.health import incidents
+    from deepep_lightning.health import _replay
 
-    monkeypatch.setattr(incidents, "locate_nonfinite_update", lambda *args, **kwargs: None)
+    monkeypatch.setattr(_replay, "locate_nonfinite_update", lambda *args, **kwargs: None)
     health = NumericalHealthCallback(check_every_n_steps=1)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", skip_batches=1)
     with pytest.warns(UserWarning, match="diagnosis at step 5"):

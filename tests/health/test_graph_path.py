@@ -116,7 +116,7 @@ class SkipProbe(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 0:
-            self.rollback._skip_steps.add(self.step)
+            self.rollback.load_state_dict({**self.rollback.state_dict(), "skip_steps": [self.step]})
         if trainer.global_step in (self.step - 1, self.step):
             self.before = self._state(trainer, pl_module)
 

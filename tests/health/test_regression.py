@@ -48,6 +48,17 @@ class Collapse(pl.Callback):
                 pl_module.inner[3].weight.mul_(100.0)
 
 
+class ScoreAtStep(pl.Callback):
+    """The ``train/score`` the rollback reads at the check after ``step`` steps (when it snapshots there)."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.value = step, None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and self.value is None:
+            self.value = float(trainer.callback_metrics["train/score"])
+
+
 def _score(module):
     with torch.no_grad():
         return float(-torch.nn.functional.mse_loss(module.inner(module.eval_x), module.eval_y))
@@ -75,8 +86,8 @@ def test_collapse_restores_the_best_snapshot_and_recovers(tmp_path):
     # two checks (patience=2, every 2 steps) after the collapse at step 20; the snapshot of step 20 is the best;
     # the next check beats that best, so the collapse is over (recovered, named by the incident's step)
     assert kinds == [("regression", 24), ("rollback", 20), ("policy", 24), ("recovered", 24)]
-    assert rollback.incidents[0]["best_step"] == 20 and rollback.incidents[0]["outcome"] == "recovered"
-    assert rollback.incidents[0]["recovered_at"] == 26
+    assert rollback.incidents[0].best_step == 20 and rollback.incidents[0].outcome == "recovered"
+    assert rollback.incidents[0].recovered_at == 26
     assert trainer.global_step == MAX_STEPS and rollback.state_dict()["lr_scale"] == 0.5
     assert _score(module) > 2 * _score(clean)  # recovered: near the clean run (scores are negative)
     assert _score(module) > 100 * _score(collapsed)
@@ -90,7 +101,7 @@ def test_collapse_that_also_spikes_the_loss_is_rolled_back_when_spikes_are_ignor
     kinds = [e["kind"] for e in health.events.events]
     assert kinds[0] == "spike_ignored" and kinds.count("regression") == 1  # the loss spikes at the collapse's checks
     assert kinds[kinds.index("regression") :][:3] == ["regression", "rollback", "policy"]
-    assert rollback.incidents[0]["reason"] == "regression" and rollback.incidents[0]["best_step"] == 20
+    assert rollback.incidents[0].reason == "regression" and rollback.incidents[0].best_step == 20
     assert trainer.global_step == MAX_STEPS and _score(module) > -1.0  # recovered (the collapsed score is far lower)
 
 
@@ -185,7 +196,7 @@ def test_collapses_that_each_recover_are_each_rolled_back_at_the_ceiling(tmp_pat
     kinds = [e["kind"] for e in health.events.events]
     assert kinds == ["regression", "rollback", "policy", "recovered"] * 2
     assert not rollback.stopped and trainer.global_step == MAX_STEPS
-    assert [i["outcome"] for i in rollback.incidents] == ["recovered", "recovered"]
+    assert [i.outcome for i in rollback.incidents] == ["recovered", "recovered"]
     assert rollback.regression.best == -2.0 and _score(module) > -2.0
 
 
@@ -258,10 +269,11 @@ def test_the_run_summary_says_which_weights_a_stop_left(tmp_path):
     summary = RunSummaryCallback(["train/score"])
     health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop", regression=_trigger())
+    score = ScoreAtStep(20)
     with pytest.warns(UserWarning, match="stopped training"):
-        fit(tmp_path, [Collapse(20), health, rollback, summary], max_steps=MAX_STEPS, module=ScoredModule)
+        fit(tmp_path, [Collapse(20), health, rollback, summary, score], max_steps=MAX_STEPS, module=ScoredModule)
     at_snapshot = rollback.stop_report["weights_metric"]["train/score"]
-    assert at_snapshot == rollback._snapshot_metric[20] > rollback.incidents[0]["value"]  # the best, not the collapse
+    assert at_snapshot == score.value > rollback.incidents[0].value  # the best (the snapshot's), not the collapse
     line = summary.last_summary
     assert f"stopped at step 24 with the weights of step 20 (train/score={at_snapshot:.4g} there)" in line
     assert line.index("train/score=") < line.index("stopped at step") < line.index("health:")
@@ -272,4 +284,4 @@ def test_the_run_summary_of_a_recovered_run_names_no_stop(tmp_path):
     health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="lower_lr", regression=_trigger())
     fit(tmp_path, [Collapse(20), health, rollback, summary], max_steps=MAX_STEPS, module=ScoredModule)
-    assert rollback.incidents[0]["outcome"] == "recovered" and "stopped at step" not in summary.last_summary
+    assert rollback.incidents[0].outcome == "recovered" and "stopped at step" not in summary.last_summary

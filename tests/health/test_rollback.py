@@ -446,7 +446,7 @@ def test_persistent_parameter_inf_from_the_update_is_reproducible_and_named(tmp_
         _, module = fit(tmp_path, [health, rollback], max_steps=MAX_STEPS, module=_blow_up_module(5))
     detected = next(e for e in health.events.events if e["kind"] == "detected")
     assert detected["step"] == (5 if check_every == 1 else 6)  # the window's check sees the symptom one step later
-    assert rollback.incidents[0]["classification"] == "reproducible"
+    assert rollback.incidents[0].classification == "reproducible"
     diagnosis = next(e for e in health.events.events if e["kind"] == "diagnosis")
     assert diagnosis["phase"] == "optimizer" and diagnosis["optimizer"] == "BlowUpAdam (optimizer 0)"
     assert diagnosis["parameter"] == "inner.3.weight" and "parameter: inner.3.weight" in diagnosis["report"]

@@ -202,7 +202,9 @@ def main(argv: list[str]) -> None:
         "first_noise": model.first_noise,
         "global_step": trainer.global_step,
         "trace": model.trace,
-        "incidents": [{k: v for k, v in i.items() if k in ("step", "reason", "outcome")} for i in rollback.incidents],
+        "incidents": [
+            {k: v for k, v in i.to_dict().items() if k in ("step", "reason", "outcome")} for i in rollback.incidents
+        ],
         "injections": [list(i) for i in fault.injections] if fault is not None else [],
         "fingerprint": strategy.fingerprint(),
     }

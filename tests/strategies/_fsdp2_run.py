@@ -213,17 +213,19 @@ def main(argv: list[str]) -> None:
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "trace": model.trace,
-        "incidents": [{k: v for k, v in i.items() if k in ("step", "reason", "outcome")} for i in rollback.incidents]
+        "incidents": [
+            {k: v for k, v in i.to_dict().items() if k in ("step", "reason", "outcome")} for i in rollback.incidents
+        ]
         if rollback is not None
         else [],
         "diagnoses": [
             {
-                "classification": i.get("classification"),
-                "op": (i["diagnosis"] or {}).get("op"),
-                "module_path": (i["diagnosis"] or {}).get("module_path"),
+                "classification": i.classification,
+                "op": (i.diagnosis or {}).get("op"),
+                "module_path": (i.diagnosis or {}).get("module_path"),
             }
             for i in rollback.incidents
-            if "diagnosis" in i
+            if i.diagnosed
         ]
         if rollback is not None
         else [],
