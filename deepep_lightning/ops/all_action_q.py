@@ -128,4 +128,4 @@ def _backward(ctx, grad_q: Tensor):
     return dz, d_embedding, dw, db.reshape(ctx.bias_shape), None
 
 
-register_op_python_side("all_action_q", _fake_forward, _fake_backward, _backward, _setup_context)
+register_op_python_side("all_action_q", _fake_forward, _fake_backward, _backward, _setup_context, namespace="deepep")

@@ -10,7 +10,7 @@ def cuda_kernels():
     from deepep_lightning.ops import cuda_kernels_available
 
     if not torch.cuda.is_available() or not cuda_kernels_available():
-        pytest.skip("needs CUDA and the compiled deepep CUDA kernels")
+        pytest.skip("needs CUDA and the compiled deepep_lightning CUDA kernels")
     was = torch.are_deterministic_algorithms_enabled()
     yield
     torch.use_deterministic_algorithms(was)

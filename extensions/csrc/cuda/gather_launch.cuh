@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-namespace deepep::gather {
+namespace deepep_lightning::gather {
 
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
@@ -45,4 +45,4 @@ void with_index_type(bool narrow, Launch&& launch) {
 template <typename index_t>
 using Divider = at::cuda::detail::IntDivider<index_t>;
 
-}  // namespace deepep::gather
+}  // namespace deepep_lightning::gather

@@ -20,8 +20,8 @@
 namespace deepep {
 namespace {
 
-using gather::grid_blocks;
-using gather::kThreads;
+using deepep_lightning::gather::grid_blocks;
+using deepep_lightning::gather::kThreads;
 
 template <typename scalar_t>
 __global__ void gru_cell_backward_kernel(const scalar_t* __restrict__ grad_output, const scalar_t* __restrict__ carry,
