@@ -5,7 +5,8 @@ install time (``deepep_lightning/_C*.so``, built by ``setup.py`` with
 :class:`torch.utils.cpp_extension.BuildExtension`); the loader loads it and needs no compiler. Otherwise
 (and when that module does not load, or in a checkout whose sources are newer than it) every
 ``extensions/csrc/*.cpp`` and, when CUDA is usable (a CUDA build of torch, a GPU and ``nvcc``), every
-``extensions/csrc/cuda/*.cu`` (in a built package: ``deepep_lightning/_csrc``, see :func:`csrc_dir`)
+``extensions/csrc/cuda/*.cu``, and the same of the DeepEP workload's ``extensions/csrc/deepep``
+(in a built package: ``deepep_lightning/_csrc``, see :func:`csrc_dir`)
 is compiled into one library with :func:`torch.utils.cpp_extension.load` and loaded with
 ``torch.ops.load_library`` semantics, so adding an op is adding files: its C++ sources here, a Python
 module that calls :func:`register_op_python_side` (built on :func:`on_extension_loaded`) for its

@@ -13,7 +13,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "gather_launch.cuh"
+#include "cuda/gather_launch.cuh"  // the plugin's launch helpers, in the same build
 
 #include <tuple>
 
