@@ -29,13 +29,8 @@ from pathlib import Path
 import torch
 from _timing import elapsed_ms, sample_ms
 
-from deepep_lightning.ops import (
-    all_action_q,
-    all_action_q_reference,
-    cuda_kernels_available,
-    extension_available,
-    extension_error,
-)
+from deepep_lightning.deepep.kernels import all_action_q, all_action_q_reference
+from deepep_lightning.ops import cuda_kernels_available, extension_available, extension_error
 
 SIZES_N, SIZES_A, SIZES_H = (16384, 65536, 262144), (2, 8, 18), (128, 256)
 TARGET = (65536, 8, 256)

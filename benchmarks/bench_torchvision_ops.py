@@ -97,7 +97,7 @@ def cases(quick):
                     "roi_align",
                     f"{level}_{head}",
                     torch.ops.torchvision._roi_align_backward,
-                    torch.ops.deepep.roi_align_backward,
+                    torch.ops.deepep_lightning.roi_align_backward,
                     args,
                 )
             )
@@ -180,7 +180,7 @@ def main(argv=None):
     from deepep_lightning.ops import cuda_kernels_available
 
     if not cuda_kernels_available():
-        sys.exit("the deepep CUDA kernels are not built")
+        sys.exit("the deepep_lightning CUDA kernels are not built")
     repeats = 5 if args.quick else args.repeats
     results = []
     torch.use_deterministic_algorithms(False)  # torchvision's atomic kernels run only outside it

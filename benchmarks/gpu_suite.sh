@@ -212,7 +212,7 @@ print('memcheck run finished')"
 # deepep::lambda_returns on odd shapes (a partial block, one timestep, one column), both dtypes
 LAMBDA_DRIVER="
 import torch
-from deepep_lightning.ops.lambda_returns import lambda_returns
+from deepep_lightning.deepep.kernels import lambda_returns
 generator = torch.Generator('cuda').manual_seed(0)
 for dtype in (torch.float32, torch.float64):
     for horizon, batch in ((33, 257), (1, 5), (300, 1)):

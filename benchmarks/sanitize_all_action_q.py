@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from bench_all_action_q import make_inputs
 
-from deepep_lightning.ops import all_action_q, all_action_q_reference, cuda_kernels_available, extension_error
+from deepep_lightning.deepep.kernels import all_action_q, all_action_q_reference
+from deepep_lightning.ops import cuda_kernels_available, extension_error
 
 FULL_SHAPES = [(333, 33, 100), (257, 3, 300), (4096, 8, 256), (1000, 18, 128), (1, 1, 1), (65, 2, 31)]
 QUICK_SHAPES = [(333, 33, 100), (257, 3, 300), (1, 1, 1), (65, 2, 31)]

@@ -53,7 +53,6 @@ _EXPORTS = {
     "grid_sample": "deepep_lightning.ops",
     "interpolate": "deepep_lightning.ops",
     "patch_refused_ops": "deepep_lightning.ops",
-    "all_action_q": "deepep_lightning.ops",
     "extension_available": "deepep_lightning.ops",
     "locate_nonfinite": "deepep_lightning.audit.nonfinite",
     "NonFiniteOp": "deepep_lightning.audit.nonfinite",

@@ -18,6 +18,8 @@ without it. A workload implements what it needs; the plugin never looks at class
 What a training step returns is Lightning's own contract (a loss tensor, or a mapping with
 ``"loss"``); :func:`step_loss` reads it, and :func:`step_grad_norm` reads the ``"grad_norm"`` a
 manually optimised step (e.g. one CUDA graph) reports in place of gradients no hook sees.
+:func:`attached_trainer` gives a module's Trainer, or ``None`` outside one, for state a module builds
+lazily (per rank, per strategy) in hooks that also run without a Trainer.
 
 Example::
 
@@ -38,6 +40,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import lightning.pytorch as pl
 from torch import Tensor
 
+from deepep_lightning import _lightning_compat
+
 __all__ = [
     "GRAD_NORM_KEY",
     "ROLLOUT_STATE_KEY",
@@ -46,6 +50,7 @@ __all__ = [
     "RolloutStateful",
     "SequenceAuditable",
     "UncapturedSteps",
+    "attached_trainer",
     "step_grad_norm",
     "step_loss",
 ]
@@ -58,6 +63,17 @@ GRAD_NORM_KEY = "grad_norm"
 
 #: The in-process levels of the verification pyramid: one step (L2), one whole sequence (L3).
 AuditLevel = Literal["L2", "L3"]
+
+
+def attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
+    """The Trainer ``module`` is attached to, or ``None`` (where ``module.trainer`` would raise).
+
+    Example::
+
+        trainer = attached_trainer(self)
+        rank = trainer.global_rank if trainer is not None else 0
+    """
+    return _lightning_compat.attached_trainer(module)
 
 
 def step_loss(output: Any) -> Tensor | None:

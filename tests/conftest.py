@@ -361,6 +361,18 @@ def run_process(
         )
 
 
+@pytest.fixture
+def cuda_kernels():
+    """Skip without CUDA and the compiled kernels; restore deterministic mode afterwards."""
+    from deepep_lightning.ops import cuda_kernels_available
+
+    if not torch.cuda.is_available() or not cuda_kernels_available():
+        pytest.skip("needs CUDA and the compiled CUDA kernels")
+    was = torch.are_deterministic_algorithms_enabled()
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
 @pytest.fixture(scope="session")
 def boring_module() -> type[BoringModule]:
     return BoringModule

@@ -122,8 +122,10 @@ def test_wheel_ships_sources_configs_typing_license_and_metadata(wheel):
         metadata = archive.read(f"{dist_info}/METADATA").decode()
         entry_points = archive.read(f"{dist_info}/entry_points.txt").decode()
     assert _missing_from_wheel(names) == set()
-    assert any(name.endswith("_csrc/all_action_q.cpp") for name in names)
-    assert any(name.endswith("_csrc/cuda/all_action_q_cuda.cu") for name in names)
+    assert any(name.endswith("_csrc/refused_ops.cpp") for name in names)
+    assert any(name.endswith("_csrc/cuda/grid_sample_backward.cu") for name in names)
+    assert any(name.endswith("_csrc/deepep/all_action_q.cpp") for name in names)  # the workload's kernels
+    assert any(name.endswith("_csrc/deepep/cuda/all_action_q_cuda.cu") for name in names)
     assert f"{dist_info}/licenses/LICENSE" in names
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
@@ -139,7 +141,7 @@ def test_wheel_ships_sources_configs_typing_license_and_metadata(wheel):
 def test_missing_package_data_is_reported():
     """Negative control: the file-list check names a source the wheel lacks."""
     names = _expected_package_data()
-    dropped = "deepep_lightning/_csrc/cuda/all_action_q_cuda.cu"
+    dropped = "deepep_lightning/_csrc/deepep/cuda/all_action_q_cuda.cu"
     assert _missing_from_wheel(names - {dropped}) == {dropped}
 
 
@@ -152,7 +154,7 @@ def test_installed_wheel_builds_from_its_own_sources(venv_python, run_process, t
     installed = {Path(path).relative_to(found["csrc"]).as_posix() for path in found["sources"]}
     in_checkout = {
         path.relative_to(REPO / "extensions" / "csrc").as_posix()
-        for pattern in ("*.cpp", "cuda/*.cu")
+        for pattern in ("*.cpp", "cuda/*.cu", "deepep/*.cpp", "deepep/cuda/*.cu")
         for path in (REPO / "extensions" / "csrc").glob(pattern)
     }
     assert installed == in_checkout
@@ -184,7 +186,8 @@ def test_installed_wheel_jit_builds_the_cpu_op(wheel, run_process, tmp_path_fact
 
 _RUN_OP = """
 import json, shutil, torch
-from deepep_lightning.ops import _loader, all_action_q, all_action_q_reference, extension_available
+from deepep_lightning.deepep.kernels import all_action_q, all_action_q_reference
+from deepep_lightning.ops import _loader, extension_available
 z, e, w, b = (torch.randn(*shape, dtype=torch.float64) for shape in ((5, 4), (3, 4), (4,), (1,)))
 available = extension_available()
 q = all_action_q(z, e, w, b)

@@ -1,7 +1,8 @@
 """L1 catalogue entries of dense ops and DeepEP's own: GEMM, Linear and layer_norm backward, reductions, GRU cell.
 
-Also action sampling and the ``deepep::all_action_q`` value head: its PyTorch reference, its deterministic
-backward and its atomic backward (the negative control, CUDA only).
+Also action sampling and the DeepEP workload's ``deepep::all_action_q`` value head
+(:mod:`deepep_lightning.deepep.kernels`, imported when its entry is built): its PyTorch reference, its
+deterministic backward and its atomic backward (the negative control, CUDA only).
 """
 
 from __future__ import annotations
@@ -63,14 +64,15 @@ def _all_action_q(variant: str):
         b = randn(gen, device, 1, requires_grad=True)
         grad_out = randn(gen, device, rows, actions)
         if variant == "reference":
-            from deepep_lightning.ops import all_action_q_reference as op
+            from deepep_lightning.deepep.kernels import all_action_q_reference as op
 
             forward = lambda: op(z, e, w, b)  # noqa: E731
         else:
-            from deepep_lightning.ops import all_action_q, extension_available
+            from deepep_lightning.deepep.kernels import all_action_q
+            from deepep_lightning.ops import extension_available
 
             if not extension_available():
-                raise RuntimeError("the deepep extension did not load (see deepep_lightning.ops.extension_error())")
+                raise RuntimeError("the C++ extension did not load (see deepep_lightning.ops.extension_error())")
             forward = lambda: all_action_q(z, e, w, b, deterministic=variant == "fused")  # noqa: E731
         return grad_of(forward, [z, e, w, b], grad_out)
 

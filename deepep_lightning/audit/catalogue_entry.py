@@ -28,7 +28,7 @@ class CatalogueEntry:
         build: makes the fixed random inputs once and returns the callable.
         note: the table's ``what`` column.
         cuda_only: ``n/a`` on CPU.
-        needs_extension: needs the deepep extension (not built on a bare CPU test run).
+        needs_extension: needs the deepep_lightning extension (not built on a bare CPU test run).
         routed: the ``aten`` ops of the computation that ``patch_refused_ops`` routes (empty: none).
     """
 

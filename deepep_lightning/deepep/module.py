@@ -25,7 +25,6 @@ from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from deepep_lightning import _lightning_compat
 from deepep_lightning.deepep.agent import DeepEPAgent
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
@@ -43,7 +42,7 @@ from deepep_lightning.deepep.virtual_ranks import (
     virtual_training_step,
 )
 from deepep_lightning.determinism.streams import derive_seed
-from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel
+from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel, attached_trainer
 
 __all__ = ["DeepEPModule"]
 
@@ -351,7 +350,7 @@ class DeepEPModule(pl.LightningModule):
     # ---------------------------------------------------------------- training
     @override
     def train_dataloader(self) -> DataLoader:
-        trainer = _lightning_compat.attached_trainer(self)
+        trainer = attached_trainer(self)
         virtual_world_size = getattr(trainer.strategy, "virtual_world_size", None) if trainer is not None else None
         if virtual_world_size is not None:  # one index per micro-batch of every virtual rank: the strategy shards them
             return DataLoader(_StepIndices(self.hparams.steps_per_epoch * virtual_world_size), batch_size=1)
@@ -396,7 +395,7 @@ class DeepEPModule(pl.LightningModule):
         Lightning writes when ``(batches_that_stepped + 1) % log_every_n_steps == 0``; with one optimizer
         step per batch that count is the ``global_step`` at the start of the step.
         """
-        trainer = _lightning_compat.attached_trainer(self)
+        trainer = attached_trainer(self)
         # log_every_n_steps is set by Lightning's logger connector, outside Trainer.__init__ (mypy misses it)
         every = trainer.log_every_n_steps if trainer is not None else 0  # type: ignore[attr-defined]
         return every > 0 and (step + 1) % every == 0
@@ -423,7 +422,7 @@ class DeepEPModule(pl.LightningModule):
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        trainer = _lightning_compat.attached_trainer(self)
+        trainer = attached_trainer(self)
         writes_logs = trainer is not None and self._lightning_writes_logs_after(trainer.global_step)
         self._ensure_rollout_state()
         if trainer is not None:

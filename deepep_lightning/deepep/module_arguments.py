@@ -13,7 +13,7 @@ from typing import Any
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from deepep_lightning import _checks
+from deepep_lightning import validation as _checks
 from deepep_lightning.deepep.envs import ENVIRONMENTS, BatchedEnv, make_env
 
 __all__ = ["check_arguments"]

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepep_lightning import _lightning_compat
 from deepep_lightning.deepep.envs import make_env
 from deepep_lightning.deepep.virtual_ranks import (
     ensure_virtual_rollouts,
@@ -23,6 +22,7 @@ from deepep_lightning.deepep.virtual_ranks import (
     virtual_rollout_state_dict,
 )
 from deepep_lightning.determinism.streams import derive_seed
+from deepep_lightning.protocols import attached_trainer
 
 if TYPE_CHECKING:
     from deepep_lightning.deepep.module import DeepEPModule
@@ -34,7 +34,7 @@ def ensure_rollout_state(module: DeepEPModule) -> None:
     """Build ``module``'s environments, recurrent state and generator once (restoring a pending saved state)."""
     if module._env is not None:
         return
-    trainer = _lightning_compat.attached_trainer(module)
+    trainer = attached_trainer(module)
     layout = virtual_layout(trainer.strategy) if trainer is not None else None
     if layout is not None:
         ensure_virtual_rollouts(module, *layout)

@@ -1,26 +1,37 @@
-"""Python layer of the ``deepep`` C++/CUDA extension: fused ops, their references, the loader.
+"""Python layer of the plugin's C++/CUDA extension: the refused-op kernels, their routing, the loader.
 
-The extension is JIT-compiled on first use (see :mod:`deepep_lightning.ops._loader`); without a
-compiler every op falls back to its pure-PyTorch reference with one warning.
+The plugin's ops live in the ``deepep_lightning::`` namespace (``torch.ops.deepep_lightning``). The
+extension is JIT-compiled on first use (see :mod:`deepep_lightning.ops._loader`); without a compiler
+every op falls back to its pure-PyTorch reference with one warning. A workload with kernels of its
+own (DeepEP's, in :mod:`deepep_lightning.deepep.kernels`) has them built into the same library and
+writes their Python side with :func:`register_op_python_side` (or :func:`on_extension_loaded`),
+:func:`kernels_reason` and :func:`require_tensors`.
 """
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, extension_error
-from deepep_lightning.ops.all_action_q import all_action_q
+from deepep_lightning.ops._guards import kernels_reason, require_tensors
+from deepep_lightning.ops._loader import (
+    cuda_kernels_available,
+    extension_available,
+    extension_error,
+    on_extension_loaded,
+    register_op_python_side,
+)
 from deepep_lightning.ops.grid_sample import grid_sample
 from deepep_lightning.ops.interpolate import interpolate
-from deepep_lightning.ops.reference import all_action_q_reference
 from deepep_lightning.ops.routing import patch_refused_ops, refused_ops_patched, refused_ops_routing, routed_aten_ops
 
 __all__ = [
-    "all_action_q",
-    "all_action_q_reference",
     "cuda_kernels_available",
     "extension_available",
     "extension_error",
     "grid_sample",
     "interpolate",
+    "kernels_reason",
+    "on_extension_loaded",
     "patch_refused_ops",
     "refused_ops_patched",
     "refused_ops_routing",
+    "register_op_python_side",
+    "require_tensors",
     "routed_aten_ops",
 ]

@@ -1,4 +1,4 @@
-"""What the ``deepep`` extension is compiled from and with: one definition for both build paths.
+"""What the C++/CUDA extension is compiled from and with: one definition for both build paths.
 
 The JIT build (:mod:`deepep_lightning.ops._loader`, on first use) and the ahead-of-time build
 (``setup.py`` with ``DEEPEP_LIGHTNING_BUILD_EXTENSION`` set, at install time) read the sources,
@@ -25,6 +25,10 @@ JIT_NAME = "deepep_lightning_ext"
 CXX_FLAGS = ["-O3", "-ffp-contract=off"]
 _SM90_FLAGS = ["-gencode=arch=compute_90,code=sm_90"]
 SOURCE_PATTERNS = ("*.cpp", "*.h", "*.cu", "*.cuh")
+# One library, two TORCH_LIBRARY namespaces: the plugin's kernels (``deepep_lightning::``, the refused ops)
+# at the top of the sources, the DeepEP workload's (``deepep_lightning::``) in ``deepep/``. Each folder keeps its
+# CUDA kernels in ``cuda/``; one build step compiles both.
+SOURCE_FOLDERS = (".", "deepep")
 
 
 def cuda_flags() -> list[str]:
@@ -33,10 +37,13 @@ def cuda_flags() -> list[str]:
 
 
 def source_files(root: Path, with_cuda: bool) -> list[Path]:
-    """The translation units under ``root``: every ``*.cpp``, and with ``with_cuda`` every ``cuda/*.cu``."""
-    sources = sorted(root.glob("*.cpp"))
-    if with_cuda:
-        sources += sorted((root / "cuda").glob("*.cu"))
+    """The translation units under ``root``: every ``*.cpp`` of each of :data:`SOURCE_FOLDERS`, and with
+    ``with_cuda`` every ``*.cu`` of its ``cuda/``."""
+    sources: list[Path] = []
+    for folder in (root / name for name in SOURCE_FOLDERS):
+        sources += sorted(folder.glob("*.cpp"))
+        if with_cuda:
+            sources += sorted((folder / "cuda").glob("*.cu"))
     return sources
 
 

@@ -34,9 +34,9 @@ _KERNEL_DEVICE_TYPES = ("cpu", "cuda")
 
 def _compiled_reason(tensor: Tensor) -> str | None:
     if not extension_available():
-        return "the deepep C++ extension is not available"
+        return "the deepep_lightning C++ extension is not available"
     if tensor.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
+        return "the deepep_lightning CUDA kernels were not built (no nvcc?)"
     return None
 
 
@@ -90,7 +90,7 @@ def fake_like_self(message: str) -> Callable[..., Tensor]:
 
 
 def register_fakes(fakes: dict[str, Callable[..., object]]) -> None:
-    """Once the library is loaded: ``torch.library.register_fake(name)(fake)`` for each ``"deepep::<op>"``."""
+    """Once the library is loaded: ``torch.library.register_fake(name)(fake)`` for each ``"deepep_lightning::<op>"``."""
 
     def register() -> None:
         for name, fake in fakes.items():

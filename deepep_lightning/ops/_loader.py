@@ -1,11 +1,12 @@
-"""Load the ``deepep`` C++/CUDA extension once per process: the compiled module, else a JIT build.
+"""Load the C++/CUDA extension once per process: the compiled module, else a JIT build.
 
 A package installed with ``DEEPEP_LIGHTNING_BUILD_EXTENSION`` set carries the extension compiled at
 install time (``deepep_lightning/_C*.so``, built by ``setup.py`` with
 :class:`torch.utils.cpp_extension.BuildExtension`); the loader loads it and needs no compiler. Otherwise
 (and when that module does not load, or in a checkout whose sources are newer than it) every
 ``extensions/csrc/*.cpp`` and, when CUDA is usable (a CUDA build of torch, a GPU and ``nvcc``), every
-``extensions/csrc/cuda/*.cu`` (in a built package: ``deepep_lightning/_csrc``, see :func:`csrc_dir`)
+``extensions/csrc/cuda/*.cu``, and the same of the DeepEP workload's ``extensions/csrc/deepep``
+(in a built package: ``deepep_lightning/_csrc``, see :func:`csrc_dir`)
 is compiled into one library with :func:`torch.utils.cpp_extension.load` and loaded with
 ``torch.ops.load_library`` semantics, so adding an op is adding files: its C++ sources here, a Python
 module that calls :func:`register_op_python_side` (built on :func:`on_extension_loaded`) for its
@@ -50,7 +51,7 @@ log = logging.getLogger(__name__)
 DISABLE_ENV = "DEEPEP_LIGHTNING_DISABLE_EXTENSION"
 VERBOSE_ENV = "DEEPEP_LIGHTNING_VERBOSE_BUILD"
 # an op whose CUDA kernel a compiled module holds exactly when it was built with the CUDA sources
-_CUDA_PROBE_OP = "deepep::all_action_q"
+_CUDA_PROBE_OP = "deepep_lightning::grid_sample_bilinear2d_backward"
 
 _lock = threading.RLock()  # re-entrant: a hook may query the loader
 _attempted = False
@@ -273,7 +274,8 @@ def _load_once() -> bool:
 # build (locks, files) and breaking the graph.
 @torch.compiler.assume_constant_result
 def extension_available() -> bool:
-    """Whether the compiled ``torch.ops.deepep`` ops are usable; builds them on the first call.
+    """Whether the compiled ops (``torch.ops.deepep_lightning``, and the workload's ``torch.ops.deepep``) are
+    usable; builds them on the first call.
 
     Returns:
         ``True`` when the extension is built and loaded, ``False`` when the ops fall back to the
@@ -323,20 +325,24 @@ def register_op_python_side(
     fake_backward: Callable,
     backward: Callable | None = None,
     setup_context: Callable | None = None,
+    *,
+    namespace: str = "deepep_lightning",
 ) -> None:
-    """Once the library is loaded: ``register_fake`` for ``deepep::<op>`` and ``deepep::<op>_backward``,
-    and, when ``backward`` is given, ``register_autograd`` for ``deepep::<op>`` (exactly once). Ops whose
-    autograd is registered in C++ (``refused_ops.cpp``) pass no ``backward``."""
+    """Once the library is loaded: ``register_fake`` for ``<namespace>::<op>`` and
+    ``<namespace>::<op>_backward``, and, when ``backward`` is given, ``register_autograd`` for
+    ``<namespace>::<op>`` (exactly once). Ops whose autograd is registered in C++ (``refused_ops.cpp``)
+    pass no ``backward``; a workload's ops built into the same library pass their own ``namespace``
+    (DeepEP's: ``"deepep"``)."""
     registered = False
 
     def register() -> None:
         nonlocal registered
         if registered:
             return
-        torch.library.register_fake(f"deepep::{op}")(fake_forward)
-        torch.library.register_fake(f"deepep::{op}_backward")(fake_backward)
+        torch.library.register_fake(f"{namespace}::{op}")(fake_forward)
+        torch.library.register_fake(f"{namespace}::{op}_backward")(fake_backward)
         if backward is not None:
-            torch.library.register_autograd(f"deepep::{op}", backward, setup_context=setup_context)
+            torch.library.register_autograd(f"{namespace}::{op}", backward, setup_context=setup_context)
         registered = True
 
     on_extension_loaded(register)

@@ -48,14 +48,16 @@ def _covers_3d(grad_output: Tensor, self: Tensor) -> str | None:
 
 
 def _route_2d(grad_output: Tensor, self: Tensor) -> Tensor:
-    return torch.ops.deepep.adaptive_avg_pool2d_backward.default(grad_output, self)
+    return torch.ops.deepep_lightning.adaptive_avg_pool2d_backward.default(grad_output, self)
 
 
 def _route_3d(grad_output: Tensor, self: Tensor) -> Tensor:
-    return torch.ops.deepep.adaptive_avg_pool3d_backward.default(grad_output, self)
+    return torch.ops.deepep_lightning.adaptive_avg_pool3d_backward.default(grad_output, self)
 
 
 _fake = fake_like_self("adaptive_avg_pool_backward: grad_output/self ranks differ")
-register_fakes({"deepep::adaptive_avg_pool2d_backward": _fake, "deepep::adaptive_avg_pool3d_backward": _fake})
+register_fakes(
+    {"deepep_lightning::adaptive_avg_pool2d_backward": _fake, "deepep_lightning::adaptive_avg_pool3d_backward": _fake}
+)
 register_route(Route("_adaptive_avg_pool2d_backward", _route_2d, _covers_2d))
 register_route(Route("_adaptive_avg_pool3d_backward", _route_3d, _covers_3d))

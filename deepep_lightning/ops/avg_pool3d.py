@@ -87,10 +87,12 @@ def _route(
     expanded = _expanded(kernel_size, stride, padding)
     assert expanded is not None  # covers() returned None
     kernel, strides, pads = expanded
-    return torch.ops.deepep.avg_pool3d_backward.default(
+    return torch.ops.deepep_lightning.avg_pool3d_backward.default(
         grad_output, self, kernel, strides, pads, ceil_mode, count_include_pad, divisor_override
     )
 
 
-register_fakes({"deepep::avg_pool3d_backward": fake_like_self("avg_pool3d_backward: ranks of grad_output/self differ")})
+register_fakes(
+    {"deepep_lightning::avg_pool3d_backward": fake_like_self("avg_pool3d_backward: ranks of grad_output/self differ")}
+)
 register_route(Route("avg_pool3d_backward", _route, avg_pool3d_backward_unsupported_reason))

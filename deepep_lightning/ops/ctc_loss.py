@@ -1,4 +1,4 @@
-"""Deterministic CTC backward: ``torch.ops.deepep.ctc_loss_backward`` and the ``_ctc_loss_backward`` routes.
+"""Deterministic CTC backward: ``torch.ops.deepep_lightning.ctc_loss_backward`` and the ``_ctc_loss_backward`` routes.
 
 ``F.ctc_loss`` on CUDA (outside cuDNN's narrow case) runs ``aten::_ctc_loss`` and, backward,
 ``aten::_ctc_loss_backward``, which PyTorch refuses in deterministic mode (``ctc_loss_backward_gpu does
@@ -145,7 +145,7 @@ def ctc_loss_backward(
     if reason is not None:
         raise ValueError(f"ctc_loss_backward: {reason}")
     device = log_probs.device
-    return torch.ops.deepep.ctc_loss_backward.default(
+    return torch.ops.deepep_lightning.ctc_loss_backward.default(
         grad.reshape(-1),
         log_probs,
         targets,
@@ -169,7 +169,7 @@ def _fake(
     return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
 
 
-register_fakes({"deepep::ctc_loss_backward": _fake})
+register_fakes({"deepep_lightning::ctc_loss_backward": _fake})
 
 
 def _route_covers(

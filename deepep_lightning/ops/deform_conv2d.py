@@ -9,7 +9,7 @@ deterministic. So the route
 * runs torchvision's own kernel with deterministic mode suspended for the duration of that one call, and
   keeps its weight, offset, mask and bias gradients;
 * replaces its input gradient: ``columns = weight^T . grad_output`` per group (a batched matmul), then
-  ``torch.ops.deepep.deform_conv2d_grad_input`` (``extensions/csrc/deform_conv2d_backward.cpp``,
+  ``torch.ops.deepep_lightning.deform_conv2d_grad_input`` (``extensions/csrc/deform_conv2d_backward.cpp``,
   ``cuda/deform_conv2d_backward.cu``): channel-independent (pixel, weight) entries per deformable sample,
   sorted by pixel, gathered in a fixed order. Bitwise reproducible, no float atomics, no host sync.
 
@@ -133,7 +133,7 @@ def _route(
         _, grad_weight, grad_offset, grad_mask, grad_bias = torch.ops.torchvision._deform_conv2d_backward.default(
             *arguments, groups, offset_groups, use_mask
         )
-    grad_input = torch.ops.deepep.deform_conv2d_grad_input.default(
+    grad_input = torch.ops.deepep_lightning.deform_conv2d_grad_input.default(
         _columns(grad, weight, groups),
         offset,
         mask,
@@ -180,7 +180,7 @@ def _fake_grad_input(columns, offset, mask, height, width, *rest):
 
 
 def _register_fake() -> None:
-    torch.library.register_fake(f"deepep::{_OP}")(_fake_grad_input)
+    torch.library.register_fake(f"deepep_lightning::{_OP}")(_fake_grad_input)
 
 
 on_extension_loaded(_register_fake)

@@ -4,7 +4,7 @@ Under ``torch.use_deterministic_algorithms(True)`` PyTorch refuses the CUDA back
 ``grid_sample`` (``grid_sampler_2d_backward_cuda does not have a deterministic implementation``)
 because it scatters gradients with float ``atomicAdd``. :func:`grid_sample` runs PyTorch's own
 forward (``torch.grid_sampler``, cuDNN path included, so the output is bit for bit
-``F.grid_sample``'s) and, for the covered case, the backward of ``torch.ops.deepep``:
+``F.grid_sample``'s) and, for the covered case, the backward of ``torch.ops.deepep_lightning``:
 
 * covered: 4-D input ``[N, C, H, W]``, ``mode="bilinear"``, every ``padding_mode`` ("zeros",
   "border", "reflection"), both ``align_corners``, float16/bfloat16/float32/float64, plain
@@ -121,7 +121,7 @@ def grid_sample(
             stacklevel=2,
         )
         align_corners = False
-    return torch.ops.deepep.grid_sample_bilinear2d.default(
+    return torch.ops.deepep_lightning.grid_sample_bilinear2d.default(
         input, grid, _PADDING_MODES[padding_mode], bool(align_corners)
     )
 
@@ -189,7 +189,7 @@ def _backward_route(
     if interpolation_mode in (1, 2):
         decomposed = nearest_backward if interpolation_mode == 1 else bicubic_backward
         return decomposed(grad_output, input, grid, padding_mode, align_corners, bool(output_mask[0]))
-    grad_input, grad_grid = torch.ops.deepep.grid_sample_bilinear2d_backward.default(
+    grad_input, grad_grid = torch.ops.deepep_lightning.grid_sample_bilinear2d_backward.default(
         grad_output, input, grid, padding_mode, align_corners, bool(output_mask[0])
     )
     return (grad_input if output_mask[0] else None), grad_grid
@@ -204,7 +204,7 @@ def _cudnn_backward_route_covers(input: Tensor, grid: Tensor, grad_output: Tenso
 
 def _cudnn_backward_route(input: Tensor, grid: Tensor, grad_output: Tensor) -> tuple[Tensor, Tensor]:
     # cuDNN's sampler is F.grid_sample's bilinear, zeros-padding, align_corners=True case
-    return torch.ops.deepep.grid_sample_bilinear2d_backward.default(
+    return torch.ops.deepep_lightning.grid_sample_bilinear2d_backward.default(
         grad_output, input, grid, _PADDING_MODES["zeros"], True, True
     )
 

@@ -9,7 +9,7 @@ PyTorch's CUDA ``_bincount_cuda`` (with weights) and ``_histc_cuda`` (floating i
 * :func:`histc` computes each value's bin with PyTorch's arithmetic (``int((x - min) * bins / (max - min))``
   in the accumulate type: float32 for float16/bfloat16/float32, float64 for float64), puts ``max`` in the
   last bin, ignores values outside ``[min, max]`` (and NaN), and counts the bins in int64 with
-  ``torch.ops.deepep.histc_counts`` (``extensions/csrc/histc_counts.cpp``; on CUDA one kernel whose integer
+  ``torch.ops.deepep_lightning.histc_counts`` (``extensions/csrc/histc_counts.cpp``; on CUDA one kernel whose integer
   atomics are exact in any order, where PyTorch's adds floats); the counts are cast to the input's dtype.
   :func:`histc_counts_reference` counts the same bins with a sort and binary searches (the fallback
   without the extension and the tests' oracle).
@@ -121,7 +121,7 @@ def histc(self: Tensor, bins: int = 100, min: float = 0, max: float = 0) -> Tens
         raise RuntimeError(f"torch.histc: range of [{low:g}, {high:g}] is not finite")
     if kernels_reason(self) is not None:
         return histc_counts_reference(self, bins, low, high).to(self.dtype)
-    return torch.ops.deepep.histc_counts.default(self, bins, float(low), float(high)).to(self.dtype)
+    return torch.ops.deepep_lightning.histc_counts.default(self, bins, float(low), float(high)).to(self.dtype)
 
 
 def histc_counts_reference(self: Tensor, bins: int, low: float, high: float) -> Tensor:
@@ -143,7 +143,7 @@ def _histc_counts_fake(self: Tensor, bins: int, low: float, high: float) -> Tens
     return self.new_empty((bins,), dtype=torch.int64)
 
 
-register_fakes({"deepep::histc_counts": _histc_counts_fake})
+register_fakes({"deepep_lightning::histc_counts": _histc_counts_fake})
 
 
 # ---- routes ---------------------------------------------------------------------------------------------

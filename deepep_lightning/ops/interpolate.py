@@ -4,7 +4,7 @@ PyTorch's CUDA ``upsample_bilinear2d_backward`` scatters with float ``atomicAdd`
 under ``torch.use_deterministic_algorithms(True)``; recent ``F.interpolate`` then silently
 switches CUDA inputs to a slow pure-PyTorch decomposition (backward through ``index_put``).
 :func:`interpolate` keeps PyTorch's native forward kernel (``upsample_bilinear2d``) and, for the
-covered case, uses the gather backward of ``torch.ops.deepep`` (bitwise reproducible):
+covered case, uses the gather backward of ``torch.ops.deepep_lightning`` (bitwise reproducible):
 
 * covered: ``mode="bilinear"``, 4-D input, ``antialias=False``, ``size`` or ``scale_factor``
   (with or without ``recompute_scale_factor``), both ``align_corners``,
@@ -166,7 +166,7 @@ def interpolate(
     resolved = _resolve_size(input, size, scale_factor, recompute_scale_factor)
     assert resolved is not None  # interpolate_unsupported_reason returns a reason when it is None
     output_size, scale_h, scale_w = resolved
-    return torch.ops.deepep.upsample_bilinear2d.default(
+    return torch.ops.deepep_lightning.upsample_bilinear2d.default(
         input, output_size, bool(align_corners) if align_corners is not None else False, scale_h, scale_w
     )
 
@@ -225,7 +225,7 @@ def _backward_route_covers(
 
 
 def _gather_route(op: str, *extra: bool) -> Callable[..., Tensor]:
-    """The route of a 2-D upsample backward to ``torch.ops.deepep.<op>(..., scales_h, scales_w, *extra)``.
+    """The route of a 2-D upsample backward to ``torch.ops.deepep_lightning.<op>(..., scales_h, scales_w, *extra)``.
 
     The op is looked up per call: it exists only once the library is loaded.
     """
@@ -238,7 +238,7 @@ def _gather_route(op: str, *extra: bool) -> Callable[..., Tensor]:
         scales_h: float | None = None,
         scales_w: float | None = None,
     ) -> Tensor:
-        kernel = getattr(torch.ops.deepep, op).default
+        kernel = getattr(torch.ops.deepep_lightning, op).default
         return kernel(grad_output, list(input_size), align_corners, scales_h, scales_w, *extra)
 
     return route
@@ -262,14 +262,17 @@ def _linear1d_route(
     scales: float | None = None,
 ) -> Tensor:
     batch, channels, width = input_size
-    grad_input = torch.ops.deepep.upsample_bilinear2d_backward.default(
+    grad_input = torch.ops.deepep_lightning.upsample_bilinear2d_backward.default(
         grad_output.unsqueeze(2), [batch, channels, 1, width], align_corners, None, scales
     )  # [N, C, 1, W]
     return grad_input.view(batch, channels, width)
 
 
 register_fakes(
-    {f"deepep::{op}": _fake_2d_backward(op) for op in ("upsample_bicubic2d_backward", "upsample_aa2d_backward")}
+    {
+        f"deepep_lightning::{op}": _fake_2d_backward(op)
+        for op in ("upsample_bicubic2d_backward", "upsample_aa2d_backward")
+    }
 )
 for _route in (
     Route("upsample_bilinear2d_backward", _gather_route("upsample_bilinear2d_backward"), _backward_route_covers),

@@ -3,7 +3,7 @@
 The backward of a max pooling sends each output cell's gradient to the input element its saved index
 points at; PyTorch's CUDA kernels for adaptive and 3-D max pooling do that with float ``atomicAdd`` and
 refuse deterministic mode (``adaptive_max_pool2d_backward_cuda does not have a deterministic
-implementation``). Here :func:`argmax_window_backward` (``torch.ops.deepep.argmax_window_backward``,
+implementation``). Here :func:`argmax_window_backward` (``torch.ops.deepep_lightning.argmax_window_backward``,
 ``extensions/csrc/cuda/max_pool_backward.cu``) sums each element's terms in a fixed order instead. Windows
 ``c`` apart along a dim (``c`` from kernel, stride and dilation, or from the adaptive window arithmetic)
 never share an element, so where at most 8 such passes of disjoint windows cover the windows (a
@@ -21,7 +21,7 @@ Fractional max pooling's windows are known only through the saved indices, and `
 
 ``max_unpool2d`` / ``max_unpool3d`` forwards (PyTorch: ``max_unpooling2d_forward_out does not have a
 deterministic implementation``) are scatters that overwrite: with duplicate indices the entry with the
-largest position wins, as in PyTorch's CPU loop. :func:`max_unpool` (``torch.ops.deepep.max_unpool_forward``)
+largest position wins, as in PyTorch's CPU loop. :func:`max_unpool` (``torch.ops.deepep_lightning.max_unpool_forward``)
 takes an integer ``atomicMax`` of the position per output cell (order-free) and then gathers.
 Under ``torch.compile`` the routes give both ops a shape function (:mod:`~deepep_lightning.ops._tracing`):
 PyTorch's Python decomposition, which raises PyTorch's deterministic-mode error while tracing, is set aside,
@@ -60,7 +60,7 @@ def _cuda_reason(*tensors: Tensor) -> str | None:
     if torch.overrides.has_torch_function(tensors):
         return "tensor subclasses are left to PyTorch"
     if not cuda_kernels_available():
-        return "the deepep CUDA kernels are not available"
+        return "the deepep_lightning CUDA kernels are not available"
     return None
 
 
@@ -138,7 +138,7 @@ def argmax_window_backward(
         tensor(4.)
     """
     windows = [list(w) if w is not None else [] for w in (kernel_size, stride, padding, dilation)]
-    grad = torch.ops.deepep.argmax_window_backward.default(
+    grad = torch.ops.deepep_lightning.argmax_window_backward.default(
         grad_output, indices, list(input.shape[-spatial_dims:]), *windows
     )
     return grad.contiguous(memory_format=_suggested_memory_format(input))
@@ -160,7 +160,12 @@ def _max_unpool_fake(self, indices, output_size):
     return self.new_empty(tuple(self.shape[: -len(output_size)]) + tuple(output_size))
 
 
-register_fakes({"deepep::argmax_window_backward": _argmax_window_fake, "deepep::max_unpool_forward": _max_unpool_fake})
+register_fakes(
+    {
+        "deepep_lightning::argmax_window_backward": _argmax_window_fake,
+        "deepep_lightning::max_unpool_forward": _max_unpool_fake,
+    }
+)
 
 
 def _suggested_memory_format(tensor: Tensor) -> torch.memory_format:
@@ -262,7 +267,7 @@ def max_unpool(input: Tensor, indices: Tensor, output_size) -> Tensor:
         >>> max_unpool(y, i, [4, 4]).shape
         torch.Size([1, 1, 4, 4])
     """
-    return torch.ops.deepep.max_unpool_forward.default(input, indices, list(output_size))
+    return torch.ops.deepep_lightning.max_unpool_forward.default(input, indices, list(output_size))
 
 
 def _unpool_reason(self, indices, output_size, spatial_dims) -> str | None:

@@ -88,7 +88,7 @@ def nll_loss2d_forward(
     """
     if nll_loss2d_unsupported_reason(self, target, weight, reduction, ignore_index) is not None:
         return torch.ops.aten.nll_loss2d_forward.default(self, target, weight, reduction, ignore_index)
-    return torch.ops.deepep.nll_loss2d_forward.default(self, target, weight, reduction, ignore_index)
+    return torch.ops.deepep_lightning.nll_loss2d_forward.default(self, target, weight, reduction, ignore_index)
 
 
 def _fake(self: Tensor, target: Tensor, weight: Tensor | None, reduction: int, ignore_index: int):
@@ -101,11 +101,11 @@ def _fake(self: Tensor, target: Tensor, weight: Tensor | None, reduction: int, i
     return output, self.new_empty(())
 
 
-register_fakes({f"deepep::{_OP}": _fake})
+register_fakes({f"deepep_lightning::{_OP}": _fake})
 
 
 def _route(self: Tensor, target: Tensor, weight: Tensor | None, reduction: int, ignore_index: int):
-    return torch.ops.deepep.nll_loss2d_forward.default(self, target, weight, reduction, ignore_index)
+    return torch.ops.deepep_lightning.nll_loss2d_forward.default(self, target, weight, reduction, ignore_index)
 
 
 register_route(Route("nll_loss2d_forward", _route, nll_loss2d_unsupported_reason))

@@ -56,15 +56,17 @@ def pad_backward_unsupported_reason(
 
 
 def _reflection(grad_output: Tensor, self: Tensor, padding: Sequence[int]) -> Tensor:
-    return torch.ops.deepep.reflection_pad_backward.default(grad_output, self, list(padding))
+    return torch.ops.deepep_lightning.reflection_pad_backward.default(grad_output, self, list(padding))
 
 
 def _replication(grad_output: Tensor, self: Tensor, padding: Sequence[int]) -> Tensor:
-    return torch.ops.deepep.replication_pad_backward.default(grad_output, self, list(padding))
+    return torch.ops.deepep_lightning.replication_pad_backward.default(grad_output, self, list(padding))
 
 
 _fake = fake_like_self("pad_backward: ranks of grad_output/self differ")
-register_fakes({"deepep::reflection_pad_backward": _fake, "deepep::replication_pad_backward": _fake})
+register_fakes(
+    {"deepep_lightning::reflection_pad_backward": _fake, "deepep_lightning::replication_pad_backward": _fake}
+)
 #: Spatial ranks whose reflection backward PyTorch refuses in deterministic mode (2-D has its own gather).
 _ROUTED_REFLECTION_RANKS = (1, 3)
 for _spatial in (1, 2, 3):

@@ -3,7 +3,7 @@
 torchvision's CUDA ``_ps_roi_align_backward`` adds into ``grad_input`` with float ``atomicAdd`` and refuses
 deterministic mode. Its bins are sampled as ``roi_align``'s with ``aligned=True`` (the kernels share the
 formulas), and bin ``b`` of output channel ``c`` reads input channel ``c * PH * PW + b`` (the forward's
-``channel_mapping`` always holds that), so ``torch.ops.deepep.ps_roi_align_backward`` is the
+``channel_mapping`` always holds that), so ``torch.ops.deepep_lightning.ps_roi_align_backward`` is the
 :mod:`deepep_lightning.ops.roi_align` kernel with one more field in each entry's key: the bin's plane
 (``extensions/csrc/roi_csr_gather.h``). Bitwise reproducible, no float atomics.
 
@@ -116,14 +116,16 @@ def _fake_backward(grad, rois, channel_mapping, spatial_scale, pooled_height, po
 
 
 def _register_fake() -> None:
-    torch.library.register_fake(f"deepep::{_OP}")(_fake_backward)
+    torch.library.register_fake(f"deepep_lightning::{_OP}")(_fake_backward)
 
 
 on_extension_loaded(_register_fake)
 
 
 def _route(grad: Tensor, rois: Tensor, channel_mapping: Tensor, spatial_scale: float, *rest) -> Tensor:
-    return torch.ops.deepep.ps_roi_align_backward.default(grad, rois, channel_mapping, float(spatial_scale), *rest)
+    return torch.ops.deepep_lightning.ps_roi_align_backward.default(
+        grad, rois, channel_mapping, float(spatial_scale), *rest
+    )
 
 
 if _torchvision_entry.torchvision_ops_available():

@@ -7,7 +7,7 @@ alone, and bin ``b`` of output channel ``c`` feeds input channel ``c * PH * PW +
 ``extensions/csrc/roi_csr_gather.h`` with one entry per (bin, pixel of its rectangle): the entries are
 built here with tensor ops (torchvision's formulas: ``roundf`` of the scaled box, bins ``[floor(ph *
 bin_h), ceil((ph + 1) * bin_h))`` offset and clipped to ``[0, H]``), padded to the largest rectangle,
-and ``torch.ops.deepep.roi_csr_gather`` sorts them by pixel and sums every ``grad_input`` element in a
+and ``torch.ops.deepep_lightning.roi_csr_gather`` sorts them by pixel and sums every ``grad_input`` element in a
 fixed order. The padding size is read on the host (one sync), so inside CUDA-graph capture the op is
 left to torchvision.
 
@@ -117,7 +117,7 @@ def _gather(
     sources = (roi_index * bins + bin_index).to(torch.int32).expand_as(keys)
     weight_dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
     weights = (1.0 / area.clamp(min=1).to(weight_dtype))[:, :, :, None, None].expand(keys.shape)
-    return torch.ops.deepep.roi_csr_gather.default(
+    return torch.ops.deepep_lightning.roi_csr_gather.default(
         keys.reshape(-1),
         sources.reshape(-1),
         weights.reshape(-1),
@@ -191,7 +191,7 @@ def _fake_gather(keys, sources, weights, grad, batch, planes, channels, height, 
 
 
 def _register_fake() -> None:
-    torch.library.register_fake("deepep::roi_csr_gather")(_fake_gather)
+    torch.library.register_fake("deepep_lightning::roi_csr_gather")(_fake_gather)
 
 
 on_extension_loaded(_register_fake)

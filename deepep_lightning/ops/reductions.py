@@ -201,7 +201,9 @@ def put_accumulate(self: Tensor, index: Tensor, source: Tensor) -> Tensor:
     base = self.reshape(-1)
     if values.numel() and self.is_floating_point() and _unsupported_reason(values, flat_index, numel, 0, base) is None:
         # one fixed-order segment sum over the flat positions (negative ones wrapped, as put_ does)
-        summed = torch.ops.deepep.segment_scatter_add.default(values, flat_index.remainder(numel), numel, 0, base, 1.0)
+        summed = torch.ops.deepep_lightning.segment_scatter_add.default(
+            values, flat_index.remainder(numel), numel, 0, base, 1.0
+        )
         return summed.view(self.shape)
     # integers (exact in any order), no extension, or too many entries: PyTorch's index_put_
     return base.clone().index_put_((flat_index,), values, accumulate=True).view(self.shape)

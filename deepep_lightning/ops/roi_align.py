@@ -5,7 +5,7 @@ different last bits) and refuses deterministic mode; its Python ``roi_align`` av
 switching, in deterministic mode on CUDA, to a pure-PyTorch path that holds ``[K, C, PH, PW, IY, IX]``
 tensors (tens of GiB with adaptive sampling). Here:
 
-* ``torch.ops.deepep.roi_align_backward`` (``extensions/csrc/roi_align_backward.cpp``,
+* ``torch.ops.deepep_lightning.roi_align_backward`` (``extensions/csrc/roi_align_backward.cpp``,
   ``cuda/roi_align_backward.cu``) computes the same gradient with a channel-independent sparse map from
   samples to pixels, sorted by pixel and gathered in a fixed order: bitwise reproducible, no float
   atomics, entries of a few bytes per sample corner (not per channel);
@@ -125,7 +125,7 @@ def roi_align_backward(
     reason = roi_align_backward_unsupported_reason(*args, sampling_ratio, aligned)
     if reason is not None:
         raise ValueError(f"{_OP}: {reason}")
-    return torch.ops.deepep.roi_align_backward.default(
+    return torch.ops.deepep_lightning.roi_align_backward.default(
         *args[:2], float(spatial_scale), *args[3:], sampling_ratio, aligned
     )
 
@@ -136,7 +136,7 @@ def _fake_backward(grad, rois, spatial_scale, pooled_height, pooled_width, batch
 
 
 def _register_fake() -> None:
-    torch.library.register_fake(f"deepep::{_OP}")(_fake_backward)
+    torch.library.register_fake(f"deepep_lightning::{_OP}")(_fake_backward)
 
 
 on_extension_loaded(_register_fake)
@@ -147,7 +147,7 @@ def _route_covers(grad: Tensor, rois: Tensor, spatial_scale: float, *rest) -> st
 
 
 def _route(grad: Tensor, rois: Tensor, spatial_scale: float, *rest) -> Tensor:
-    return torch.ops.deepep.roi_align_backward.default(grad, rois, float(spatial_scale), *rest)
+    return torch.ops.deepep_lightning.roi_align_backward.default(grad, rois, float(spatial_scale), *rest)
 
 
 if _torchvision_entry.torchvision_ops_available():

@@ -3,7 +3,7 @@
 
 PyTorch's CUDA ``index_add_`` and ``scatter_add_`` add with float ``atomicAdd``: the last bits of the
 result change from run to run. In deterministic mode PyTorch switches them to its sort-based
-``index_put_`` path, bitwise reproducible but several times slower. ``torch.ops.deepep.segment_scatter_add``
+``index_put_`` path, bitwise reproducible but several times slower. ``torch.ops.deepep_lightning.segment_scatter_add``
 (``extensions/csrc/cuda/segment_scatter.cu``) sorts the indices stably and sums each output element in
 a fixed order (chunked, so one hot index does not serialise it). Routed at the dispatcher's CUDA key
 (:mod:`deepep_lightning.ops._routes`), in deterministic mode, for floating dtypes:
@@ -68,9 +68,9 @@ def _unsupported_reason(src, index, size, dim, base) -> str | None:
     if base is not None and (base.dtype != src.dtype or base.device != src.device):
         return "base must have src's dtype and device"
     if src.is_cuda and not cuda_kernels_available():
-        return "the deepep CUDA kernels were not built (no nvcc?)"
+        return "the deepep_lightning CUDA kernels were not built (no nvcc?)"
     if not extension_available():
-        return "the deepep C++ extension is not available"
+        return "the deepep_lightning C++ extension is not available"
     return None
 
 
@@ -135,7 +135,7 @@ def segment_scatter_add(
         )
     if _unsupported_reason(src, index, size, dim, base) is not None:
         return segment_scatter_add_reference(src, index, size, dim, base, float(alpha))
-    return torch.ops.deepep.segment_scatter_add.default(src, index, size, dim, base, float(alpha))
+    return torch.ops.deepep_lightning.segment_scatter_add.default(src, index, size, dim, base, float(alpha))
 
 
 def _fake(src: Tensor, index: Tensor, size: int, dim: int = 0, base: Tensor | None = None, alpha: float = 1.0):
@@ -167,8 +167,8 @@ def _backward(ctx, grad_output):
 
 
 def _register() -> None:
-    torch.library.register_fake("deepep::segment_scatter_add")(_fake)
-    torch.library.register_autograd("deepep::segment_scatter_add", _backward, setup_context=_setup_context)
+    torch.library.register_fake("deepep_lightning::segment_scatter_add")(_fake)
+    torch.library.register_autograd("deepep_lightning::segment_scatter_add", _backward, setup_context=_setup_context)
 
 
 on_extension_loaded(_register)
@@ -187,7 +187,7 @@ def _route_reason(self: Tensor, *others: Tensor) -> str | None:
     if torch.overrides.has_torch_function(tuple((self, *others))):
         return "tensor subclasses are left to PyTorch"
     if not cuda_kernels_available():
-        return "the deepep CUDA kernels are not available"
+        return "the deepep_lightning CUDA kernels are not available"
     return None
 
 
@@ -219,7 +219,9 @@ def _index_add_covers(self, dim, index, source, *, alpha=1, out=None) -> str | N
 
 def _index_add(self, dim, index, source, *, alpha=1):
     dim %= self.dim()
-    return torch.ops.deepep.segment_scatter_add.default(source, index, self.shape[dim], dim, self, float(alpha))
+    return torch.ops.deepep_lightning.segment_scatter_add.default(
+        source, index, self.shape[dim], dim, self, float(alpha)
+    )
 
 
 def _index_add_inplace(self, dim, index, source, *, alpha=1):
@@ -265,7 +267,7 @@ def _scatter_add(self, dim, index, src):
         return base.clone()
     if self.dim() == 1:  # the index is the key: the kernel asserts it lies in [0, size)
         values = src if src.shape[0] == index.shape[0] else src[: index.shape[0]]
-        return torch.ops.deepep.segment_scatter_add.default(values, index, base.shape[0], 0, base, 1.0)
+        return torch.ops.deepep_lightning.segment_scatter_add.default(values, index, base.shape[0], 0, base, 1.0)
     torch._assert_async(((index >= 0) & (index < self.shape[dim])).all(), "scatter_add: index out of range")
     strides = base.stride()
     # Flat position in self of each index entry: index * stride[dim] + coordinate * stride[d], d != dim.
@@ -276,7 +278,7 @@ def _scatter_add(self, dim, index, src):
             shape[d] = index.shape[d]
             flat = flat + torch.arange(index.shape[d], device=index.device).view(shape) * strides[d]
     values = src[tuple(slice(0, n) for n in index.shape)]
-    summed = torch.ops.deepep.segment_scatter_add.default(
+    summed = torch.ops.deepep_lightning.segment_scatter_add.default(
         values.reshape(-1), flat.reshape(-1), base.numel(), 0, base.view(-1), 1.0
     )
     return summed.view(self.shape)
@@ -331,7 +333,7 @@ def _index_put(self, indices, values, accumulate=False, unsafe=False):
     flat = flat.expand(index_shape).reshape(-1)
     vals = values.expand(index_shape + inner).reshape((flat.shape[0],) + inner)
     base = self.contiguous().view((rows,) + inner)
-    summed = torch.ops.deepep.segment_scatter_add.default(vals, flat, rows, 0, base, 1.0)
+    summed = torch.ops.deepep_lightning.segment_scatter_add.default(vals, flat, rows, 0, base, 1.0)
     return self.copy_(summed.view(self.shape))
 
 

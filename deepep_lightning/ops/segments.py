@@ -1,6 +1,6 @@
-"""Reductions over the entries that share a key: ``deepep::segment_reduce``.
+"""Reductions over the entries that share a key: ``deepep_lightning::segment_reduce``.
 
-:func:`segment_reduce` combines each key's entries with one ``torch.ops.deepep.segment_reduce`` call
+:func:`segment_reduce` combines each key's entries with one ``torch.ops.deepep_lightning.segment_reduce`` call
 (``extensions/csrc/segment_reduce.cpp``, CUDA kernels in ``extensions/csrc/cuda/segment_reduce.cu``): a stable
 sort of the keys, a binary search per output row for its entries (which also checks the keys' range), and
 one thread per output element that reduces left to right in entry order, so it is bitwise reproducible and
@@ -111,7 +111,9 @@ def segment_reduce_unchecked(
         return torch.where(hit, combined, base), counts
     flat = values.reshape(values.shape[0], math.prod(inner))
     flat_base = None if base is None else base.reshape(size, flat.shape[1])
-    reduced, counts = torch.ops.deepep.segment_reduce.default(flat, keys, size, reduce, flat_base, include_base)
+    reduced, counts = torch.ops.deepep_lightning.segment_reduce.default(
+        flat, keys, size, reduce, flat_base, include_base
+    )
     return reduced.view(size, *inner), counts
 
 
@@ -142,8 +144,10 @@ def segment_reduce_reference(values: Tensor, keys: Tensor, size: int, reduce: st
 def _segment_reduce_fake(
     values: Tensor, keys: Tensor, size: int, reduce: str, base: Tensor | None = None, include_base: bool = True
 ) -> tuple[Tensor, Tensor]:
-    torch._check(values.dim() == 2, lambda: f"deepep::segment_reduce: values must be 2-D, got {values.dim()}-D")
+    torch._check(
+        values.dim() == 2, lambda: f"deepep_lightning::segment_reduce: values must be 2-D, got {values.dim()}-D"
+    )
     return values.new_empty((size, values.shape[1])), keys.new_empty((size,), dtype=torch.int64)
 
 
-register_fakes({"deepep::segment_reduce": _segment_reduce_fake})
+register_fakes({"deepep_lightning::segment_reduce": _segment_reduce_fake})

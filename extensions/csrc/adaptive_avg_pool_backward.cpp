@@ -1,10 +1,10 @@
-// deepep::adaptive_avg_pool2d_backward / adaptive_avg_pool3d_backward: the backwards of
+// deepep_lightning::adaptive_avg_pool2d_backward / adaptive_avg_pool3d_backward: the backwards of
 // aten::_adaptive_avg_pool2d / _adaptive_avg_pool3d (F.adaptive_avg_pool2d/3d, F.interpolate(mode="area")),
 // whose CUDA kernels are refused under torch.use_deterministic_algorithms(True) (they scatter with
 // float atomicAdd when windows overlap).
 //
-//   deepep::adaptive_avg_pool2d_backward(grad_output [.., OH, OW], self [.., H, W]) -> grad_input
-//   deepep::adaptive_avg_pool3d_backward(grad_output [.., OD, OH, OW], self [.., D, H, W]) -> grad_input
+//   deepep_lightning::adaptive_avg_pool2d_backward(grad_output [.., OH, OW], self [.., H, W]) -> grad_input
+//   deepep_lightning::adaptive_avg_pool3d_backward(grad_output [.., OD, OH, OW], self [.., D, H, W]) -> grad_input
 //
 // The CPU kernels are PyTorch's (already deterministic); the CUDA kernel
 // (cuda/adaptive_avg_pool_backward.cu) gathers. Arguments are validated in Python
@@ -12,7 +12,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_adaptive_avg_pool_backward_args(const at::Tensor& grad_output, const at::Tensor& self, int64_t spatial) {
   TORCH_CHECK(self.dim() == spatial + 1 || self.dim() == spatial + 2, "adaptive_avg_pool", spatial,
@@ -39,14 +39,14 @@ at::Tensor adaptive_avg_pool3d_backward_cpu(const at::Tensor& grad_output, const
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def("adaptive_avg_pool2d_backward(Tensor grad_output, Tensor self) -> Tensor");
   m.def("adaptive_avg_pool3d_backward(Tensor grad_output, Tensor self) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("adaptive_avg_pool2d_backward", &adaptive_avg_pool2d_backward_cpu);
   m.impl("adaptive_avg_pool3d_backward", &adaptive_avg_pool3d_backward_cpu);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

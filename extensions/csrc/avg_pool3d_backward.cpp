@@ -1,4 +1,4 @@
-// deepep::avg_pool3d_backward: the backward of aten::avg_pool3d (F.avg_pool3d, nn.AvgPool3d), whose
+// deepep_lightning::avg_pool3d_backward: the backward of aten::avg_pool3d (F.avg_pool3d, nn.AvgPool3d), whose
 // CUDA kernel is refused under torch.use_deterministic_algorithms(True) (it scatters with atomicAdd).
 // Same schema as aten's, with kernel_size / stride / padding already expanded to 3 entries.
 // The CPU kernel is PyTorch's; the CUDA kernel (cuda/avg_pool3d_backward.cu) gathers. Arguments are
@@ -8,7 +8,7 @@
 
 #include <optional>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_avg_pool3d_backward_args(const at::Tensor& grad_output, const at::Tensor& self, at::IntArrayRef kernel_size,
                                     at::IntArrayRef stride, at::IntArrayRef padding) {
@@ -39,12 +39,12 @@ at::Tensor avg_pool3d_backward_cpu(const at::Tensor& grad_output, const at::Tens
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "avg_pool3d_backward(Tensor grad_output, Tensor self, int[3] kernel_size, int[3] stride, int[3] padding, "
       "bool ceil_mode, bool count_include_pad, int? divisor_override) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("avg_pool3d_backward", &avg_pool3d_backward_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("avg_pool3d_backward", &avg_pool3d_backward_cpu); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

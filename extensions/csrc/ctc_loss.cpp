@@ -1,4 +1,4 @@
-// deepep::ctc_loss_backward: the gradient of CTC's per-sample negative log-likelihood with respect to
+// deepep_lightning::ctc_loss_backward: the gradient of CTC's per-sample negative log-likelihood with respect to
 // log_probs, what aten::_ctc_loss_backward computes, with the lengths as tensors.
 //
 //   ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood,
@@ -18,7 +18,7 @@
 
 #include <vector>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_ctc_loss_backward_args(const at::Tensor& grad, const at::Tensor& log_probs, const at::Tensor& targets,
                                   const at::Tensor& input_lengths, const at::Tensor& target_lengths,
@@ -67,13 +67,13 @@ at::Tensor ctc_loss_backward_cpu(const at::Tensor& grad, const at::Tensor& log_p
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "ctc_loss_backward(Tensor grad, Tensor log_probs, Tensor targets, Tensor input_lengths, "
       "Tensor target_lengths, Tensor neg_log_likelihood, Tensor log_alpha, int blank, bool zero_infinity=False) "
       "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("ctc_loss_backward", &ctc_loss_backward_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("ctc_loss_backward", &ctc_loss_backward_cpu); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

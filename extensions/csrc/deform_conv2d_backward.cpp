@@ -1,4 +1,4 @@
-// deepep::deform_conv2d_grad_input: the input gradient of torchvision::deform_conv2d from its columns,
+// deepep_lightning::deform_conv2d_grad_input: the input gradient of torchvision::deform_conv2d from its columns,
 // deterministic on every device.
 //
 //   deform_conv2d_grad_input(columns [N, C, kh * kw, out_h * out_w], offset [N, 2 G kh kw, out_h, out_w],
@@ -22,7 +22,7 @@
 
 #include <algorithm>
 
-namespace deepep::roi {
+namespace deepep_lightning::roi {
 
 at::Tensor deform_conv2d_grad_input_with(const DeformLaunches& launches, const at::Tensor& columns,
                                          const at::Tensor& offset, const at::Tensor& mask, int64_t height,
@@ -107,13 +107,13 @@ at::Tensor deform_conv2d_grad_input_cpu(const at::Tensor& columns, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "deform_conv2d_grad_input(Tensor columns, Tensor offset, Tensor mask, int height, int width, int kernel_h, "
       "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dilation_h, int dilation_w, "
       "int offset_groups, bool use_mask) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("deform_conv2d_grad_input", &deform_conv2d_grad_input_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("deform_conv2d_grad_input", &deform_conv2d_grad_input_cpu); }
 
-}  // namespace deepep::roi
+}  // namespace deepep_lightning::roi

@@ -1,4 +1,4 @@
-// deepep::deform_conv2d_grad_input: the per-sample entries of deform_conv2d's input gradient (the host
+// deepep_lightning::deform_conv2d_grad_input: the per-sample entries of deform_conv2d's input gradient (the host
 // driver and CPU kernels: deform_conv2d_backward.cpp; CUDA: cuda/deform_conv2d_backward.cu).
 //
 // torchvision's deformable_col2im_kernel adds mask * w * column into the (up to) 4 pixels around each
@@ -18,7 +18,7 @@
 #include "roi_align_backward.h"
 #include "roi_csr_gather.h"
 
-namespace deepep::roi {
+namespace deepep_lightning::roi {
 
 struct DeformArgs {
   int64_t batch, offset_groups, height, width, kernel_h, kernel_w, out_h, out_w;
@@ -85,4 +85,4 @@ at::Tensor deform_conv2d_grad_input_with(const DeformLaunches& launches, const a
                                          int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
                                          int64_t dilation_w, int64_t offset_groups, bool use_mask);
 
-}  // namespace deepep::roi
+}  // namespace deepep_lightning::roi

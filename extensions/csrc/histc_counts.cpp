@@ -1,4 +1,4 @@
-// deepep::histc_counts: how many elements of `self` fall in each of `bins` equal bins over [low, high].
+// deepep_lightning::histc_counts: how many elements of `self` fall in each of `bins` equal bins over [low, high].
 //
 //   histc_counts(self, bins, low, high) -> int64 [bins]
 //
@@ -16,10 +16,10 @@
 
 #include <cmath>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_histc_counts_inputs(const at::Tensor& self, int64_t bins, double low, double high) {
-  const char* op = "deepep::histc_counts";
+  const char* op = "deepep_lightning::histc_counts";
   TORCH_CHECK(at::isFloatingType(self.scalar_type()), op, ": self must be floating point, got ",
               self.scalar_type());
   TORCH_CHECK(bins > 0, op, ": bins must be > 0, got ", bins);
@@ -49,8 +49,8 @@ at::Tensor histc_counts_cpu(const at::Tensor& self, int64_t bins, double low, do
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) { m.def("histc_counts(Tensor self, int bins, float low, float high) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) { m.def("histc_counts(Tensor self, int bins, float low, float high) -> Tensor"); }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("histc_counts", &histc_counts_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("histc_counts", &histc_counts_cpu); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -1,4 +1,4 @@
-// Shared declarations of deepep::histc_counts (CPU and CUDA kernels); what it computes: histc_counts.cpp.
+// Shared declarations of deepep_lightning::histc_counts (CPU and CUDA kernels); what it computes: histc_counts.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -6,7 +6,7 @@
 
 #include <type_traits>
 
-namespace deepep {
+namespace deepep_lightning {
 
 // The type PyTorch's histc computes bins in: float for float16/bfloat16/float32, double for float64.
 template <typename scalar_t>
@@ -26,4 +26,4 @@ C10_HOST_DEVICE inline int64_t histc_bin(acc_t x, acc_t low, acc_t high, int64_t
   return bin;
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -1,4 +1,4 @@
-// deepep::argmax_window_backward and deepep::max_unpool_forward: the direct (sort-free) kernels of the
+// deepep_lightning::argmax_window_backward and deepep_lightning::max_unpool_forward: the direct (sort-free) kernels of the
 // max-pooling backwards and of max_unpool (deepep_lightning/ops/max_pool.py routes them).
 //
 //   argmax_window_backward(grad_output, indices, input_size, kernel_size, stride, padding, dilation)
@@ -37,7 +37,7 @@
 
 #include "max_pool_windows.h"
 
-namespace deepep {
+namespace deepep_lightning {
 
 int64_t argmax_planes(const at::Tensor& tensor, int64_t spatial_dims, const char* op) {
   TORCH_CHECK(spatial_dims == 2 || spatial_dims == 3, op, ": 2 or 3 spatial sizes expected, got ", spatial_dims);
@@ -175,16 +175,16 @@ at::Tensor max_unpool_forward_cpu(const at::Tensor& self, const at::Tensor& indi
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "argmax_window_backward(Tensor grad_output, Tensor indices, int[] input_size, int[] kernel_size, int[] stride, "
       "int[] padding, int[] dilation) -> Tensor");
   m.def("max_unpool_forward(Tensor self, Tensor indices, int[] output_size) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("argmax_window_backward", &argmax_window_backward_cpu);
   m.impl("max_unpool_forward", &max_unpool_forward_cpu);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -1,5 +1,5 @@
 // The output windows of a max pooling that can hold one input position, and the two ways of summing the
-// gradient of the windows' maxima: shared by the CPU and CUDA kernels of deepep::argmax_window_backward
+// gradient of the windows' maxima: shared by the CPU and CUDA kernels of deepep_lightning::argmax_window_backward
 // (max_pool_backward.cpp, cuda/max_pool_backward.cu), so both add the same terms in the same order.
 #pragma once
 
@@ -7,7 +7,7 @@
 
 #include <cstdint>
 
-namespace deepep {
+namespace deepep_lightning {
 
 struct PoolWindows {
   int in[3];  // input sizes (d, h, w); a 2-D pooling has d = 1
@@ -158,4 +158,4 @@ C10_HOST_DEVICE inline void pool_scatter_one(const PoolWindows& w, const Scatter
   target = static_cast<scalar_t>(static_cast<acc_t>(target) + static_cast<acc_t>(grad_output[j]));
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -1,8 +1,8 @@
-// deepep::nll_loss2d_forward: the forward of aten::nll_loss2d_forward (4-D F.nll_loss /
+// deepep_lightning::nll_loss2d_forward: the forward of aten::nll_loss2d_forward (4-D F.nll_loss /
 // F.cross_entropy) whose CUDA kernel is refused under torch.use_deterministic_algorithms(True) for
 // reduction "mean"/"sum" (PyTorch adds per-block partial sums into the output with atomicAdd).
 //
-//   deepep::nll_loss2d_forward(self [N, C, H, W], target [N, H, W] int64, weight [C]?, reduction,
+//   deepep_lightning::nll_loss2d_forward(self [N, C, H, W], target [N, H, W] int64, weight [C]?, reduction,
 //                              ignore_index) -> (output, total_weight)
 //
 // Same schema and results as aten's. The CPU kernel is PyTorch's (already deterministic); the CUDA
@@ -15,7 +15,7 @@
 #include <optional>
 #include <tuple>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_nll_loss2d_args(const at::Tensor& self, const at::Tensor& target, const std::optional<at::Tensor>& weight,
                            int64_t reduction) {
@@ -47,12 +47,12 @@ std::tuple<at::Tensor, at::Tensor> nll_loss2d_forward_cpu(const at::Tensor& self
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "nll_loss2d_forward(Tensor self, Tensor target, Tensor? weight, int reduction, int ignore_index) -> "
       "(Tensor output, Tensor total_weight)");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("nll_loss2d_forward", &nll_loss2d_forward_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("nll_loss2d_forward", &nll_loss2d_forward_cpu); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -1,8 +1,8 @@
-// deepep::reflection_pad_backward / replication_pad_backward: the backwards of aten::reflection_pad{1,2,3}d
+// deepep_lightning::reflection_pad_backward / replication_pad_backward: the backwards of aten::reflection_pad{1,2,3}d
 // and aten::replication_pad{1,2,3}d, whose CUDA kernels are refused under
 // torch.use_deterministic_algorithms(True) (they scatter the padded border with atomicAdd).
 //
-//   deepep::<mode>_pad_backward(grad_output, self, int[] padding) -> grad_input
+//   deepep_lightning::<mode>_pad_backward(grad_output, self, int[] padding) -> grad_input
 //
 // padding as aten's: 2, 4 or 6 entries (left, right[, top, bottom[, front, back]]), last dim first; the
 // spatial rank is len(padding) / 2. The CPU kernels are PyTorch's; the CUDA kernel (cuda/pad_backward.cu)
@@ -10,7 +10,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_pad_backward_args(const at::Tensor& grad_output, const at::Tensor& self, at::IntArrayRef padding,
                              bool reflect) {
@@ -53,14 +53,14 @@ at::Tensor replication_pad_backward_cpu(const at::Tensor& grad_output, const at:
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def("reflection_pad_backward(Tensor grad_output, Tensor self, int[] padding) -> Tensor");
   m.def("replication_pad_backward(Tensor grad_output, Tensor self, int[] padding) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("reflection_pad_backward", &reflection_pad_backward_cpu);
   m.impl("replication_pad_backward", &replication_pad_backward_cpu);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

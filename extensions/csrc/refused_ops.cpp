@@ -1,10 +1,14 @@
 // Ops whose CUDA backward PyTorch refuses under torch.use_deterministic_algorithms(True):
 // schemas, shared argument checks and the CPU kernels.
 //
-//   deepep::grid_sample_bilinear2d            == F.grid_sample(mode="bilinear"), 4-D input
-//   deepep::grid_sample_bilinear2d_backward   -> (grad_input, grad_grid)
-//   deepep::upsample_bilinear2d               == F.interpolate(mode="bilinear", antialias=False)
-//   deepep::upsample_bilinear2d_backward      -> grad_input
+// This file owns TORCH_LIBRARY(deepep_lightning, m), the plugin's namespace. The other refused-op files
+// add their schemas with TORCH_LIBRARY_FRAGMENT(deepep_lightning, m); the DeepEP workload's kernels
+// (deepep/) live in a namespace of their own, deepep.
+//
+//   deepep_lightning::grid_sample_bilinear2d            == F.grid_sample(mode="bilinear"), 4-D input
+//   deepep_lightning::grid_sample_bilinear2d_backward   -> (grad_input, grad_grid)
+//   deepep_lightning::upsample_bilinear2d               == F.interpolate(mode="bilinear", antialias=False)
+//   deepep_lightning::upsample_bilinear2d_backward      -> grad_input
 //
 // The forwards are PyTorch's own kernels on every device (they are gather-only, hence already
 // deterministic). PyTorch's CPU backwards are deterministic too, so the CPU kernels here call them;
@@ -27,7 +31,7 @@
 #include <optional>
 #include <tuple>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_grid_sample_args(const at::Tensor& input, const at::Tensor& grid, int64_t padding_mode) {
   TORCH_CHECK(padding_mode >= 0 && padding_mode <= 2,
@@ -105,7 +109,7 @@ using torch::autograd::variable_list;
 at::Tensor call_grid_sample(const at::Tensor& input, const at::Tensor& grid, int64_t padding_mode,
                             bool align_corners) {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deepep::grid_sample_bilinear2d", "")
+                             .findSchemaOrThrow("deepep_lightning::grid_sample_bilinear2d", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool)>();
   return op.call(input, grid, padding_mode, align_corners);
 }
@@ -115,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> call_grid_sample_backward(const at::Tensor& g
                                                              bool align_corners, bool input_requires_grad) {
   static const auto op =
       c10::Dispatcher::singleton()
-          .findSchemaOrThrow("deepep::grid_sample_bilinear2d_backward", "")
+          .findSchemaOrThrow("deepep_lightning::grid_sample_bilinear2d_backward", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                                     bool, bool)>();
   return op.call(grad_output, input, grid, padding_mode, align_corners, input_requires_grad);
@@ -124,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> call_grid_sample_backward(const at::Tensor& g
 at::Tensor call_upsample(const at::Tensor& input, at::IntArrayRef output_size, bool align_corners,
                          std::optional<double> scale_h, std::optional<double> scale_w) {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deepep::upsample_bilinear2d", "")
+                             .findSchemaOrThrow("deepep_lightning::upsample_bilinear2d", "")
                              .typed<at::Tensor(const at::Tensor&, at::IntArrayRef, bool, std::optional<double>,
                                                std::optional<double>)>();
   return op.call(input, output_size, align_corners, scale_h, scale_w);
@@ -133,7 +137,7 @@ at::Tensor call_upsample(const at::Tensor& input, at::IntArrayRef output_size, b
 at::Tensor call_upsample_backward(const at::Tensor& grad_output, at::IntArrayRef input_size, bool align_corners,
                                   std::optional<double> scale_h, std::optional<double> scale_w) {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deepep::upsample_bilinear2d_backward", "")
+                             .findSchemaOrThrow("deepep_lightning::upsample_bilinear2d_backward", "")
                              .typed<at::Tensor(const at::Tensor&, at::IntArrayRef, bool, std::optional<double>,
                                                std::optional<double>)>();
   return op.call(grad_output, input_size, align_corners, scale_h, scale_w);
@@ -145,7 +149,7 @@ std::optional<double> optional_double(const c10::IValue& value) {
 
 }  // namespace
 
-// Outside the anonymous namespace so that grad_fn.name() reads "...CppNode<deepep::GridSampleBilinear2d>".
+// Outside the anonymous namespace so that grad_fn.name() reads "...CppNode<deepep_lightning::GridSampleBilinear2d>".
 class GridSampleBilinear2d : public torch::autograd::Function<GridSampleBilinear2d> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& grid,
@@ -199,7 +203,7 @@ at::Tensor upsample_bilinear2d_autograd(const at::Tensor& input, at::IntArrayRef
   return UpsampleBilinear2d::apply(input, output_size, align_corners, scale_h, scale_w);
 }
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY(deepep_lightning, m) {
   m.def("grid_sample_bilinear2d(Tensor input, Tensor grid, int padding_mode, bool align_corners) -> Tensor");
   m.def(
       "grid_sample_bilinear2d_backward(Tensor grad_output, Tensor input, Tensor grid, int padding_mode, "
@@ -212,16 +216,16 @@ TORCH_LIBRARY_FRAGMENT(deepep, m) {
       "float? scale_h, float? scale_w) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("grid_sample_bilinear2d", &grid_sample_bilinear2d_forward);
   m.impl("grid_sample_bilinear2d_backward", &grid_sample_bilinear2d_backward_cpu);
   m.impl("upsample_bilinear2d", &upsample_bilinear2d_forward);
   m.impl("upsample_bilinear2d_backward", &upsample_bilinear2d_backward_cpu);
 }
 
-TORCH_LIBRARY_IMPL(deepep, Autograd, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, Autograd, m) {
   m.impl("grid_sample_bilinear2d", &grid_sample_bilinear2d_autograd);
   m.impl("upsample_bilinear2d", &upsample_bilinear2d_autograd);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

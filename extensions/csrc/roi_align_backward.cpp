@@ -1,4 +1,4 @@
-// deepep::roi_align_backward and deepep::ps_roi_align_backward: torchvision::_roi_align_backward and
+// deepep_lightning::roi_align_backward and deepep_lightning::ps_roi_align_backward: torchvision::_roi_align_backward and
 // _ps_roi_align_backward (same schemas, same results up to the order of the additions), deterministic on
 // every device.
 //
@@ -37,7 +37,7 @@
 
 #include <algorithm>
 
-namespace deepep::roi {
+namespace deepep_lightning::roi {
 
 namespace {
 
@@ -235,7 +235,7 @@ at::Tensor roi_csr_gather_cpu(const at::Tensor& keys, const at::Tensor& sources,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, int pooled_height, int pooled_width, "
       "int batch_size, int channels, int height, int width, int sampling_ratio, bool aligned) -> Tensor");
@@ -248,10 +248,10 @@ TORCH_LIBRARY_FRAGMENT(deepep, m) {
       "int channels, int height, int width) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("roi_align_backward", &roi_align_backward_cpu);
   m.impl("ps_roi_align_backward", &ps_roi_align_backward_cpu);
   m.impl("roi_csr_gather", &roi_csr_gather_cpu);
 }
 
-}  // namespace deepep::roi
+}  // namespace deepep_lightning::roi

@@ -28,7 +28,7 @@
 
 #include <cstdint>
 
-namespace deepep::roi {
+namespace deepep_lightning::roi {
 
 // Entries per sample: the 4 bilinear corners (w1..w4 of torchvision: (y_low, x_low), (y_low, x_high),
 // (y_high, x_low), (y_high, x_high)).
@@ -225,4 +225,4 @@ C10_HOST_DEVICE inline void csr_gather_group(int64_t t, const int64_t* offsets, 
   }
 }
 
-}  // namespace deepep::roi
+}  // namespace deepep_lightning::roi

@@ -1,4 +1,4 @@
-// deepep::segment_reduce: the product, maximum, minimum or mean of the rows of `values` that share a key.
+// deepep_lightning::segment_reduce: the product, maximum, minimum or mean of the rows of `values` that share a key.
 //
 //   segment_reduce(values [n, inner], keys [n], size, reduce, base [size, inner]?, include_base)
 //       -> (out [size, inner], counts [size] int64)
@@ -22,11 +22,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-namespace deepep {
+namespace deepep_lightning {
 
 SegmentReduction check_segment_reduce_inputs(const at::Tensor& values, const at::Tensor& keys, int64_t size,
                                              c10::string_view reduce, const std::optional<at::Tensor>& base) {
-  const char* op = "deepep::segment_reduce";
+  const char* op = "deepep_lightning::segment_reduce";
   SegmentReduction reduction = SegmentReduction::kProd;
   if (reduce == "amax") {
     reduction = SegmentReduction::kMax;
@@ -75,7 +75,7 @@ std::tuple<at::Tensor, at::Tensor> segment_reduce_cpu(const at::Tensor& values, 
   std::tie(sorted_keys, order) = sort_segment_keys(keys);
   const int64_t n = sorted_keys.size(0);
   const int64_t* sorted = sorted_keys.data_ptr<int64_t>();
-  TORCH_CHECK(n == 0 || (sorted[0] >= 0 && sorted[n - 1] < size), "deepep::segment_reduce: index out of range [0, ",
+  TORCH_CHECK(n == 0 || (sorted[0] >= 0 && sorted[n - 1] < size), "deepep_lightning::segment_reduce: index out of range [0, ",
               size, ")");
   at::Tensor starts = at::empty({size}, keys.options().dtype(at::kLong));
   at::Tensor counts = at::empty({size}, keys.options().dtype(at::kLong));
@@ -104,12 +104,12 @@ std::tuple<at::Tensor, at::Tensor> segment_reduce_cpu(const at::Tensor& values, 
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "segment_reduce(Tensor values, Tensor keys, int size, str reduce, Tensor? base=None, bool include_base=True)"
       " -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("segment_reduce", &segment_reduce_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("segment_reduce", &segment_reduce_cpu); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

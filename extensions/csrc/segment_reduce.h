@@ -1,4 +1,4 @@
-// Shared declarations of deepep::segment_reduce (CPU and CUDA kernels); what it computes: segment_reduce.cpp.
+// Shared declarations of deepep_lightning::segment_reduce (CPU and CUDA kernels); what it computes: segment_reduce.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,7 +9,7 @@
 #include <optional>
 #include <type_traits>
 
-namespace deepep {
+namespace deepep_lightning {
 
 // The reductions, as the schema's `reduce` names them: "prod", "amax", "amin", "mean".
 enum class SegmentReduction : int { kProd = 0, kMax = 1, kMin = 2, kMean = 3 };
@@ -120,4 +120,4 @@ C10_HOST_DEVICE inline void segment_reduce_element(int64_t row, int64_t column, 
   out[at] = acc;
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

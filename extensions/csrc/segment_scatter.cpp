@@ -1,4 +1,4 @@
-// deepep::segment_scatter_add: a deterministic scatter-add along one dimension.
+// deepep_lightning::segment_scatter_add: a deterministic scatter-add along one dimension.
 //
 //   segment_scatter_add(src, index, size, dim=0, base=None, alpha=1.0)
 //     == (base.clone() if base is given else zeros(out_shape)).index_add_(dim, index, src, alpha=alpha)
@@ -24,7 +24,7 @@
 #include <optional>
 #include <vector>
 
-namespace deepep {
+namespace deepep_lightning {
 
 std::vector<int64_t> segment_scatter_output_shape(const at::Tensor& src, const at::Tensor& index, int64_t size,
                                                   int64_t dim, const std::optional<at::Tensor>& base) {
@@ -62,12 +62,12 @@ at::Tensor segment_scatter_add_cpu(const at::Tensor& src, const at::Tensor& inde
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "segment_scatter_add(Tensor src, Tensor index, int size, int dim=0, Tensor? base=None, float alpha=1.0) "
       "-> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("segment_scatter_add", &segment_scatter_add_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("segment_scatter_add", &segment_scatter_add_cpu); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -1,8 +1,8 @@
-// deepep::upsample_aa2d_backward: the backward of aten::_upsample_bilinear2d_aa / _upsample_bicubic2d_aa
+// deepep_lightning::upsample_aa2d_backward: the backward of aten::_upsample_bilinear2d_aa / _upsample_bicubic2d_aa
 // (F.interpolate(mode="bilinear"/"bicubic", antialias=True), 4-D input), whose CUDA kernels are refused
 // under torch.use_deterministic_algorithms(True) (they scatter each output's window with atomicAdd).
 //
-//   deepep::upsample_aa2d_backward(grad_output [N, C, OH, OW], int[4] input_size, bool align_corners,
+//   deepep_lightning::upsample_aa2d_backward(grad_output [N, C, OH, OW], int[4] input_size, bool align_corners,
 //                                  float? scale_h, float? scale_w, bool bicubic) -> grad_input [N, C, H, W]
 //
 // The CPU kernels are PyTorch's (already deterministic); the CUDA kernel (cuda/upsample_aa_backward.cu)
@@ -13,7 +13,7 @@
 
 #include <optional>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_upsample_aa_args(const at::Tensor& grad_output, at::IntArrayRef input_size) {
   TORCH_CHECK(input_size.size() == 4, "upsample_aa2d_backward: input_size must have 4 entries [N, C, H_in, W_in], got ",
@@ -42,11 +42,11 @@ at::Tensor upsample_aa2d_backward_cpu(const at::Tensor& grad_output, at::IntArra
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def("upsample_aa2d_backward(Tensor grad_output, int[4] input_size, bool align_corners, float? scale_h, "
         "float? scale_w, bool bicubic) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("upsample_aa2d_backward", &upsample_aa2d_backward_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("upsample_aa2d_backward", &upsample_aa2d_backward_cpu); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

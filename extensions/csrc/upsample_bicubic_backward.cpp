@@ -1,8 +1,8 @@
-// deepep::upsample_bicubic2d_backward: the backward of aten::upsample_bicubic2d (F.interpolate(mode="bicubic"),
+// deepep_lightning::upsample_bicubic2d_backward: the backward of aten::upsample_bicubic2d (F.interpolate(mode="bicubic"),
 // 4-D input, antialias=False), whose CUDA kernel is refused under torch.use_deterministic_algorithms(True)
 // (it scatters 16 taps per output with atomicAdd).
 //
-//   deepep::upsample_bicubic2d_backward(grad_output [N, C, OH, OW], int[4] input_size, bool align_corners,
+//   deepep_lightning::upsample_bicubic2d_backward(grad_output [N, C, OH, OW], int[4] input_size, bool align_corners,
 //                                       float? scale_h, float? scale_w) -> grad_input [N, C, H, W]
 //
 // The CPU kernel is PyTorch's (already deterministic); the CUDA kernel (cuda/upsample_bicubic_backward.cu)
@@ -13,7 +13,7 @@
 
 #include <optional>
 
-namespace deepep {
+namespace deepep_lightning {
 
 void check_upsample_bicubic_args(const at::Tensor& grad_output, at::IntArrayRef input_size) {
   TORCH_CHECK(input_size.size() == 4, "upsample_bicubic2d_backward: input_size must have 4 entries "
@@ -39,11 +39,11 @@ at::Tensor upsample_bicubic2d_backward_cpu(const at::Tensor& grad_output, at::In
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deepep, m) {
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def("upsample_bicubic2d_backward(Tensor grad_output, int[4] input_size, bool align_corners, float? scale_h, "
         "float? scale_w) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("upsample_bicubic2d_backward", &upsample_bicubic2d_backward_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("upsample_bicubic2d_backward", &upsample_bicubic2d_backward_cpu); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -22,7 +22,7 @@ ENTRIES = [
 
 def test_entries_name_registered_routes():
     if not extension_available():
-        pytest.skip("deepep extension not buildable here")
+        pytest.skip("deepep_lightning extension not buildable here")
     routes = set(routed_aten_ops())
     for name in ENTRIES:
         assert CATALOGUE[name].routed and set(CATALOGUE[name].routed) <= routes, name

@@ -169,7 +169,7 @@ def test_plugin_column_on_cuda_makes_refused_ops_reproducible_and_forced_off_the
     from deepep_lightning.ops import cuda_kernels_available
 
     if not cuda_kernels_available():
-        pytest.skip("the deepep CUDA kernels did not build")
+        pytest.skip("the deepep_lightning CUDA kernels did not build")
     ops = REFUSED_ON_CUDA + ["matmul"]
     table = audit_catalogue(ops, columns=THREE, device="cuda", repeats=5, size="small")  # plugin: a subprocess
     rows = table["rows"]

@@ -117,12 +117,12 @@ def test_sequence_auditable_module_is_audited_one_training_step_per_level():
 
 
 def test_deepep_variants_set_constructor_arguments_without_patching_ops():
-    import deepep_lightning.ops as ops
+    import deepep_lightning.deepep.kernels as kernels
 
-    original = ops.all_action_q
+    original = kernels.all_action_q
     heads = {}
     for variant in ("reference", "fused", "fused_atomic"):
         template = ModuleTarget(config=TINY_DEEPEP, device="cpu", variant=variant).prepare("L2").template
         heads[variant] = (template.agent.value_head.fused, template.agent.value_head.deterministic)
-        assert ops.all_action_q is original
+        assert kernels.all_action_q is original
     assert heads == {"reference": (False, True), "fused": (True, True), "fused_atomic": (True, False)}

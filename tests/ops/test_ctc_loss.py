@@ -1,4 +1,4 @@
-"""CPU tests of deepep::ctc_loss_backward (schema, opcheck, PyTorch's gradient, errors) and its routes."""
+"""CPU tests of deepep_lightning::ctc_loss_backward (schema, opcheck, PyTorch's gradient, errors) and its routes."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from deepep_lightning.ops import extension_available
 from deepep_lightning.ops._routes import registered_routes
 from deepep_lightning.ops.ctc_loss import ctc_loss_backward, ctc_loss_backward_reference, unsupported_reason
 
-needs_extension = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep extension")
+needs_extension = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep_lightning extension")
 
 
 def ctc_case(steps=12, batch=3, classes=5, max_target=4, concatenated=False, dtype=torch.float64, seed=0, blank=0):
@@ -75,7 +75,7 @@ def test_opcheck_and_tensor_lengths():
     expected = ctc_loss_backward_reference(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, 0)
     torch.testing.assert_close(ours, expected)
     args = (grad, log_probs, targets, lengths[0], lengths[1].long(), nll, log_alpha, blank, False)
-    torch.library.opcheck(torch.ops.deepep.ctc_loss_backward.default, args)
+    torch.library.opcheck(torch.ops.deepep_lightning.ctc_loss_backward.default, args)
 
 
 @needs_extension

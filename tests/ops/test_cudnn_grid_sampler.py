@@ -34,7 +34,7 @@ def test_the_cudnn_sampler_backward_is_a_route():
     assert "cudnn_grid_sampler_backward" in routed_aten_ops()
 
 
-@pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+@pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 def test_route_computes_the_zeros_padding_align_corners_backward():
     x, grid, grad = _sampler_inputs("cpu", torch.float64)
     assert _cudnn_backward_route_covers(x, grid, grad) is None

@@ -1,5 +1,5 @@
 """CPU tests of the deterministic deform_conv2d backward (deepep_lightning/ops/deform_conv2d.py): the input
-gradient of deepep::deform_conv2d_grad_input matches a float64 oracle and torchvision's CPU kernel, bad
+gradient of deepep_lightning::deform_conv2d_grad_input matches a float64 oracle and torchvision's CPU kernel, bad
 arguments are refused in Python, and the route on ``torchvision::_deform_conv2d_backward`` (installed at the
 CPU key here) serves ``deform_conv2d`` in deterministic mode only."""
 
@@ -15,7 +15,7 @@ from deepep_lightning.ops import _routes, extension_available, routed_aten_ops  
 from deepep_lightning.ops.deform_conv2d import deform_conv2d_backward  # noqa: E402
 from tests.ops._roi_oracle import deform_conv2d_oracle  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 ROUTE = "torchvision::_deform_conv2d_backward"
 
@@ -88,7 +88,7 @@ def test_opcheck_and_bad_arguments():
     args = _backward_args(input, weight, offset, mask, *rest, grad)
     columns = torch.randn(2, 4, 9, 63, dtype=torch.float64)
     torch.library.opcheck(
-        torch.ops.deepep.deform_conv2d_grad_input.default,
+        torch.ops.deepep_lightning.deform_conv2d_grad_input.default,
         (columns, offset, mask, 7, 9, 3, 3, 1, 1, 1, 1, 1, 1, 2, True),
     )
     bad = list(args)

@@ -10,8 +10,9 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from deepep_lightning.ops import _loader, all_action_q, all_action_q_reference, extension_available
+from deepep_lightning.ops import _loader, extension_available, grid_sample
 
 
 @pytest.fixture
@@ -36,12 +37,15 @@ def fresh_loader(monkeypatch):
 def test_sources_cover_every_cpp_and_cu_file():
     cpu_sources = _loader._sources(with_cuda=False)
     all_sources = _loader._sources(with_cuda=True)
-    assert any(s.endswith("all_action_q.cpp") for s in cpu_sources)
+    assert any(s.endswith("csrc/refused_ops.cpp") for s in cpu_sources)
+    assert any(s.endswith("csrc/deepep/all_action_q.cpp") for s in cpu_sources)  # the workload's, same build
     assert all(s.endswith(".cpp") for s in cpu_sources)
-    assert any(s.endswith("cuda/all_action_q_cuda.cu") for s in all_sources)
+    assert any(s.endswith("csrc/cuda/grid_sample_backward.cu") for s in all_sources)
+    assert any(s.endswith("csrc/deepep/cuda/all_action_q_cuda.cu") for s in all_sources)
     assert set(cpu_sources) < set(all_sources)
-    csrc = _loader.csrc_dir()
-    on_disk = {str(p) for p in csrc.glob("*.cpp")} | {str(p) for p in csrc.glob("cuda/*.cu")}
+    on_disk = set()
+    for folder in (_loader.csrc_dir(), _loader.csrc_dir() / "deepep"):
+        on_disk |= {str(p) for p in folder.glob("*.cpp")} | {str(p) for p in folder.glob("cuda/*.cu")}
     assert set(all_sources) == on_disk
 
 
@@ -50,18 +54,18 @@ def test_build_failure_falls_back_with_exactly_one_warning(fresh_loader, monkeyp
         raise OSError("c++: command not found")
 
     monkeypatch.setattr(_loader, "_build_and_load", broken_build)
-    z, e, w, b = torch.randn(6, 4, requires_grad=True), torch.randn(3, 4), torch.randn(4), torch.randn(1)
+    x, grid = torch.randn(1, 2, 5, 5, requires_grad=True), torch.rand(1, 3, 3, 2) * 2 - 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert extension_available() is False
         assert extension_available() is False
-        q = all_action_q(z, e, w, b)
+        out = grid_sample(x, grid, align_corners=False)
     fallbacks = [w for w in caught if issubclass(w.category, RuntimeWarning) and "falling back" in str(w.message)]
     assert len(fallbacks) == 1, [str(w.message) for w in caught]
     assert "c++: command not found" in str(fallbacks[0].message)
     assert "command not found" in _loader.extension_error()
-    assert torch.equal(q, all_action_q_reference(z, e, w, b))
-    assert "deepep" not in q.grad_fn.name()  # the reference's autograd, not the compiled op
+    assert torch.equal(out, F.grid_sample(x, grid, align_corners=False))
+    assert "deepep" not in out.grad_fn.name()  # PyTorch's autograd, not the compiled op
 
 
 def test_disable_env_uses_reference_without_warning(fresh_loader, monkeypatch):

@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from deepep_lightning.ops import extension_available, grid_sample
 from deepep_lightning.ops.grid_sample import grid_sample_unsupported_reason
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 PADDINGS = ("zeros", "border", "reflection")
-OUR_GRAD_FN = "deepep::GridSampleBilinear2d"  # the C++ autograd node (refused_ops.cpp)
+OUR_GRAD_FN = "deepep_lightning::GridSampleBilinear2d"  # the C++ autograd node (refused_ops.cpp)
 
 
 def _inputs(dtype=torch.float64, n=2, c=3, h=5, w=6, out=(4, 7), spread=1.2, seed=0):
@@ -76,7 +76,7 @@ def test_gradcheck():
 def test_opcheck():
     x, grid = _inputs(n=1, c=2, h=4, w=5, out=(3, 2))
     torch.library.opcheck(
-        torch.ops.deepep.grid_sample_bilinear2d.default,
+        torch.ops.deepep_lightning.grid_sample_bilinear2d.default,
         (x, grid, 1, False),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )

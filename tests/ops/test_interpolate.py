@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from deepep_lightning.ops import extension_available, interpolate
 from deepep_lightning.ops.interpolate import _resolve_size, interpolate_unsupported_reason
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
-OUR_GRAD_FN = "deepep::UpsampleBilinear2d"  # the C++ autograd node (refused_ops.cpp)
+OUR_GRAD_FN = "deepep_lightning::UpsampleBilinear2d"  # the C++ autograd node (refused_ops.cpp)
 
 CASES = [  # (size, scale_factor, recompute_scale_factor)
     ((9, 11), None, None),
@@ -68,7 +68,7 @@ def test_gradcheck():
 def test_opcheck():
     x = torch.randn(1, 2, 3, 4, requires_grad=True)
     torch.library.opcheck(
-        torch.ops.deepep.upsample_bilinear2d.default,
+        torch.ops.deepep_lightning.upsample_bilinear2d.default,
         (x, [5, 6], False, None, None),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )

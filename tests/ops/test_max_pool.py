@@ -9,7 +9,7 @@ from deepep_lightning.ops import extension_available
 from deepep_lightning.ops import max_pool as max_pool_module
 from deepep_lightning.ops._routes import registered_routes
 
-needs_extension = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep extension")
+needs_extension = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep_lightning extension")
 aten = torch.ops.aten
 
 ROUTED = (
@@ -173,12 +173,14 @@ def test_argmax_window_backward_opcheck_and_errors():
     x = _randn(2, 3, 9, 7)
     out, indices = F.adaptive_max_pool2d(x, (4, 3), return_indices=True)
     grad = _randn(*out.shape, seed=1)
-    torch.library.opcheck(torch.ops.deepep.argmax_window_backward.default, (grad, indices, [9, 7], [], [], [], []))
-    torch.library.opcheck(torch.ops.deepep.max_unpool_forward.default, (out, indices, [9, 7]))
+    torch.library.opcheck(
+        torch.ops.deepep_lightning.argmax_window_backward.default, (grad, indices, [9, 7], [], [], [], [])
+    )
+    torch.library.opcheck(torch.ops.deepep_lightning.max_unpool_forward.default, (out, indices, [9, 7]))
     with pytest.raises(RuntimeError, match="indices must have grad_output's shape"):
-        torch.ops.deepep.argmax_window_backward(grad, indices[..., :2], [9, 7], [], [], [], [])
+        torch.ops.deepep_lightning.argmax_window_backward(grad, indices[..., :2], [9, 7], [], [], [], [])
     with pytest.raises(RuntimeError, match="must all be empty"):
-        torch.ops.deepep.argmax_window_backward(grad, indices, [9, 7], [2, 2], [], [], [])
+        torch.ops.deepep_lightning.argmax_window_backward(grad, indices, [9, 7], [2, 2], [], [], [])
 
 
 @needs_extension
@@ -193,7 +195,9 @@ def test_a_cell_that_is_the_max_of_several_windows_gets_every_term(kernel, strid
     expected = aten.max_pool2d_with_indices_backward(
         grad, x, [kernel] * 2, [stride] * 2, [0, 0], [1, 1], False, indices
     )
-    ours = torch.ops.deepep.argmax_window_backward(grad, indices, [5, 5], [kernel] * 2, [stride] * 2, [0, 0], [1, 1])
+    ours = torch.ops.deepep_lightning.argmax_window_backward(
+        grad, indices, [5, 5], [kernel] * 2, [stride] * 2, [0, 0], [1, 1]
+    )
     torch.testing.assert_close(ours, expected, rtol=0, atol=1e-14)
     holding = int((indices[0, 0] == 12).sum())  # windows whose max is cell (2, 2), per plane
     assert holding == {4: 4, 1: 1, 9: 9}[passes]
@@ -208,7 +212,9 @@ def test_an_index_outside_its_window_is_not_counted(kernel, stride):
     grad = torch.ones_like(out)
     planted = indices.clone()
     planted.view(-1)[0] = 48  # window (0, 0) cannot hold cell (6, 6)
-    ours = torch.ops.deepep.argmax_window_backward(grad, planted, [7, 7], [kernel] * 2, [stride] * 2, [0, 0], [1, 1])
+    ours = torch.ops.deepep_lightning.argmax_window_backward(
+        grad, planted, [7, 7], [kernel] * 2, [stride] * 2, [0, 0], [1, 1]
+    )
     assert ours.sum() == grad.numel() - 1 and ours[0, 0, 6, 6] == (indices == 48).sum()
 
 
@@ -220,5 +226,5 @@ def test_a_half_precision_cell_of_several_windows_is_summed_in_float():
     x[..., 2, 2] = 10.0
     out, indices = F.max_pool2d(x.float(), 3, 2, return_indices=True)
     grad = torch.tensor([[[[1024.0, 0.5], [0.5, 0.5]]]], dtype=torch.float16)
-    ours = torch.ops.deepep.argmax_window_backward(grad, indices, [5, 5], [3, 3], [2, 2], [0, 0], [1, 1])
+    ours = torch.ops.deepep_lightning.argmax_window_backward(grad, indices, [5, 5], [3, 3], [2, 2], [0, 0], [1, 1])
     assert ours.dtype == torch.float16 and ours[0, 0, 2, 2].item() == 1026.0

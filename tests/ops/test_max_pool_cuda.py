@@ -308,6 +308,6 @@ def test_argmax_window_backward_cuda_is_bitwise_the_cpu_kernel(dtype, kernel, st
     grad = _randn(*out.shape, dtype=dtype, seed=3)
     triple = [kernel] * 3 if isinstance(kernel, int) else list(kernel)
     args = ([9, 20, 22], triple, [stride] * 3, [1, 1, 1], [1, 1, 1])
-    cuda = torch.ops.deepep.argmax_window_backward(grad, indices, *args)
-    cpu = torch.ops.deepep.argmax_window_backward(grad.cpu(), indices.cpu(), *args)
+    cuda = torch.ops.deepep_lightning.argmax_window_backward(grad, indices, *args)
+    cpu = torch.ops.deepep_lightning.argmax_window_backward(grad.cpu(), indices.cpu(), *args)
     assert torch.equal(cuda.cpu(), cpu)

@@ -1,4 +1,4 @@
-"""CPU tests of deepep::ps_roi_align_backward (deepep_lightning/ops/ps_roi_align.py): the float64 oracle and
+"""CPU tests of deepep_lightning::ps_roi_align_backward (deepep_lightning/ops/ps_roi_align.py): the float64 oracle and
 torchvision's CPU kernel agree with it, bad arguments are refused in Python, and the route on
 ``torchvision::_ps_roi_align_backward`` (installed at the CPU key here) serves ``ps_roi_align`` in
 deterministic mode only."""
@@ -15,7 +15,7 @@ from deepep_lightning.ops import _routes, extension_available, routed_aten_ops  
 from deepep_lightning.ops.ps_roi_align import ps_roi_align_backward  # noqa: E402
 from tests.ops._roi_oracle import ps_roi_align_backward_oracle  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 ROUTE = "torchvision::_ps_roi_align_backward"
 
@@ -52,7 +52,7 @@ def test_kernel_matches_the_float64_oracle_and_torchvision_cpu(sampling_ratio):
 
 def test_opcheck_and_empty_rois():
     args = _case(2, torch.float32)
-    torch.library.opcheck(torch.ops.deepep.ps_roi_align_backward.default, args)
+    torch.library.opcheck(torch.ops.deepep_lightning.ps_roi_align_backward.default, args)
     empty = (torch.zeros(0, 3, 2, 3), torch.zeros(0, 5), torch.zeros(0, 3, 2, 3, dtype=torch.int32), *args[3:])
     assert torch.equal(ps_roi_align_backward(*empty), torch.zeros(2, 18, 11, 14))
 

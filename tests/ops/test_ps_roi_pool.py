@@ -14,7 +14,7 @@ import torchvision.ops  # noqa: E402
 from deepep_lightning.ops import _routes, extension_available, routed_aten_ops  # noqa: E402
 from deepep_lightning.ops.ps_roi_pool import ps_roi_pool_backward  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 ROUTE = "torchvision::_ps_roi_pool_backward"
 
@@ -61,7 +61,7 @@ def test_empty_rois_opcheck_and_bad_arguments():
     sources = torch.tensor([0, 1, 7, 2], dtype=torch.int32)
     weights = torch.tensor([0.5, 1.0, 2.0, 3.0], dtype=torch.float64)
     gather_args = (keys, sources, weights, args[0].contiguous(), 2, 6, 3, 12, 14)
-    torch.library.opcheck(torch.ops.deepep.roi_csr_gather.default, gather_args)
+    torch.library.opcheck(torch.ops.deepep_lightning.roi_csr_gather.default, gather_args)
     with pytest.raises(ValueError, match="ps_roi_pool_backward: channels 17 is not a multiple of"):
         ps_roi_pool_backward(*args[:7], 17, *args[8:])
 

@@ -1,4 +1,4 @@
-"""CPU tests of the deepep ops behind the dispatcher routes (nll_loss2d, adaptive/3-D pooling, padding):
+"""CPU tests of the deepep_lightning ops behind the dispatcher routes (nll_loss2d, adaptive/3-D pooling, padding):
 schema and fake kernels (torch.library.opcheck), and equality with PyTorch's CPU kernels."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 from deepep_lightning.ops import extension_available, routed_aten_ops
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 routed_aten_ops()  # imports the op modules: their fake kernels are registered
 
 
@@ -95,7 +95,7 @@ CASES = {
 def test_opcheck_and_equal_to_pytorch(case):
     op_name, make_args, aten = CASES[case]
     args = make_args()
-    op = getattr(torch.ops.deepep, op_name).default
+    op = getattr(torch.ops.deepep_lightning, op_name).default
     opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     got, want = op(*args), aten(*args)
     for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):

@@ -1,4 +1,4 @@
-"""CPU tests of how deepep::grid_sample_bilinear2d / upsample_bilinear2d are registered: autograd in C++
+"""CPU tests of how deepep_lightning::grid_sample_bilinear2d / upsample_bilinear2d are registered: autograd in C++
 (no Python per backward), fake kernels in Python; torch.library.opcheck and torch.compile see them whole."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch.library import opcheck
 
 from deepep_lightning.ops import extension_available, grid_sample, interpolate
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 
 def _grid_inputs(requires_grad=True):
@@ -21,10 +21,10 @@ def test_backward_nodes_are_the_cpp_functions():
     x, grid = _grid_inputs()
     assert (
         grid_sample(x, grid, align_corners=False).grad_fn.name()
-        == "torch::autograd::CppNode<deepep::GridSampleBilinear2d>"
+        == "torch::autograd::CppNode<deepep_lightning::GridSampleBilinear2d>"
     )
     up = interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
-    assert up.grad_fn.name() == "torch::autograd::CppNode<deepep::UpsampleBilinear2d>"
+    assert up.grad_fn.name() == "torch::autograd::CppNode<deepep_lightning::UpsampleBilinear2d>"
 
 
 @pytest.mark.parametrize("which", ["input_and_grid", "grid_only", "input_only"])
@@ -44,15 +44,15 @@ def test_grid_sample_only_computes_what_is_needed(which):
 def test_opcheck_grid_sample():
     x, grid = _grid_inputs()
     for padding_mode in (0, 1, 2):
-        opcheck(torch.ops.deepep.grid_sample_bilinear2d.default, (x, grid, padding_mode, False))
-    opcheck(torch.ops.deepep.grid_sample_bilinear2d.default, (x.detach(), grid, 0, True))
+        opcheck(torch.ops.deepep_lightning.grid_sample_bilinear2d.default, (x, grid, padding_mode, False))
+    opcheck(torch.ops.deepep_lightning.grid_sample_bilinear2d.default, (x.detach(), grid, 0, True))
 
 
 def test_opcheck_upsample():
     x, _ = _grid_inputs()
-    opcheck(torch.ops.deepep.upsample_bilinear2d.default, (x, [9, 13], False, None, None))
-    opcheck(torch.ops.deepep.upsample_bilinear2d.default, (x, [10, 12], True, None, None))
-    opcheck(torch.ops.deepep.upsample_bilinear2d.default, (x, [3, 3], False, 0.5, 0.5))
+    opcheck(torch.ops.deepep_lightning.upsample_bilinear2d.default, (x, [9, 13], False, None, None))
+    opcheck(torch.ops.deepep_lightning.upsample_bilinear2d.default, (x, [10, 12], True, None, None))
+    opcheck(torch.ops.deepep_lightning.upsample_bilinear2d.default, (x, [3, 3], False, 0.5, 0.5))
 
 
 def test_torch_compile_fullgraph_forward_and_backward():

@@ -20,7 +20,7 @@ from deepep_lightning.ops.reductions import index_reduce, put_accumulate, scatte
 from deepep_lightning.ops.segments import segment_reduce
 
 pytestmark = pytest.mark.filterwarnings("ignore:index_reduce\\(\\) is in beta")
-needs_extension = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+needs_extension = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 FLOATS = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 INTEGERS = [torch.int64, torch.int32, torch.int16, torch.uint8]
@@ -199,8 +199,10 @@ def test_put_accumulate_matches_pytorch(dtype, monkeypatch):
     index = torch.randint(-12, 12, (2, 10), generator=generator)  # negative indices count from the end
     source = _values((20,), dtype, generator)
     calls = []
-    kernel = torch.ops.deepep.segment_scatter_add.default
-    monkeypatch.setattr(torch.ops.deepep.segment_scatter_add, "default", lambda *a: calls.append(a) or kernel(*a))
+    kernel = torch.ops.deepep_lightning.segment_scatter_add.default
+    monkeypatch.setattr(
+        torch.ops.deepep_lightning.segment_scatter_add, "default", lambda *a: calls.append(a) or kernel(*a)
+    )
     ours = put_accumulate(self, index, source)
     assert len(calls) == int(dtype.is_floating_point)  # floats: the fixed-order kernel; integers: PyTorch's sum
     _assert_matches(ours, self.clone().put_(index, source, accumulate=True))

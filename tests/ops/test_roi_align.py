@@ -1,4 +1,4 @@
-"""CPU tests of deepep::roi_align_backward (deepep_lightning/ops/roi_align.py) and of its routes: the float64
+"""CPU tests of deepep_lightning::roi_align_backward (deepep_lightning/ops/roi_align.py) and of its routes: the float64
 oracle and torchvision's CPU kernel agree with it, bad arguments are refused in Python, and routing
 ``torchvision::_roi_align_backward`` (installed at the CPU key here) and torchvision's Python entry is on in
 deterministic mode, off otherwise, and reversible."""
@@ -17,7 +17,7 @@ from deepep_lightning.ops import _routes, _torchvision_entry, extension_availabl
 from deepep_lightning.ops.roi_align import roi_align_backward  # noqa: E402
 from tests.ops._roi_oracle import roi_align_backward_oracle  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 ROUTE = "torchvision::_roi_align_backward"
 ORIGINAL_ROI_ALIGN = vars(sys.modules["torchvision.ops.roi_align"])["roi_align"]
@@ -90,7 +90,7 @@ def test_empty_rois_and_repeats_are_bitwise_equal():
 
 def test_opcheck():
     args = _case(2, False, torch.float32)
-    torch.library.opcheck(torch.ops.deepep.roi_align_backward.default, args)
+    torch.library.opcheck(torch.ops.deepep_lightning.roi_align_backward.default, args)
 
 
 @pytest.mark.parametrize(

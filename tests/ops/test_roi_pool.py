@@ -13,7 +13,7 @@ import torchvision.ops  # noqa: E402
 from deepep_lightning.ops import _routes, extension_available, routed_aten_ops  # noqa: E402
 from deepep_lightning.ops.roi_pool import roi_pool_backward  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 ROUTE = "torchvision::_roi_pool_backward"
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from deepep_lightning.ops import _routes, _tracing, extension_available, routed_aten_ops
 from deepep_lightning.ops._routes import Route
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 
 def _reference_unpool(self, indices, output_size, *_stride_padding):

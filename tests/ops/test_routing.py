@@ -18,7 +18,7 @@ from deepep_lightning.ops import (
 )
 from deepep_lightning.ops._routes import Route, register_route, route_kernel
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 ROUTED_HERE = {
     "nll_loss2d_forward",

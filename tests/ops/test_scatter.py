@@ -1,4 +1,4 @@
-"""CPU tests of deepep::segment_scatter_add and of the index_add / scatter_add / index_put routes' arithmetic."""
+"""CPU tests of deepep_lightning::segment_scatter_add and the index_add / scatter_add / index_put routes' arithmetic."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from deepep_lightning.ops import scatter as scatter_module
 from deepep_lightning.ops._routes import registered_routes
 from deepep_lightning.ops.scatter import segment_scatter_add, segment_scatter_add_reference
 
-needs_extension = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep extension")
+needs_extension = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep_lightning extension")
 
 CASES = [  # (src shape, dim, size)
     ((7,), 0, 5),
@@ -62,9 +62,9 @@ def test_non_contiguous_and_int32_index():
 @pytest.mark.parametrize("shape,dim,size", CASES[:4])
 def test_opcheck(shape, dim, size):
     src, index, base = _inputs(shape, dim, size)
-    torch.library.opcheck(torch.ops.deepep.segment_scatter_add.default, (src, index, size, dim, None, 1.0))
+    torch.library.opcheck(torch.ops.deepep_lightning.segment_scatter_add.default, (src, index, size, dim, None, 1.0))
     torch.library.opcheck(
-        torch.ops.deepep.segment_scatter_add.default,
+        torch.ops.deepep_lightning.segment_scatter_add.default,
         (src.requires_grad_(), index, size, dim, base.requires_grad_(), 2.0),
     )
 

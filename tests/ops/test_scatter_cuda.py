@@ -1,4 +1,4 @@
-"""GPU tests of deepep::segment_scatter_add and the index_add / scatter_add / index_put_(accumulate) routes.
+"""GPU tests of deepep_lightning::segment_scatter_add and the index_add / scatter_add / index_put_(accumulate) routes.
 
 Run on the GPU machine: ``python -m pytest tests/ops/test_scatter_cuda.py -q``.
 """

@@ -1,4 +1,4 @@
-"""Tests of the kernels ``deepep::segment_reduce`` and ``deepep::histc_counts`` (ops/segments.py,
+"""Tests of the kernels ``deepep_lightning::segment_reduce`` and ``deepep_lightning::histc_counts`` (ops/segments.py,
 ops/histograms.py), against their pure-PyTorch references.
 
 CPU: the compiled op equals the reference (exactly for integers, maxima, minima and counts; products to
@@ -15,7 +15,7 @@ from deepep_lightning.ops import extension_available
 from deepep_lightning.ops.histograms import histc, histc_counts_reference
 from deepep_lightning.ops.segments import segment_reduce, segment_reduce_reference
 
-pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep extension not buildable here")
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8]
 
@@ -79,13 +79,13 @@ def test_without_the_kernels_the_references_run(monkeypatch):
     samples = torch.randn(1000, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     kernel = segment_reduce(values, keys, 20, "amax")[0], histc(samples, 12, -1.0, 1.0)
     calls = []
-    original = torch.ops.deepep.segment_reduce.default
+    original = torch.ops.deepep_lightning.segment_reduce.default
 
     def spy(*args):
         calls.append(args)
         return original(*args)
 
-    monkeypatch.setattr(torch.ops.deepep.segment_reduce, "default", spy)
+    monkeypatch.setattr(torch.ops.deepep_lightning.segment_reduce, "default", spy)
     segment_reduce(values, keys, 20, "amax")
     assert len(calls) == 1  # negative control: with the kernels, the op runs
     for module in (segments_module, histograms_module):
@@ -95,7 +95,7 @@ def test_without_the_kernels_the_references_run(monkeypatch):
 
 
 def test_segment_reduce_op_refuses_bad_arguments():
-    op = torch.ops.deepep.segment_reduce.default
+    op = torch.ops.deepep_lightning.segment_reduce.default
     values, keys = torch.ones(4, 2), torch.tensor([0, 2, 2, 1])
     with pytest.raises(RuntimeError, match="reduce must be 'prod', 'amax', 'amin' or 'mean', got 'sum'"):
         op(values, keys, 3, "sum")
@@ -124,7 +124,7 @@ def test_segment_reduce_opcheck():
     """Schema, fake (meta) function and dispatch of the op agree (torch.library.opcheck)."""
     values, keys = _entries(60, (3,), 10, torch.float32, seed=2)
     base = torch.rand(10, 3, generator=torch.Generator().manual_seed(3))
-    op = torch.ops.deepep.segment_reduce.default
+    op = torch.ops.deepep_lightning.segment_reduce.default
     torch.library.opcheck(op, (values, keys, 10, "prod"))
     torch.library.opcheck(op, (values, keys.int(), 10, "amax", base, False))
     torch.library.opcheck(op, (values[:0], keys[:0], 10, "amin", base, True))
@@ -143,7 +143,7 @@ def test_segment_reduce_op_combines_the_base_as_pytorchs_index_reduce(dtype, red
     base = _entries(30, (3,), 1, dtype, seed=8)[0]
     base[5] = 0 if reduce == "prod" else base[5]  # keys 5.. hit; a zero base row, a row without entries
     keys[keys == 11] = 12
-    out, counts = torch.ops.deepep.segment_reduce.default(values, keys, 30, reduce, base, include_base)
+    out, counts = torch.ops.deepep_lightning.segment_reduce.default(values, keys, 30, reduce, base, include_base)
     expected = base.index_reduce(0, keys, values, reduce, include_self=include_base)
     assert torch.equal(counts, torch.bincount(keys, minlength=30))
     if reduce == "mean" and dtype in (torch.float16, torch.bfloat16):  # summed in float, by the exact count
@@ -153,7 +153,7 @@ def test_segment_reduce_op_combines_the_base_as_pytorchs_index_reduce(dtype, red
     else:
         assert torch.equal(out, expected)
     assert torch.equal(out[11], base[11])  # no entries: the base row
-    without_base, _ = torch.ops.deepep.segment_reduce.default(values, keys, 30, reduce)
+    without_base, _ = torch.ops.deepep_lightning.segment_reduce.default(values, keys, 30, reduce)
     assert not torch.equal(without_base, expected)
 
 
@@ -163,14 +163,14 @@ def test_histc_counts_kernel_equals_the_reference_and_pytorch(dtype, bins, low, 
     generator = torch.Generator().manual_seed(3)
     values = torch.randn(5000, generator=generator, dtype=torch.float64).to(dtype)
     values[:4] = torch.tensor([low, high, float("nan"), high + 1.0], dtype=torch.float64).to(dtype)  # edges
-    counts = torch.ops.deepep.histc_counts.default(values, bins, low, high)
+    counts = torch.ops.deepep_lightning.histc_counts.default(values, bins, low, high)
     assert counts.dtype == torch.int64 and torch.equal(counts, histc_counts_reference(values, bins, low, high))
     if dtype in (torch.float64, torch.float32):  # PyTorch's CPU histc takes these
         assert torch.equal(histc(values, bins, low, high), torch.histc(values, bins, low, high))
 
 
 def test_histc_counts_op_refuses_bad_arguments():
-    op = torch.ops.deepep.histc_counts.default
+    op = torch.ops.deepep_lightning.histc_counts.default
     with pytest.raises(RuntimeError, match="self must be floating point"):
         op(torch.ones(3, dtype=torch.int64), 4, 0.0, 1.0)
     with pytest.raises(RuntimeError, match="bins must be > 0"):
@@ -191,7 +191,7 @@ def test_histc_counts_op_refuses_bad_arguments():
 def test_segment_reduce_cuda_is_bitwise_the_cpu_kernel(dtype, reduce):
     for n, inner, size, hot in [(100_000, (), 10_000, False), (20_000, (64,), 1000, True), (7, (3,), 50, False)]:
         values, keys = _entries(n, inner, size, dtype, seed=n, hot=hot)
-        flat, op = values.reshape(n, -1), torch.ops.deepep.segment_reduce.default
+        flat, op = values.reshape(n, -1), torch.ops.deepep_lightning.segment_reduce.default
         cpu, cpu_counts = op(flat, keys, size, reduce)
         cuda, cuda_counts = op(flat.cuda(), keys.cuda(), size, reduce)
         assert torch.equal(cuda_counts.cpu(), cpu_counts)
@@ -200,8 +200,10 @@ def test_segment_reduce_cuda_is_bitwise_the_cpu_kernel(dtype, reduce):
             assert torch.equal(op(flat.cuda(), keys.cuda(), size, reduce)[0], cuda)
         base = _entries(size, inner, 1, dtype, seed=n + 1)[0].reshape(size, -1)
         for include_base in (True, False):  # the base combined in the same launch
-            on_cpu = torch.ops.deepep.segment_reduce.default(flat, keys.int(), size, reduce, base, include_base)
-            on_gpu = torch.ops.deepep.segment_reduce.default(
+            on_cpu = torch.ops.deepep_lightning.segment_reduce.default(
+                flat, keys.int(), size, reduce, base, include_base
+            )
+            on_gpu = torch.ops.deepep_lightning.segment_reduce.default(
                 flat.cuda(), keys.int().cuda(), size, reduce, base.cuda(), include_base
             )
             assert all(torch.equal(g.cpu(), c) for g, c in zip(on_gpu, on_cpu))
@@ -215,8 +217,8 @@ def test_histc_counts_cuda_equals_the_cpu_kernel(dtype, bins):
     values = torch.randn(1_000_003, generator=generator, dtype=torch.float64).to(dtype)
     values[:5] = torch.tensor([-4.0, 4.0, float("nan"), -4.5, 4.5], dtype=torch.float64).to(dtype)
     in_range = int(((values >= -4.0) & (values <= 4.0)).sum())  # NaN and values outside [min, max] are not counted
-    cpu = torch.ops.deepep.histc_counts.default(values, bins, -4.0, 4.0)
-    cuda = torch.ops.deepep.histc_counts.default(values.cuda(), bins, -4.0, 4.0)
+    cpu = torch.ops.deepep_lightning.histc_counts.default(values, bins, -4.0, 4.0)
+    cuda = torch.ops.deepep_lightning.histc_counts.default(values.cuda(), bins, -4.0, 4.0)
     assert torch.equal(cuda.cpu(), cpu) and int(cpu.sum()) == in_range
 
 
@@ -225,7 +227,10 @@ def test_segment_kernels_are_captured_in_a_cuda_graph():
     values, keys = _entries(4096, (8,), 300, torch.float32)
     values, keys = values.cuda(), keys.cuda()
     samples = torch.randn(10_000, device="cuda")
-    eager = (segment_reduce(values, keys, 300, "prod")[0], torch.ops.deepep.histc_counts.default(samples, 50, -2, 2))
+    eager = (
+        segment_reduce(values, keys, 300, "prod")[0],
+        torch.ops.deepep_lightning.histc_counts.default(samples, 50, -2, 2),
+    )
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the capture
@@ -235,7 +240,7 @@ def test_segment_kernels_are_captured_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         captured = (
             segment_reduce(values, keys, 300, "prod")[0],
-            torch.ops.deepep.histc_counts.default(samples, 50, -2.0, 2.0),
+            torch.ops.deepep_lightning.histc_counts.default(samples, 50, -2.0, 2.0),
         )
     graph.replay()
     torch.cuda.synchronize()

@@ -14,7 +14,7 @@ with every forward and backward op of every timestep a kernel on ``B x H`` tenso
    rows (one GEMM per layer);
 3. :func:`gru_sequence`'s backward computes every gate pre-activation with two GEMMs over ``T·B`` rows, then
    per timestep, from the last, one ``deepep::gru_cell_backward`` kernel and one ``addmm``
-   (:mod:`deepep_lightning.ops.gru_backward`), and the weight gradients with one GEMM or column sum each
+   (:mod:`deepep_lightning.deepep.kernels.gru_backward`), and the weight gradients with one GEMM or column sum each
    over all timesteps: fixed order, no atomics.
 
 The :class:`~deepep_lightning.deepep.agent.rollout.Rollout` it returns has the same fields and values (the
@@ -33,7 +33,7 @@ from deepep_lightning.deepep.agent.fused_rollout import rollout_steps, rollout_s
 from deepep_lightning.deepep.agent.network import DeepEPAgent
 from deepep_lightning.deepep.agent.rollout import Rollout, Timestep
 from deepep_lightning.deepep.envs.base import BatchedEnv
-from deepep_lightning.ops.gru_backward import check_gru_cell_backward_inputs, gru_cell_backward_unchecked
+from deepep_lightning.deepep.kernels.gru_backward import check_gru_cell_backward_inputs, gru_cell_backward_unchecked
 
 __all__ = ["collect_rollout_fused", "fused_bptt_unsupported_reason", "gru_sequence"]
 

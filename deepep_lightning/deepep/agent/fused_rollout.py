@@ -4,7 +4,7 @@
 and differentiates them afterwards. Op by op, each timestep is some 20-130 kernels on ``B x H`` tensors
 (the policy, the value head, the sample, the GRU cell, CartPole's step), so a T=256 step is bound by kernel
 count. Every quantity of a timestep belongs to one environment, though, so one kernel can run the whole
-rollout: a block owns a few environments for all T timesteps (``extensions/csrc/cartpole_rollout.h``).
+rollout: a block owns a few environments for all T timesteps (``extensions/csrc/deepep/cartpole_rollout.h``).
 
 The random numbers are drawn before the launch, per timestep and in the op-by-op order (the action's
 uniform, then CartPole's reset noise), so the kernel sees the numbers :func:`rollout_steps` sees; the
@@ -25,7 +25,7 @@ from deepep_lightning.deepep.agent.network import DeepEPAgent
 from deepep_lightning.deepep.agent.rollout import Timestep, eager_timestep
 from deepep_lightning.deepep.envs.base import BatchedEnv
 from deepep_lightning.deepep.envs.cartpole import BatchedCartPole
-from deepep_lightning.ops._loader import on_extension_loaded
+from deepep_lightning.ops import on_extension_loaded
 
 __all__ = ["RolloutSteps", "fused_rollout_unsupported_reason", "rollout_steps", "rollout_steps_fused"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepep_lightning.ops.lambda_returns import lambda_returns
+from deepep_lightning.deepep.kernels.lambda_returns import lambda_returns
 
 __all__ = ["LossTerms", "deepep_loss", "lambda_returns"]
 
@@ -43,7 +43,7 @@ def deepep_loss(
       actions; its gradient w.r.t. the logits is ``−π(Q − V)`` with ``V = Σ_a π Q`` (no sampling
       variance from the action choice);
     - critic: ``½(Q(s_t, a_t) − G_t)²`` with ``G_t`` the λ-returns of
-      :func:`~deepep_lightning.ops.lambda_returns.lambda_returns`,
+      :func:`~deepep_lightning.deepep.kernels.lambda_returns.lambda_returns`,
       bootstrapped with the expected value ``V`` (targets carry no gradient);
     - entropy bonus, subtracted with ``entropy_coef`` (a float, or a 0-d tensor for an adaptive one).
 

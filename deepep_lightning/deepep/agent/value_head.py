@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepep_lightning import ops
+from deepep_lightning.deepep import kernels
 
 __all__ = ["AllActionValueHead"]
 
@@ -13,7 +13,7 @@ __all__ = ["AllActionValueHead"]
 class AllActionValueHead(nn.Module):
     """``Q(s, a) = w2ᵀ tanh(W1·x + E[a]) + b2`` for all actions at once, ``x = [obs; h]``.
 
-    The second layer is exactly the extension's fused op ``deepep::all_action_q``, so the
+    The second layer is exactly the workload's fused op ``deepep::all_action_q``, so the
     ``[N, A, H]`` intermediate never exists when ``fused=True``; ``fused=False`` runs the
     pure-PyTorch reference (same function, fp32 rounding apart).
 
@@ -21,9 +21,9 @@ class AllActionValueHead(nn.Module):
         in_features: size of ``x``.
         hidden_size: H.
         num_actions: A.
-        fused: use the compiled op (needs the extension; see ``deepep_lightning.ops``).
+        fused: use the compiled op (needs the extension; see :mod:`deepep_lightning.deepep.kernels`).
         deterministic: the compiled op's CUDA backward variant (``False``: atomic, see
-            :func:`deepep_lightning.ops.all_action_q`).
+            :func:`deepep_lightning.deepep.kernels.all_action_q`).
     """
 
     def __init__(
@@ -44,7 +44,7 @@ class AllActionValueHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [N, in] -> q [N, A]
         z = self.input_layer(x)  # [N, H]
         if self.fused:  # looked up at call time, so a test may wrap it
-            return ops.all_action_q(
+            return kernels.all_action_q(
                 z, self.action_embedding, self.output_weight, self.output_bias, deterministic=self.deterministic
             )
-        return ops.all_action_q_reference(z, self.action_embedding, self.output_weight, self.output_bias)
+        return kernels.all_action_q_reference(z, self.action_embedding, self.output_weight, self.output_bias)

@@ -26,7 +26,7 @@
 
 #include "gather_launch.cuh"
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../adaptive_avg_pool_backward.cpp.
 void check_adaptive_avg_pool_backward_args(const at::Tensor& grad_output, const at::Tensor& self, int64_t spatial);
@@ -132,9 +132,9 @@ at::Tensor adaptive_avg_pool3d_backward_cuda(const at::Tensor& grad_output, cons
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("adaptive_avg_pool2d_backward", &adaptive_avg_pool2d_backward_cuda);
   m.impl("adaptive_avg_pool3d_backward", &adaptive_avg_pool3d_backward_cuda);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -26,7 +26,7 @@
 
 #include "gather_launch.cuh"
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../avg_pool3d_backward.cpp.
 void check_avg_pool3d_backward_args(const at::Tensor& grad_output, const at::Tensor& self, at::IntArrayRef kernel_size,
@@ -146,6 +146,6 @@ at::Tensor avg_pool3d_backward_cuda(const at::Tensor& grad_output, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("avg_pool3d_backward", &avg_pool3d_backward_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("avg_pool3d_backward", &avg_pool3d_backward_cuda); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

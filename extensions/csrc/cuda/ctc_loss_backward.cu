@@ -27,7 +27,7 @@
 #include <limits>
 #include <optional>
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../ctc_loss.cpp.
 void check_ctc_loss_backward_args(const at::Tensor& grad, const at::Tensor& log_probs, const at::Tensor& targets,
@@ -229,6 +229,6 @@ at::Tensor ctc_loss_backward_cuda(const at::Tensor& grad_out, const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("ctc_loss_backward", &ctc_loss_backward_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("ctc_loss_backward", &ctc_loss_backward_cuda); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -1,4 +1,4 @@
-// Deterministic CUDA kernel of deepep::deform_conv2d_grad_input (schema, host driver and CPU kernels:
+// Deterministic CUDA kernel of deepep_lightning::deform_conv2d_grad_input (schema, host driver and CPU kernels:
 // ../deform_conv2d_backward.cpp; the per-sample entries: ../deform_conv2d_backward.h; the gather:
 // ../roi_csr_gather.h). torchvision's deformable_col2im_kernel adds into grad_input with float atomicAdd;
 // here one thread per deformable sample writes its 4 channel-independent entries, a stable sort orders
@@ -16,7 +16,7 @@
 #include "../deform_conv2d_backward.h"
 #include "gather_launch.cuh"
 
-namespace deepep::roi {
+namespace deepep_lightning::roi {
 
 namespace {
 
@@ -61,6 +61,6 @@ at::Tensor deform_conv2d_grad_input_cuda(const at::Tensor& columns, const at::Te
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("deform_conv2d_grad_input", &deform_conv2d_grad_input_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("deform_conv2d_grad_input", &deform_conv2d_grad_input_cuda); }
 
-}  // namespace deepep::roi
+}  // namespace deepep_lightning::roi

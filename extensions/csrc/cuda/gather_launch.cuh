@@ -1,5 +1,5 @@
 // Launch helpers shared by the grid-stride kernels (the pooling, padding and upsampling gathers,
-// gru_cell_backward, segment_reduce, histc_counts).
+// gru_cell_backward of the DeepEP workload (deepep/cuda/), segment_reduce, histc_counts).
 //
 // A gather kernel writes each grad_input element once from a few grad_output elements; its cost is the
 // index arithmetic per element. So offsets are uint32 whenever every value that a kernel forms fits
@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-namespace deepep::gather {
+namespace deepep_lightning::gather {
 
 constexpr int kThreads = 256;
 constexpr int kBlocksPerSm = 8;
@@ -45,4 +45,4 @@ void with_index_type(bool narrow, Launch&& launch) {
 template <typename index_t>
 using Divider = at::cuda::detail::IntDivider<index_t>;
 
-}  // namespace deepep::gather
+}  // namespace deepep_lightning::gather

@@ -69,7 +69,7 @@
 #include <optional>
 #include <tuple>
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../refused_ops.cpp.
 void check_grid_sample_args(const at::Tensor& input, const at::Tensor& grid, int64_t padding_mode);
@@ -518,9 +518,9 @@ std::tuple<at::Tensor, at::Tensor> grid_sample_bilinear2d_backward_cuda(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("grid_sample_bilinear2d", &grid_sample_bilinear2d_forward);
   m.impl("grid_sample_bilinear2d_backward", &grid_sample_bilinear2d_backward_cuda);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

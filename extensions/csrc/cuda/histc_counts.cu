@@ -1,4 +1,4 @@
-// CUDA kernel of deepep::histc_counts (what it computes: ../histc_counts.cpp, the bin: ../histc_counts.h).
+// CUDA kernel of deepep_lightning::histc_counts (what it computes: ../histc_counts.cpp, the bin: ../histc_counts.h).
 //
 // Grid-stride over the elements. With at most kSharedBins bins (and fewer than 2^32 elements, so a
 // block's 32-bit counters cannot wrap) each block counts in shared memory and adds its counts to the
@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-namespace deepep {
+namespace deepep_lightning {
 namespace {
 
 using gather::grid_blocks;
@@ -77,6 +77,6 @@ at::Tensor histc_counts_cuda(const at::Tensor& self, int64_t bins, double low, d
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("histc_counts", &histc_counts_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("histc_counts", &histc_counts_cuda); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -34,7 +34,7 @@
 
 #include "max_pool_windows.h"
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../max_pool_backward.cpp.
 int64_t argmax_planes(const at::Tensor& tensor, int64_t spatial_dims, const char* op);
@@ -178,9 +178,9 @@ at::Tensor max_unpool_forward_cuda(const at::Tensor& self, const at::Tensor& ind
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("argmax_window_backward", &argmax_window_backward_cuda);
   m.impl("max_unpool_forward", &max_unpool_forward_cuda);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -28,7 +28,7 @@
 #include <optional>
 #include <tuple>
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../nll_loss2d.cpp.
 void check_nll_loss2d_args(const at::Tensor& self, const at::Tensor& target, const std::optional<at::Tensor>& weight,
@@ -111,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> nll_loss2d_forward_cuda(const at::Tensor& sel
                                                            const std::optional<at::Tensor>& weight_opt,
                                                            int64_t reduction, int64_t ignore_index) {
   check_nll_loss2d_args(self, target, weight_opt, reduction);
-  TORCH_CHECK(reduction != 0, "nll_loss2d_forward: the deepep CUDA kernel reduces (mean or sum); reduction 0 "
+  TORCH_CHECK(reduction != 0, "nll_loss2d_forward: the deepep_lightning CUDA kernel reduces (mean or sum); reduction 0 "
               "(none) is PyTorch's own kernel, already deterministic");
   TORCH_CHECK(self.is_cuda() && target.device() == self.device(),
               "nll_loss2d_forward: self and target must be on one CUDA device, got ", self.device(), " and ",
@@ -149,6 +149,6 @@ std::tuple<at::Tensor, at::Tensor> nll_loss2d_forward_cuda(const at::Tensor& sel
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("nll_loss2d_forward", &nll_loss2d_forward_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("nll_loss2d_forward", &nll_loss2d_forward_cuda); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -30,7 +30,7 @@
 
 #include "gather_launch.cuh"
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../pad_backward.cpp.
 void check_pad_backward_args(const at::Tensor& grad_output, const at::Tensor& self, at::IntArrayRef padding,
@@ -199,9 +199,9 @@ at::Tensor replication_pad_backward_cuda(const at::Tensor& grad_output, const at
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("reflection_pad_backward", &reflection_pad_backward_cuda);
   m.impl("replication_pad_backward", &replication_pad_backward_cuda);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

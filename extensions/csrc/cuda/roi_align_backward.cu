@@ -1,4 +1,4 @@
-// Deterministic CUDA kernels of deepep::roi_align_backward and deepep::ps_roi_align_backward (one sparse map
+// Deterministic CUDA kernels of deepep_lightning::roi_align_backward and deepep_lightning::ps_roi_align_backward (one sparse map
 // and gather serves both; schemas, host driver and CPU kernels:
 // ../roi_align_backward.cpp; the per-thread math: ../roi_csr_gather.h).
 //
@@ -24,7 +24,7 @@
 #include "../roi_align_backward.h"
 #include "gather_launch.cuh"
 
-namespace deepep::roi {
+namespace deepep_lightning::roi {
 
 namespace {
 
@@ -141,10 +141,10 @@ void csr_gather_cuda(const at::Tensor& offsets, const at::Tensor& order, const a
   });
 }
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("roi_align_backward", &roi_align_backward_cuda);
   m.impl("ps_roi_align_backward", &ps_roi_align_backward_cuda);
   m.impl("roi_csr_gather", &roi_csr_gather_cuda);
 }
 
-}  // namespace deepep::roi
+}  // namespace deepep_lightning::roi

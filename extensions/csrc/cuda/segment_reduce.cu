@@ -1,4 +1,4 @@
-// CUDA kernels of deepep::segment_reduce (what it computes: ../segment_reduce.cpp, element code in
+// CUDA kernels of deepep_lightning::segment_reduce (what it computes: ../segment_reduce.cpp, element code in
 // ../segment_reduce.h).
 //
 // After the stable sort of the keys (at::sort), two launches on the current stream:
@@ -22,7 +22,7 @@
 #include "gather_launch.cuh"
 
 
-namespace deepep {
+namespace deepep_lightning {
 namespace {
 
 using gather::grid_blocks;
@@ -86,6 +86,6 @@ std::tuple<at::Tensor, at::Tensor> segment_reduce_cuda(const at::Tensor& values,
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("segment_reduce", &segment_reduce_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("segment_reduce", &segment_reduce_cuda); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

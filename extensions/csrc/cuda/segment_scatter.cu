@@ -38,7 +38,7 @@
 #include <optional>
 #include <vector>
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../segment_scatter.cpp.
 std::vector<int64_t> segment_scatter_output_shape(const at::Tensor& src, const at::Tensor& index, int64_t size,
@@ -268,6 +268,6 @@ at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& ind
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("segment_scatter_add", &segment_scatter_add_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("segment_scatter_add", &segment_scatter_add_cuda); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

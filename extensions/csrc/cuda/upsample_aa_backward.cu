@@ -28,7 +28,7 @@
 
 #include "gather_launch.cuh"
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../upsample_aa_backward.cpp.
 void check_upsample_aa_args(const at::Tensor& grad_output, at::IntArrayRef input_size);
@@ -189,6 +189,6 @@ at::Tensor upsample_aa2d_backward_cuda(const at::Tensor& grad_output, at::IntArr
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) { m.impl("upsample_aa2d_backward", &upsample_aa2d_backward_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("upsample_aa2d_backward", &upsample_aa2d_backward_cuda); }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

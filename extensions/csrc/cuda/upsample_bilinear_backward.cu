@@ -47,7 +47,7 @@
 #include <climits>
 #include <optional>
 
-namespace deepep {
+namespace deepep_lightning {
 
 // Defined in ../refused_ops.cpp.
 void check_upsample_args(const at::Tensor& grad_output, at::IntArrayRef input_size);
@@ -246,9 +246,9 @@ at::Tensor upsample_bilinear2d_backward_cuda(const at::Tensor& grad_output, at::
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep, CUDA, m) {
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("upsample_bilinear2d", &upsample_bilinear2d_forward);
   m.impl("upsample_bilinear2d_backward", &upsample_bilinear2d_backward_cuda);
 }
 
-}  // namespace deepep
+}  // namespace deepep_lightning

@@ -69,14 +69,16 @@ def test_recurrent_state_resets_at_episode_end_and_bptt_truncation_cuts_gradient
     assert rollout.dones.any()
 
 
-def test_fused_value_head_calls_the_op_through_the_ops_module(monkeypatch):
-    # deepep-audit routes the head to the atomic variant by replacing ops.all_action_q; a name bound
+def test_fused_value_head_calls_the_op_through_the_kernels_module(monkeypatch):
+    # deepep-audit routes the head to the atomic variant by replacing kernels.all_action_q; a name bound
     # at import time would silently bypass that (the GPU audit once reported the atomic head "reproducible").
-    import deepep_lightning.ops as ops
+    import deepep_lightning.deepep.kernels as kernels
 
     calls = []
-    original = ops.all_action_q
-    monkeypatch.setattr(ops, "all_action_q", lambda *args, **kwargs: calls.append(kwargs) or original(*args, **kwargs))
+    original = kernels.all_action_q
+    monkeypatch.setattr(
+        kernels, "all_action_q", lambda *args, **kwargs: calls.append(kwargs) or original(*args, **kwargs)
+    )
     head = AllActionValueHead(6, 8, 3, fused=True)
     head(torch.randn(5, 6))
     assert len(calls) == 1

@@ -2,7 +2,7 @@
 //
 //   G_t = r_t + γ(1 − d_t)[(1 − λ) V_{t+1} + λ G_{t+1}],   V_T = G_T = bootstrap_value     (returns [T, B])
 //
-// The reference loop (deepep_lightning/ops/lambda_returns.py) runs six elementwise kernels per
+// The reference loop (deepep_lightning/deepep/kernels/lambda_returns.py) runs six elementwise kernels per
 // timestep; here a column is one thread's sequential recursion, with the reference's operations in its
 // order and one rounding each (lambda_returns.h), so the returns are the reference's bit for bit on
 // either device. Columns are independent: no reduction, no atomic. The arguments are validated in

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from deepep_lightning.deepep.kernels.lambda_returns import lambda_returns, lambda_returns_reference
 from deepep_lightning.ops import extension_available
-from deepep_lightning.ops.lambda_returns import lambda_returns, lambda_returns_reference
 
 # (gamma, lam): the DeepEP defaults, the two ends of λ, and a discount of 1
 COEFFICIENTS = [(0.99, 0.95), (0.9, 0.0), (0.97, 1.0), (1.0, 0.5)]

@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepep_lightning._checks import number
-from deepep_lightning.ops._guards import kernels_reason, require_tensors
-from deepep_lightning.ops._loader import on_extension_loaded
+from deepep_lightning.ops import kernels_reason, on_extension_loaded, require_tensors
+from deepep_lightning.validation import number
 
 __all__ = ["check_lambda_returns_inputs", "lambda_returns", "lambda_returns_reference"]
 

@@ -13,15 +13,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "gather_launch.cuh"
+#include "cuda/gather_launch.cuh"  // the plugin's launch helpers, in the same build
 
 #include <tuple>
 
 namespace deepep {
 namespace {
 
-using gather::grid_blocks;
-using gather::kThreads;
+using deepep_lightning::gather::grid_blocks;
+using deepep_lightning::gather::kThreads;
 
 template <typename scalar_t>
 __global__ void gru_cell_backward_kernel(const scalar_t* __restrict__ grad_output, const scalar_t* __restrict__ carry,

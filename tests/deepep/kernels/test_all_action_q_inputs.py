@@ -1,11 +1,12 @@
-"""Bad inputs to deepep_lightning/ops/all_action_q.py: every error names the argument and what it got."""
+"""Bad inputs to deepep_lightning/deepep/kernels/all_action_q.py: every error names the argument and what it got."""
 
 import importlib
 
 import pytest
 import torch
 
-from deepep_lightning.ops import all_action_q, extension_available
+from deepep_lightning.deepep.kernels import all_action_q
+from deepep_lightning.ops import extension_available
 
 
 def valid(n=4, a=3, h=8, dtype=torch.float32):
@@ -58,7 +59,7 @@ def test_wrapper_rejects_non_bool_deterministic():
 
 def test_reference_fallback_gets_the_same_checks(monkeypatch):
     # The package attribute `all_action_q` is the function; the module lives in sys.modules.
-    module = importlib.import_module("deepep_lightning.ops.all_action_q")
+    module = importlib.import_module("deepep_lightning.deepep.kernels.all_action_q")
     monkeypatch.setattr(module, "kernels_reason", lambda tensor: "no extension here")
     kwargs = valid()
     kwargs["w"] = torch.randn(7)

@@ -295,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> all_action_q_backward
                 "deepep::all_action_q_backward_cuda: action_embedding has A=", num_actions,
                 " actions, more than this kernel supports for ", z_c.scalar_type(),
                 " (at most ", kDefaultSharedBytes / (2 * kWarpSize * sizeof(scalar_t)),
-                "). HINT: use deepep_lightning.ops.all_action_q_reference for so many actions.");
+                "). HINT: use deepep_lightning.deepep.kernels.all_action_q_reference for so many actions.");
     const dim3 grid(static_cast<unsigned int>(num_chunks),
                     static_cast<unsigned int>(ceil_div(hidden, threads)));
     at::Tensor partials;

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.library import opcheck
 
+from deepep_lightning.deepep.kernels.gru_backward import gru_cell_backward, gru_cell_backward_reference
 from deepep_lightning.ops import extension_available
-from deepep_lightning.ops.gru_backward import gru_cell_backward, gru_cell_backward_reference
 
 
 def make_inputs(batch=7, size=5, dtype=torch.float64, seed=0, device="cpu"):

@@ -7,7 +7,7 @@
 // kernels are bitwise reproducible whatever the number of threads; `deterministic` only selects
 // between the two CUDA backward variants and is accepted (and ignored) here.
 //
-// This file owns TORCH_LIBRARY(deepep, m). Other ops of the namespace add their schemas from
+// This file owns TORCH_LIBRARY(deepep, m), the DeepEP workload's namespace. Its other ops add their schemas from
 // their own files with TORCH_LIBRARY_FRAGMENT(deepep, m).
 #include "all_action_q.h"
 

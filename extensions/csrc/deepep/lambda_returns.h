@@ -26,7 +26,7 @@ inline scalar_t lr_add(scalar_t a, scalar_t b) { return a + b; }
 #endif
 
 // Column b of the [T, B] returns, from t = T - 1 down to 0, in the order of the reference's loop
-// (deepep_lightning/ops/lambda_returns.py):
+// (deepep_lightning/deepep/kernels/lambda_returns.py):
 //   running = r_t + (gamma * (1 - d_t)) * ((1 - lam) * v_{t+1} + lam * running),  v_T = bootstrap_value
 // gamma, one_minus_lam and lam arrive already rounded to scalar_t, as PyTorch rounds a Python scalar
 // to a float tensor's dtype before it multiplies.

@@ -9,9 +9,8 @@ make the op traceable by ``torch.compile``, and its autograd formula (a second f
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import kernels_reason, require_tensors
-from deepep_lightning.ops._loader import register_op_python_side
-from deepep_lightning.ops.reference import all_action_q_reference
+from deepep_lightning.deepep.kernels.reference import all_action_q_reference
+from deepep_lightning.ops import kernels_reason, register_op_python_side, require_tensors
 
 __all__ = ["all_action_q"]
 
@@ -128,4 +127,4 @@ def _backward(ctx, grad_q: Tensor):
     return dz, d_embedding, dw, db.reshape(ctx.bias_shape), None
 
 
-register_op_python_side("all_action_q", _fake_forward, _fake_backward, _backward, _setup_context)
+register_op_python_side("all_action_q", _fake_forward, _fake_backward, _backward, _setup_context, namespace="deepep")

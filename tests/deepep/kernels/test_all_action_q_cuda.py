@@ -1,4 +1,4 @@
-"""GPU tests of deepep_lightning/ops/all_action_q.py: the CUDA kernels (run by the lead on the H200)."""
+"""GPU tests of deepep_lightning/deepep/kernels/all_action_q.py: the CUDA kernels (run by the lead on the H200)."""
 
 import os
 import sys
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepep_lightning.ops import all_action_q, all_action_q_reference, cuda_kernels_available, extension_error
+from deepep_lightning.deepep.kernels import all_action_q, all_action_q_reference
+from deepep_lightning.ops import cuda_kernels_available, extension_error
 
 pytestmark = pytest.mark.gpu
 

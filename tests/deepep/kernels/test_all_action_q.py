@@ -1,4 +1,4 @@
-"""CPU tests of deepep_lightning/ops/all_action_q.py: the compiled C++ kernel against the reference."""
+"""CPU tests of deepep_lightning/deepep/kernels/all_action_q.py: the compiled C++ kernel against the reference."""
 
 import shutil
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.library import opcheck
 
-from deepep_lightning.ops import all_action_q, all_action_q_reference, extension_available, extension_error
+from deepep_lightning.deepep.kernels import all_action_q, all_action_q_reference
+from deepep_lightning.ops import extension_available, extension_error
 
 
 def make_inputs(n=37, a=5, h=11, dtype=torch.float64, seed=0, bias_shape=(1,), requires_grad=True):

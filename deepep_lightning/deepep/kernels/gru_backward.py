@@ -22,10 +22,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._guards import kernels_reason, require_tensors
-from deepep_lightning.ops._loader import on_extension_loaded
+from deepep_lightning.ops import kernels_reason, on_extension_loaded, require_tensors
 
-__all__ = ["check_gru_cell_backward_inputs", "gru_cell_backward", "gru_cell_backward_reference"]
+__all__ = [
+    "check_gru_cell_backward_inputs",
+    "gru_cell_backward",
+    "gru_cell_backward_reference",
+    "gru_cell_backward_unchecked",
+]
 
 _OP = "gru_cell_backward"
 _FLOAT_DTYPES = (torch.float32, torch.float64)
