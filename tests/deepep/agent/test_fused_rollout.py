@@ -166,7 +166,7 @@ MODULE = dict(num_envs=8, rollout_length=12, hidden_size=16, seed=3, fused_bptt=
 
 def _train(steps, **kwargs):
     model = DeepEPModule(**{**MODULE, **kwargs})
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     return model, torch.stack([step()["loss"].detach().clone() for _ in range(steps)])
 
@@ -196,7 +196,7 @@ def _as_if_on_cuda(model, monkeypatch, kernels_built=True):
     """``model`` (its state built on the CPU) reporting a CUDA device, where None resolves the switch."""
     from deepep_lightning.deepep import rollout_loss
 
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     monkeypatch.setattr(model, "_device", torch.device("cuda", 0))
     monkeypatch.setattr(rollout_loss, "_cuda_kernels_load", lambda: kernels_built)
 
@@ -221,7 +221,7 @@ def test_no_warning_where_the_op_by_op_rollout_is_chosen_or_already_explained(ca
 
     model = DeepEPModule(**{**MODULE, "env": "memory", **({"fused_rollout": False} if case == "false" else {})})
     if case == "cpu":
-        model._ensure_rollout_state()
+        model.ensure_rollout_state()
     else:
         _as_if_on_cuda(model, monkeypatch, kernels_built=case != "kernels_not_built")
     assert not fused_rollout_on(model)
@@ -343,7 +343,7 @@ GPU_MODULE = dict(num_envs=256, rollout_length=32, hidden_size=256, seed=5, fuse
 
 def _train_gpu(steps, graph, **kwargs):
     model = DeepEPModule(**{**GPU_MODULE, **kwargs}, cuda_graph=graph).cuda()
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()
