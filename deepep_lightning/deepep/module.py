@@ -33,7 +33,7 @@ from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpi
 from deepep_lightning.deepep.graph_training import GraphTraining
 from deepep_lightning.deepep.lr_decay import lr_stairs
 from deepep_lightning.deepep.module_arguments import check_arguments
-from deepep_lightning.deepep.rollout_loss import fused_bptt_on, rollout_and_loss
+from deepep_lightning.deepep.rollout_loss import fused_bptt_on, fused_rollout_on, rollout_and_loss
 from deepep_lightning.deepep.rollout_state import RolloutState
 from deepep_lightning.deepep.virtual_ranks import VirtualRollouts, check_virtual_support, ordered_mean, virtual_layout
 from deepep_lightning.determinism.streams import derive_seed
@@ -330,6 +330,12 @@ class DeepEPModule(pl.LightningModule):
     def fused_bptt_on(self) -> bool:
         """``fused_bptt`` resolved for the module's device (None: on with CUDA and the extension's CUDA kernels)."""
         return fused_bptt_on(self.hparams, self.device)
+
+    @property
+    def fused_rollout_on(self) -> bool:
+        """``fused_rollout`` resolved for the next rollout on the module's device (may warn once, see
+        :func:`~deepep_lightning.deepep.rollout_loss.fused_rollout_on`)."""
+        return fused_rollout_on(self.hparams, self.agent, self.rollout_state, self.device)
 
     def select_virtual_rank(self, index: int) -> None:
         """Make virtual rank ``index`` of this process the one whose rollout runs next."""

@@ -59,7 +59,8 @@ def rollout_and_loss(
     timestep = state.compiled_timestep if hp.compile_step else None
     args = (agent, state.env, state.hidden.clone(), hp.rollout_length, state.generator, hp.bptt_truncation)
     if fused_bptt_on(config, state.device):
-        rollout = collect_rollout_fused(*args, timestep=timestep, fused_rollout=fused_rollout_on(config, agent, state))
+        kernel = fused_rollout_on(config, agent, state, state.device)
+        rollout = collect_rollout_fused(*args, timestep=timestep, fused_rollout=kernel)
     else:
         rollout = collect_rollout(*args, timestep=timestep)
     state.hidden.copy_(rollout.final_hidden)
@@ -105,8 +106,9 @@ def fused_bptt_on(config: Any, device: torch.device) -> bool:
     return config.detach_feedback and device.type == "cuda" and _cuda_kernels_load()
 
 
-def fused_rollout_on(config: Any, agent: DeepEPAgent, state: RolloutState) -> bool:
-    """``fused_rollout`` resolved for this rollout (None: on with CUDA where the kernel runs the agent and env).
+def fused_rollout_on(config: Any, agent: DeepEPAgent, state: RolloutState, device: torch.device) -> bool:
+    """``fused_rollout`` resolved for a rollout on ``device`` (None: on with CUDA where the kernel runs the agent and
+    env).
 
     Under None on CUDA a rollout the kernel cannot run takes the op-by-op timesteps after one warning per
     agent naming why (none when the CUDA kernels were not built: the extension's loader has said so).
@@ -115,7 +117,7 @@ def fused_rollout_on(config: Any, agent: DeepEPAgent, state: RolloutState) -> bo
         ValueError: ``fused_rollout=True`` and the kernel cannot run this rollout (the reason named).
     """
     choice = config.fused_rollout
-    if choice is False or config.compile_step or (choice is None and state.device.type != "cuda"):
+    if choice is False or config.compile_step or (choice is None and device.type != "cuda"):
         return False
     reason = fused_rollout_unsupported_reason(agent, state.env)
     if reason is None:
