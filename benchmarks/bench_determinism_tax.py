@@ -116,13 +116,13 @@ def _build_step(args, device):
         optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
 
         def step():
-            module._ensure_rollout_state()
-            module._seed_rollout()
-            _, terms = module._rollout_and_loss()
+            module.ensure_rollout_state()
+            module.seed_rollout()
+            _, terms = module.rollout_and_loss()
             optimizer.zero_grad(set_to_none=True)
             terms.loss.backward()
             optimizer.step()
-            module._rollout_step += 1
+            module.rollout_state.step += 1
             return terms.loss
 
         return "DeepEPModule", list(module.parameters()), step

@@ -67,7 +67,7 @@ def _step_function(model: Any) -> Any:
     """One training step (rollout + loss + backward + Adam): a CUDA graph on the GPU, eager on the CPU."""
     from deepep_lightning.deepep.graph_training import StandaloneStep
 
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     return StandaloneStep(model, model.configure_optimizers())  # Adam(capturable=True) when cuda_graph=True
 
 

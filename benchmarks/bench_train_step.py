@@ -4,7 +4,7 @@
     python benchmarks/bench_train_step.py --out DIR --quick     # CPU smoke test: tiny shapes, no graph variants
 
 One process, the same model and shapes for every variant. A step is the whole training step
-(``DeepEPModule._whole_step``: rollout of T timesteps, loss, backward, gradient norm, Adam step).
+(``GraphTraining.whole_step``: rollout of T timesteps, loss, backward, gradient norm, Adam step).
 Variants: ``eager`` (op by op), ``graph`` (the step captured as one CUDA graph), ``compiled_eager``
 (``compile_step=True``: the timestep fused by inductor, the step run eagerly) and ``compiled_graph``
 (the compiled timestep inside the CUDA graph), all with ``fused_bptt=False``; the ``fused_*`` variants
@@ -38,7 +38,7 @@ from torch._dynamo.utils import counters
 
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent import fused_rollout
-from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.deepep.graph_training import StandaloneStep
 
 VARIANTS = (
     "eager",
@@ -84,29 +84,21 @@ class _Variant:
             fused_bptt=fused,
             fused_rollout=kernel,
         ).to(args.device)
-        self.model._ensure_rollout_state()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4, capturable=graph)
-        assert self.model._generator is not None
-        self.graphed = (
-            GraphedTrainStep(lambda: self.model._whole_step(self.optimizer), self.model._generator) if graph else None
-        )
+        self.standalone = StandaloneStep(self.model, self.optimizer)  # one CUDA graph when cuda_graph=True
+        self.graphed = self.standalone.graphed
 
     def step(self) -> None:
-        self.model._seed_rollout()
-        if self.graphed is not None:
-            self.graphed()
-        else:
-            self.model._whole_step(self.optimizer)
-        self.model._rollout_step += 1
+        self.standalone()
 
     def uncaptured_step(self) -> None:
         """The same step, op by op on the current stream (what the graph captured)."""
-        self.model._seed_rollout()
-        self.model._whole_step(self.optimizer)
-        self.model._rollout_step += 1
+        self.model.seed_rollout()
+        self.standalone.training.whole_step(self.optimizer)
+        self.model.rollout_state.step += 1
 
     def compile_fallback(self) -> str | None:
-        timestep = self.model._compiled_timestep
+        timestep = self.model.rollout_state.compiled_timestep
         return timestep.unavailable_reason if timestep is not None else None
 
 

@@ -1,4 +1,4 @@
-"""DeepEPModule's CUDA-graph training step (``cuda_graph=True``): the whole step as one graph replay.
+"""DeepEP's CUDA-graph training step (``cuda_graph=True``): the whole step as one graph replay.
 
 The step (rollout, loss, backward, clipping, Adam step) is captured once by
 :class:`~deepep_lightning.deepep.agent.graphed_step.GraphedTrainStep` and replayed every training step;
@@ -9,7 +9,8 @@ tensors a rollback restores in place), none of which the eager path has.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
@@ -17,12 +18,15 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from deepep_lightning._lightning_compat import counted_optimizer_step
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
-from deepep_lightning.deepep.lr_decay import decay_module_lrs
 
 if TYPE_CHECKING:
     from deepep_lightning.deepep.module import DeepEPModule
+    from deepep_lightning.deepep.rollout_state import RolloutState
 
-__all__ = ["StandaloneStep", "graph_capture_key", "graph_static_tensors", "graphed_training_step", "whole_step"]
+__all__ = ["GraphTraining", "StandaloneStep", "graph_capture_key"]
+
+#: One rollout and its loss terms, ``(rollout, terms)``: what :meth:`GraphTraining.whole_step` differentiates.
+RolloutAndLoss = Callable[[], tuple[Any, Any]]
 
 
 def graph_capture_key(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -33,73 +37,112 @@ def graph_capture_key(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     ]
 
 
-def graph_static_tensors(module: DeepEPModule, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """What a rollback restores and the graph reads in place: parameters, optimizer state, recurrent state."""
-    params = list(module.parameters())
-    state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-    return params + state + ([module._hidden] if module._hidden is not None else [])
+class GraphTraining:
+    """The whole training step (rollout, loss, backward, clipping, optimizer step), replayed as one CUDA graph.
 
+    Args:
+        rollout_and_loss: runs one rollout on ``state`` and returns ``(rollout, terms)``.
+        parameters: the trained parameters (called at each step: their set may follow the optimizer).
+        state: the rollout state the graph reads and writes in place (recurrent state, generator).
+        max_grad_norm: clip the gradients' global norm inside the graph (None: no clipping).
 
-def graphed_training_step(module: DeepEPModule) -> dict[str, torch.Tensor]:
-    """One training step of ``module`` as a replay of its graph (captured at the first call), or eagerly inside
-    :meth:`~deepep_lightning.deepep.module.DeepEPModule.uncaptured_steps`.
+    Attributes:
+        graphed: the :class:`GraphedTrainStep`, captured at the first replayed :meth:`step`; None before.
 
-    Raises:
-        MisconfigurationException: the module is not on a CUDA device (outside ``uncaptured_steps``).
+    Example::
+
+        graph = GraphTraining(module.rollout_and_loss, module.parameters, module.rollout_state, None)
+        outputs = graph.step(lightning_optimizer)  # in a manually optimised training_step
     """
-    lightning_optimizer = cast(LightningOptimizer, module.optimizers())  # one optimizer
-    optimizer = lightning_optimizer.optimizer
-    if not module._uncaptured and module.device.type != "cuda":
-        raise MisconfigurationException(
-            f"`DeepEPModule(cuda_graph=True)` needs a CUDA device, the module is on {module.device}"
-            " (HINT: set cuda_graph: false for CPU runs)"
-        )
-    if module._graphed is None and not module._uncaptured:
-        assert module._generator is not None
-        # A changed learning rate (NaNRollbackCallback's lower_lr policy, a scheduler) re-captures the graph.
-        module._graphed = GraphedTrainStep(
-            lambda: module._whole_step(optimizer),
-            module._generator,
-            capture_key=lambda: module._graph_capture_key(optimizer),
-            static_tensors=lambda: graph_static_tensors(module, optimizer),
-        )
-    # Lightning counts the optimizer step through its own bookkeeping; the step itself runs inside the graph.
-    with counted_optimizer_step(lightning_optimizer):
-        outputs = module._whole_step(optimizer) if module._uncaptured else cast(GraphedTrainStep, module._graphed)()
-    return outputs
 
+    def __init__(
+        self,
+        rollout_and_loss: RolloutAndLoss,
+        parameters: Callable[[], Iterable[torch.nn.Parameter]],
+        state: RolloutState,
+        max_grad_norm: float | None,
+    ) -> None:
+        self.rollout_and_loss, self.parameters, self.state = rollout_and_loss, parameters, state
+        self.max_grad_norm = max_grad_norm
+        self.graphed: GraphedTrainStep | None = None
 
-def whole_step(module: DeepEPModule, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Rollout, loss, backward, gradient norm, clipping and optimizer step: what the graph captures."""
-    optimizer.zero_grad(set_to_none=True)
-    rollout, terms = module._rollout_and_loss()
-    terms.loss.backward()
-    params = [p for p in module.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if module.hparams.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_(params, module.hparams.max_grad_norm, foreach=True)
-    optimizer.step()
-    return {
-        "loss": terms.loss.detach(),
-        "policy_loss": terms.policy_loss.detach(),
-        "value_loss": terms.value_loss.detach(),
-        "entropy": terms.entropy.detach(),
-        "grad_norm": grad_norm,
-        "episode_return_sum": rollout.episode_returns.sum(),
-        "episodes": rollout.dones.sum(),
-    }
+    @property
+    def captures(self) -> int:
+        """How many times the step was captured (0 before the first replay)."""
+        return self.graphed.captures if self.graphed is not None else 0
+
+    def static_tensors(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """What a rollback restores and the graph reads in place: parameters, optimizer state, recurrent state."""
+        params = list(self.parameters())
+        state = [v for p in params for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return [*params, *state, self.state.hidden]
+
+    def whole_step(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """Rollout, loss, backward, gradient norm, clipping and optimizer step: what the graph captures."""
+        optimizer.zero_grad(set_to_none=True)
+        rollout, terms = self.rollout_and_loss()
+        terms.loss.backward()
+        params = [p for p in self.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm, foreach=True)
+        optimizer.step()
+        return {
+            "loss": terms.loss.detach(),
+            "policy_loss": terms.policy_loss.detach(),
+            "value_loss": terms.value_loss.detach(),
+            "entropy": terms.entropy.detach(),
+            "grad_norm": grad_norm,
+            "episode_return_sum": rollout.episode_returns.sum(),
+            "episodes": rollout.dones.sum(),
+        }
+
+    def step(self, lightning_optimizer: LightningOptimizer, uncaptured: bool = False) -> dict[str, torch.Tensor]:
+        """One training step as a replay of the graph (captured at the first call), or eagerly when ``uncaptured``.
+
+        Raises:
+            MisconfigurationException: the rollout state is not on a CUDA device (unless ``uncaptured``).
+        """
+        optimizer = lightning_optimizer.optimizer
+        if not uncaptured and self.state.device.type != "cuda":
+            raise MisconfigurationException(
+                f"`DeepEPModule(cuda_graph=True)` needs a CUDA device, the module is on {self.state.device}"
+                " (HINT: set cuda_graph: false for CPU runs)"
+            )
+        if self.graphed is None and not uncaptured:
+            # A changed learning rate (NaNRollbackCallback's lower_lr policy, a scheduler) re-captures the graph.
+            self.graphed = GraphedTrainStep(
+                lambda: self.whole_step(optimizer),
+                self.state.generator,
+                capture_key=lambda: graph_capture_key(optimizer),
+                static_tensors=lambda: self.static_tensors(optimizer),
+            )
+        # Lightning counts the optimizer step through its own bookkeeping; the step itself runs inside the graph.
+        with counted_optimizer_step(lightning_optimizer):
+            outputs = self.whole_step(optimizer) if uncaptured or self.graphed is None else self.graphed()
+        return outputs
 
 
 class StandaloneStep:
     """``module``'s whole training step outside a Trainer, as ``training_step`` runs it (benchmarks, tests).
 
-    Each call applies the module's learning-rate decay for the step, seeds the rollout from ``(seed, rank,
-    step)``, runs the module's :func:`whole_step` (rollout, loss, backward, clipping, optimizer step) — one
-    CUDA-graph replay when the module has ``cuda_graph=True`` (re-captured when a learning rate changes),
-    eagerly otherwise — and moves the module's rollout step on. ``optimizer`` must be capturable for the graph
+    Each call seeds the module's active rollout state from ``(seed, rank, step)``, runs
+    :meth:`GraphTraining.whole_step` (rollout, loss, backward, clipping, optimizer step) — one CUDA-graph replay
+    when the module has ``cuda_graph=True`` (re-captured when a learning rate changes), eagerly otherwise —
+    moves the rollout step on and steps
+    the learning-rate scheduler, if any. The optimizer must be capturable for the graph
     (``module.configure_optimizers()`` makes one).
 
+    Args:
+        module: the module to train; its rollout state is built here.
+        optimizers: an optimizer of the module's parameters, or what ``module.configure_optimizers()`` returns
+            (an optimizer, or a dict with its ``"lr_scheduler"``, stepped after every step as Lightning steps a
+            ``"step"``-interval scheduler).
+
     Attributes:
+        optimizer: the optimizer.
+        scheduler: the learning-rate scheduler, None without one.
+
         graphed: the :class:`GraphedTrainStep` of the graph path (its ``captures`` count), None eagerly.
 
     Example::
@@ -108,21 +151,31 @@ class StandaloneStep:
         losses = [step()["loss"].clone() for _ in range(100)]
     """
 
-    def __init__(self, module: DeepEPModule, optimizer: torch.optim.Optimizer) -> None:
-        module._ensure_rollout_state()
-        assert module._generator is not None
-        self.module, self.optimizer = module, optimizer
+    def __init__(
+        self,
+        module: DeepEPModule,
+        optimizers: torch.optim.Optimizer | dict[str, Any],
+    ) -> None:
+        module.ensure_rollout_state()
+        configured: dict[str, Any] = optimizers if isinstance(optimizers, dict) else {"optimizer": optimizers}
+        optimizer = configured["optimizer"]
+        scheduler = configured["lr_scheduler"]["scheduler"] if "lr_scheduler" in configured else None
+        self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
+        state, max_grad_norm = module.rollout_state, module.hparams.max_grad_norm
+        self.training = GraphTraining(module.rollout_and_loss, module.parameters, state, max_grad_norm)
         self.graphed: GraphedTrainStep | None = None
         if module.hparams.cuda_graph:
             self.graphed = GraphedTrainStep(
-                lambda: module._whole_step(optimizer),
-                module._generator,
+                lambda: self.training.whole_step(optimizer),
+                state.generator,
                 capture_key=lambda: graph_capture_key(optimizer),
             )
 
     def __call__(self) -> dict[str, torch.Tensor]:
-        decay_module_lrs(self.module, self.module._rollout_step, self.optimizer)
-        self.module._seed_rollout()
-        outputs = self.graphed() if self.graphed is not None else self.module._whole_step(self.optimizer)
-        self.module._rollout_step += 1
+        state = self.module.rollout_state  # the active one: a test may select another virtual rank between calls
+        state.seed_rollout(self.module.hparams.seed)
+        outputs = self.graphed() if self.graphed is not None else self.training.whole_step(self.optimizer)
+        state.step += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
         return outputs

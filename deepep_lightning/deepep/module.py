@@ -1,46 +1,40 @@
 """DeepEPModule: the DeepEP agent trained on-policy by Lightning.
 
-The class holds the Lightning hooks, the state and the eager training step; its other parts are
-functions of the module in files of their own: the argument checks
-(:mod:`~deepep_lightning.deepep.module_arguments`), one rollout and its loss
-(:mod:`~deepep_lightning.deepep.rollout_loss`), the rollout state and its checkpoint entry
-(:mod:`~deepep_lightning.deepep.rollout_state`), the CUDA-graph step
-(:mod:`~deepep_lightning.deepep.graph_training`) and the virtual-rank step
-(:mod:`~deepep_lightning.deepep.virtual_ranks`).
+The class holds the Lightning hooks and the logging; its collaborators own the rest: the rollout state of
+one rank (:class:`~deepep_lightning.deepep.rollout_state.RolloutState`) or of this process's virtual ranks
+(:class:`~deepep_lightning.deepep.virtual_ranks.VirtualRollouts`), one rollout and its loss as a function
+(:func:`~deepep_lightning.deepep.rollout_loss.rollout_and_loss`), the CUDA-graph step
+(:class:`~deepep_lightning.deepep.graph_training.GraphTraining`), the learning-rate stairs
+(:func:`~deepep_lightning.deepep.lr_decay.lr_stairs`) and the argument checks
+(:mod:`~deepep_lightning.deepep.module_arguments`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from deepep_lightning.deepep.agent import DeepEPAgent
-from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
-from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
-from deepep_lightning.deepep.envs import BatchedEnv
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
-from deepep_lightning.deepep.graph_training import graph_capture_key, graphed_training_step, whole_step
-from deepep_lightning.deepep.lr_decay import decay_module_lrs
+from deepep_lightning.deepep.graph_training import GraphTraining
+from deepep_lightning.deepep.lr_decay import lr_stairs
 from deepep_lightning.deepep.module_arguments import check_arguments
-from deepep_lightning.deepep.rollout_loss import fused_bptt_on, rollout_and_loss
-from deepep_lightning.deepep.rollout_state import ensure_rollout_state, load_rollout_state_dict, rollout_state_dict
-from deepep_lightning.deepep.virtual_ranks import (
-    VirtualRollout,
-    ensure_virtual_rollouts,
-    select_virtual_rank,
-    virtual_training_step,
-)
+from deepep_lightning.deepep.rollout_loss import fused_bptt_on, fused_rollout_on, rollout_and_loss
+from deepep_lightning.deepep.rollout_state import RolloutState
+from deepep_lightning.deepep.virtual_ranks import VirtualRollouts, check_virtual_support, ordered_mean, virtual_layout
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel, attached_trainer
 
@@ -269,49 +263,127 @@ class DeepEPModule(pl.LightningModule):
         self.episode_return = EpisodeReturnMean()
         self.episode_return_100 = RollingEpisodeReturn(RETURN_WINDOW)
         self._throughput_mark: tuple[float, int] | None = None  # (perf_counter, rollout step) at the last write
-        self._compiled_timestep: CompiledTimestep | None = None  # built with the env (compile_step=True)
-        self._env: BatchedEnv | None = None
-        self._hidden: torch.Tensor | None = None
-        self._generator: torch.Generator | None = None
-        self._rollout_step = 0
-        self._pending_rollout_state: dict[str, Any] | None = None
-        self._graphed: GraphedTrainStep | None = None
-        # DeterministicDDPStrategy(virtual_world_size=K): this process's virtual ranks (deepep.virtual_ranks)
-        self._virtual: list[VirtualRollout] = []
-        self._virtual_rank: int | None = None  # the one whose rollout runs now
-        self._virtual_window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._rollout: RolloutState | None = None  # the active (virtual) rank's, built by ensure_rollout_state()
+        self._virtual: VirtualRollouts | None = None  # DeterministicDDPStrategy(virtual_world_size=K)
+        self._pending_rollout_state: dict[str, Any] | None = None  # loaded before the build
+        self._graph: GraphTraining | None = None  # cuda_graph=True, built with the rollout state
+        self._uncaptured = False  # set by uncaptured_steps()
 
     # ---------------------------------------------------------------- rollout state
-    def _rank(self) -> int:
-        if self._virtual_rank is not None:
-            return self._virtual_rank
-        return self.trainer.global_rank if self._trainer is not None else 0
+    def ensure_rollout_state(self, virtual_ranks: tuple[int, int] | None = None) -> None:
+        """Build the rollout state once on the module's device, restoring a state loaded before the build.
 
-    def _ensure_virtual_rollouts(self, first: int, per_process: int) -> None:
-        """One set of environments, recurrent state and generator per virtual rank of this process."""
-        ensure_virtual_rollouts(self, first, per_process)
+        Args:
+            virtual_ranks: ``(first virtual rank, virtual ranks per process)`` to build
+                :class:`~deepep_lightning.deepep.virtual_ranks.VirtualRollouts`; None: the attached trainer's
+                strategy decides (``virtual_world_size``), one :class:`RolloutState` of this rank without one.
+        """
+        if self._rollout is not None:
+            return
+        trainer = attached_trainer(self)
+        if virtual_ranks is None and trainer is not None:
+            virtual_ranks = virtual_layout(trainer.strategy)
+        hp = self.hparams
+        env = (hp.env, hp.num_envs, hp.env_kwargs)
+        build = functools.partial(RolloutState.build, self.agent, *env, self.device, hp.seed)
+        pending, self._pending_rollout_state = self._pending_rollout_state, None
+        if virtual_ranks is not None:
+            check_virtual_support(hp)
+            self._virtual = VirtualRollouts.build(build, *virtual_ranks)
+            self._rollout = self._virtual.select(0)
+            if pending:
+                self._virtual.load_state_dict(pending)
+        else:
+            rank = trainer.global_rank if trainer is not None else 0
+            self._rollout = build(rank, saved=pending)
+        if hp.cuda_graph:
+            self._graph = GraphTraining(self.rollout_and_loss, self.parameters, self._rollout, hp.max_grad_norm)
 
-    def _select_virtual_rank(self, index: int) -> None:
-        """Point the rollout at virtual rank ``index`` of this process (its env, recurrent state, generator)."""
-        select_virtual_rank(self, index)
+    @property
+    def rollout_state(self) -> RolloutState:
+        """The rollout state of the (virtual) rank whose rollout runs now.
 
-    def _ensure_rollout_state(self) -> None:
-        """Build the rollout state once (:func:`~deepep_lightning.deepep.rollout_state.ensure_rollout_state`)."""
-        ensure_rollout_state(self)
+        Raises:
+            RuntimeError: before :meth:`ensure_rollout_state` (a fit calls it at ``on_fit_start``).
+        """
+        if self._rollout is None:
+            raise RuntimeError("DeepEPModule: no rollout state yet. HINT: call `ensure_rollout_state()` first")
+        return self._rollout
+
+    @property
+    def virtual_rollouts(self) -> VirtualRollouts | None:
+        """This process's virtual ranks (``DeterministicDDPStrategy(virtual_world_size=K)``); None without them."""
+        return self._virtual
+
+    @property
+    def rollout_step(self) -> int:
+        """The index of the next training step's rollout (0 before the rollout state exists)."""
+        return self._rollout.step if self._rollout is not None else 0
+
+    @property
+    def graph_training(self) -> GraphTraining | None:
+        """The CUDA-graph step (``cuda_graph=True``, once the rollout state exists); None otherwise."""
+        return self._graph
+
+    @property
+    def fused_bptt_on(self) -> bool:
+        """``fused_bptt`` resolved for the module's device (None: on with CUDA and the extension's CUDA kernels)."""
+        return fused_bptt_on(self.hparams, self.device)
+
+    @property
+    def fused_rollout_on(self) -> bool:
+        """``fused_rollout`` resolved for the next rollout on the module's device (may warn once, see
+        :func:`~deepep_lightning.deepep.rollout_loss.fused_rollout_on`)."""
+        return fused_rollout_on(self.hparams, self.agent, self.rollout_state, self.device)
+
+    def select_virtual_rank(self, index: int) -> None:
+        """Make virtual rank ``index`` of this process the one whose rollout runs next."""
+        assert self._virtual is not None
+        self._rollout = self._virtual.select(index)
+
+    def seed_rollout(self) -> None:
+        """Seed the active rollout state's generator for its step: ``derive_seed(seed, "rollout", rank, step)``."""
+        self.rollout_state.seed_rollout(self.hparams.seed)
+
+    def rollout_and_loss(self, first_of_step: bool = True) -> tuple[Any, Any]:
+        """One rollout of the active rollout state and its loss terms (:func:`~.rollout_loss.rollout_and_loss`).
+
+        Without virtual ranks its finished episodes feed ``episode_return_100`` here (inside the CUDA graph
+        on that path); with them :meth:`training_step` adds the ``K`` virtual ranks' in order.
+        """
+        state, hparams = self.rollout_state, self.hparams
+        rollout, terms = rollout_and_loss(self.agent, state, hparams, self.log_entropy_coef, first_of_step)
+        if self._virtual is None:
+            self.episode_return_100.update(rollout.episode_returns, rollout.dones)
+        return rollout, terms
 
     def rollout_state_dict(self) -> dict[str, Any]:
         """Environment states, recurrent state and the step counter (CPU tensors and ints)."""
-        return rollout_state_dict(self)
+        if self._rollout is None:
+            return dict(self._pending_rollout_state) if self._pending_rollout_state else {}
+        return self._virtual.state_dict() if self._virtual is not None else self._rollout.state_dict()
 
     def load_rollout_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`rollout_state_dict` returned, in place (graph-safe)."""
-        load_rollout_state_dict(self, state)
+        """Restore what :meth:`rollout_state_dict` returned, in place (graph-safe); before the build, keep it."""
+        if not state:
+            return
+        if self._rollout is None:
+            self._pending_rollout_state = state
+        elif self._virtual is not None or "virtual" in state:
+            if self._virtual is None:
+                raise ValueError(
+                    f"DeepEPModule: the rollout state holds virtual ranks {sorted(state['virtual'])!r}, this process"
+                    " trains virtual ranks None. HINT: resume with the virtual_world_size of the checkpoint"
+                )
+            self._virtual.load_state_dict(state)
+        else:
+            self._rollout.load_state_dict(state)
 
     @override
     def on_fit_start(self) -> None:
         # Create the environments now (after the checkpoint restore and the move to the device), so
         # the snapshot NaNRollbackCallback takes at train start already holds the rollout state.
-        self._ensure_rollout_state()
+        self.ensure_rollout_state()
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -357,7 +429,13 @@ class DeepEPModule(pl.LightningModule):
         return DataLoader(_StepIndices(self.hparams.steps_per_epoch), batch_size=None, shuffle=False)
 
     @override
-    def configure_optimizers(self) -> torch.optim.Optimizer:
+    def configure_optimizers(self) -> Any:
+        """Adam (or SGD) with the critic's, the policy's and the recurrent cell's rates as param groups.
+
+        Returns:
+            The optimizer; with ``lr_decay_steps``, a dict with it and its stairs
+            (:func:`~deepep_lightning.deepep.lr_decay.lr_stairs`, stepped after every optimizer step).
+        """
         hp = self.hparams
         policy_params = list(self.agent.policy_net.parameters())
         policy_ids = {id(p) for p in policy_params}
@@ -374,20 +452,13 @@ class DeepEPModule(pl.LightningModule):
         if hp.policy_adam_eps is not None:
             groups[1]["eps"] = hp.policy_adam_eps
         if hp.optimizer == "sgd":
-            return torch.optim.SGD(groups, lr=hp.learning_rate)
-        return torch.optim.Adam(groups, lr=hp.learning_rate, capturable=hp.cuda_graph)
-
-    def _seed_rollout(self) -> None:
-        assert self._generator is not None
-        self._generator.manual_seed(derive_seed(self.hparams.seed, "rollout", self._rank(), self._rollout_step))
-
-    def _rollout_and_loss(self, first_of_step: bool = True) -> tuple[Any, Any]:
-        """One rollout and its loss terms (:func:`~deepep_lightning.deepep.rollout_loss.rollout_and_loss`)."""
-        return rollout_and_loss(self, first_of_step)
-
-    def _fused_bptt_on(self) -> bool:
-        """``fused_bptt`` resolved for the module's device (None: on with CUDA and the extension's CUDA kernels)."""
-        return fused_bptt_on(self)
+            optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=hp.learning_rate)
+        else:
+            optimizer = torch.optim.Adam(groups, lr=hp.learning_rate, capturable=hp.cuda_graph)
+        if hp.lr_decay_steps is None:
+            return optimizer
+        scheduler = lr_stairs(optimizer, hp.lr_decay_steps, hp.lr_decay_stages)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def _lightning_writes_logs_after(self, step: int) -> bool:
         """Whether Lightning writes the logged values at the end of optimizer step ``step`` (0-based).
@@ -409,31 +480,32 @@ class DeepEPModule(pl.LightningModule):
         if not hp.log_throughput:
             return
         now = time.perf_counter()
-        if self._throughput_mark is not None and self._rollout_step > self._throughput_mark[1]:
+        if self._throughput_mark is not None and self.rollout_step > self._throughput_mark[1]:
             start, first_step = self._throughput_mark
-            env_steps = (self._rollout_step - first_step) * hp.num_envs * hp.rollout_length
+            env_steps = (self.rollout_step - first_step) * hp.num_envs * hp.rollout_length
             rate = torch.tensor(env_steps / max(now - start, 1e-9))
             self.log("perf/env_steps_per_s", rate, on_step=True, on_epoch=False, batch_size=1)
-        self._throughput_mark = (now, self._rollout_step)
+        self._throughput_mark = (now, self.rollout_step)
 
     @override
     def on_train_start(self) -> None:
-        self._throughput_mark = (time.perf_counter(), self._rollout_step)
+        self._throughput_mark = (time.perf_counter(), self.rollout_step)
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, torch.Tensor]:
         trainer = attached_trainer(self)
         writes_logs = trainer is not None and self._lightning_writes_logs_after(trainer.global_step)
-        self._ensure_rollout_state()
-        if trainer is not None:
-            decay_module_lrs(self, trainer.global_step)
-        if self._virtual:
-            return virtual_training_step(self, batch_idx, writes_logs)
-        self._seed_rollout()
-        if self.hparams.cuda_graph:
-            outputs = graphed_training_step(self)
+        self.ensure_rollout_state()
+        if self._virtual is not None:
+            return self._virtual_training_step(batch_idx, writes_logs)
+        self.seed_rollout()
+        if self._graph is not None:
+            outputs = self._graph.step(cast(LightningOptimizer, self.optimizers()), self._uncaptured)
+            scheduler = self.lr_schedulers() if trainer is not None else None
+            if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):  # manual optimisation steps it here
+                scheduler.step()
         else:
-            rollout, terms = self._rollout_and_loss()
+            rollout, terms = self.rollout_and_loss()
             outputs = {
                 "loss": terms.loss,
                 "policy_loss": terms.policy_loss,
@@ -443,7 +515,7 @@ class DeepEPModule(pl.LightningModule):
                 "episodes": rollout.dones.sum(),
             }
             self.last_rollout = rollout
-        self._rollout_step += 1
+        self.rollout_state.step += 1
         # device tensors, no prog_bar: Lightning converts progress-bar values to numbers at every step's end
         for name in ("loss", "policy_loss", "value_loss", "entropy"):
             self.log(f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False)
@@ -454,7 +526,7 @@ class DeepEPModule(pl.LightningModule):
         self.log("train/episode_return_100", self.episode_return_100.compute(), on_step=True, on_epoch=False)
         if writes_logs:
             self._log_progress(outputs["loss"])
-        if self.hparams.cuda_graph:
+        if self._graph is not None:
             # The graph's outputs are overwritten by the next replay: hand on clones. Manual optimisation
             # passes this dict to the callbacks' on_train_batch_end (NumericalHealthCallback checks
             # "loss" and reads "grad_norm" in place of the gradients, which no hook sees inside the graph).
@@ -462,6 +534,35 @@ class DeepEPModule(pl.LightningModule):
             self.log("train/grad_norm", checked["grad_norm"], on_step=True, on_epoch=False)
             return checked
         return outputs["loss"]
+
+    def _virtual_training_step(self, batch_idx: int, writes_logs: bool) -> torch.Tensor:
+        """The rollout and loss of one virtual rank: micro-batch ``batch_idx % (K / W)`` of the optimizer step.
+
+        At the step's last micro-batch the ``K`` virtual ranks' scalars are logged as their ordered means and
+        their episodes feed the rolling return in virtual-rank order: the same bits whatever ``W``.
+        """
+        assert self._virtual is not None
+        index = batch_idx % len(self._virtual)
+        self.select_virtual_rank(index)
+        self.seed_rollout()
+        rollout, terms = self.rollout_and_loss(first_of_step=index == 0)
+        self.last_rollout = rollout
+        scalars = torch.stack([terms.loss, terms.policy_loss, terms.value_loss, terms.entropy]).detach().float()
+        self._virtual.record(scalars, rollout.episode_returns.detach().float(), rollout.dones.float())
+        # epoch mean, summed over processes by the metric: exact in any order while returns are integers (CartPole)
+        self.episode_return.update(rollout.episode_returns.sum(), rollout.dones.sum())
+        self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
+        if index == len(self._virtual) - 1:
+            all_scalars, returns, dones = self._virtual.end_step()
+            for episode_returns, done in zip(returns, dones, strict=True):
+                self.episode_return_100.update(episode_returns, done > 0)
+            means = ordered_mean(all_scalars)
+            for position, name in enumerate(("loss", "policy_loss", "value_loss", "entropy")):
+                self.log(f"train/{name}", means[position].clone(), on_step=True, on_epoch=False)
+            self.log("train/episode_return_100", self.episode_return_100.compute(), on_step=True, on_epoch=False)
+            if writes_logs:
+                self._log_progress(means[0])
+        return terms.loss
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -472,14 +573,12 @@ class DeepEPModule(pl.LightningModule):
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.hparams.max_grad_norm, foreach=True)
 
     # ---------------------------------------------------------------- CUDA graph path
-    _uncaptured = False  # set by uncaptured_steps()
-
     @contextlib.contextmanager
     def uncaptured_steps(self) -> Iterator[None]:
         """Inside this block, ``cuda_graph=True`` training steps run without the CUDA graph.
 
-        The same step (:meth:`_whole_step`: rollout, loss, backward, clipping, optimizer step) runs
-        eagerly on the current stream, on the same tensors the graph uses, so it is one ordinary
+        The same step (:meth:`GraphTraining.whole_step`: rollout, loss, backward, clipping, optimizer step)
+        runs eagerly on the current stream, on the same tensors the graph uses, so it is one ordinary
         training step and the graph carries on after the block. Dispatch modes see every op of it,
         which is why :class:`~deepep_lightning.NaNRollbackCallback`'s non-finite locator diagnoses a
         graph-path step in here. It is also the way to step through the graph path in a debugger
@@ -496,14 +595,6 @@ class DeepEPModule(pl.LightningModule):
             yield
         finally:
             self._uncaptured = previous
-
-    def _graph_capture_key(self, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-        """The optimizer's hyperparameters, baked into the graph: a change of them re-captures it."""
-        return graph_capture_key(optimizer)
-
-    def _whole_step(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        """Rollout, loss, backward, clipping and optimizer step: what the graph captures (eager here)."""
-        return whole_step(self, optimizer)
 
 
 def _extension_loads() -> bool:

@@ -1,8 +1,10 @@
-"""DeepEPModule's rollout and loss: the collection path (op by op, fused BPTT, compiled timestep) and the loss terms.
+"""One rollout and its loss terms: the collection path (op by op, fused BPTT, compiled timestep) and the loss.
 
-Both training paths run this: the eager step (Lightning's automatic optimisation, virtual ranks) and the
-CUDA-graph step (:mod:`~deepep_lightning.deepep.graph_training`), which captures it. A file of its own:
-it is what a training step computes, apart from how the step is run and logged.
+Both training paths run :func:`rollout_and_loss`: the eager step (Lightning's automatic optimisation,
+virtual ranks) and the CUDA-graph step (:class:`~deepep_lightning.deepep.graph_training.GraphTraining`),
+which captures it. It is a function of the agent, one rank's
+:class:`~deepep_lightning.deepep.rollout_state.RolloutState` and the hyperparameters: what a training
+step computes, apart from how the step is run and logged.
 """
 
 from __future__ import annotations
@@ -20,45 +22,57 @@ from deepep_lightning.deepep.agent.fused_rollout import fused_rollout_unsupporte
 from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_update_
 
 if TYPE_CHECKING:
-    from deepep_lightning.deepep.module import DeepEPModule
+    from deepep_lightning.deepep.agent import DeepEPAgent
+    from deepep_lightning.deepep.rollout_state import RolloutState
 
 __all__ = ["fused_bptt_on", "fused_rollout_on", "rollout_and_loss"]
 
 
-def rollout_and_loss(module: DeepEPModule, first_of_step: bool = True) -> tuple[Any, Any]:
-    """One rollout of ``module``'s current (virtual) rank and its loss terms; the recurrent state moves on.
+def rollout_and_loss(
+    agent: DeepEPAgent,
+    state: RolloutState,
+    config: Any,
+    log_entropy_coef: torch.Tensor | None = None,
+    first_of_step: bool = True,
+) -> tuple[Any, Any]:
+    """One rollout of ``agent`` on ``state`` and its loss terms; ``state``'s recurrent state moves on in place.
 
-    ``first_of_step``: the first rollout of an optimizer step, where the target networks take their Polyak
-    step (with virtual ranks, only the first micro-batch's).
+    Args:
+        agent: the online networks (and the target networks with ``target_tau``).
+        state: the rollout state of one (virtual) rank, its generator already seeded for the step.
+        config: the module's hyperparameters (attribute access: ``config.gamma``, ...).
+        log_entropy_coef: ``log α`` of the adaptive entropy coefficient (``target_entropy``), updated in place.
+        first_of_step: the first rollout of an optimizer step, where the target networks take their Polyak
+            step (with virtual ranks, only the first micro-batch's).
+
+    Returns:
+        ``(rollout, terms)``: the collected :class:`~deepep_lightning.deepep.agent.rollout.Rollout` and the
+        :class:`~deepep_lightning.deepep.agent.loss.DeepEPLoss` terms.
     """
-    hp = module.hparams
-    assert module._env is not None and module._hidden is not None and module._generator is not None
+    hp = config
     if hp.target_tau is not None and first_of_step:
         # Before the rollout, so the target follows the weights of the previous optimizer step on both paths.
-        assert module.agent.target_value_head is not None
-        polyak_update_(
-            list(module.agent.target_parameters()), list(module.agent.online_parameters_of_targets()), hp.target_tau
-        )
-    if hp.compile_step and (module._compiled_timestep is None or module._compiled_timestep.env is not module._env):
-        module._compiled_timestep = CompiledTimestep(module.agent, module._env)
-    timestep = module._compiled_timestep if hp.compile_step else None
-    args = (module.agent, module._env, module._hidden.clone(), hp.rollout_length, module._generator, hp.bptt_truncation)
-    if module._fused_bptt_on():
-        rollout = collect_rollout_fused(*args, timestep=timestep, fused_rollout=fused_rollout_on(module))
+        assert agent.target_value_head is not None
+        polyak_update_(list(agent.target_parameters()), list(agent.online_parameters_of_targets()), hp.target_tau)
+    if hp.compile_step and (state.compiled_timestep is None or state.compiled_timestep.env is not state.env):
+        state.compiled_timestep = CompiledTimestep(agent, state.env)
+    timestep = state.compiled_timestep if hp.compile_step else None
+    args = (agent, state.env, state.hidden.clone(), hp.rollout_length, state.generator, hp.bptt_truncation)
+    if fused_bptt_on(config, state.device):
+        kernel = fused_rollout_on(config, agent, state, state.device)
+        rollout = collect_rollout_fused(*args, timestep=timestep, fused_rollout=kernel)
     else:
         rollout = collect_rollout(*args, timestep=timestep)
-    module._hidden.copy_(rollout.final_hidden)
-    # with virtual ranks every process adds the K rollouts in order instead (virtual_ranks.end_virtual_step)
-    if not module._virtual:
-        module.episode_return_100.update(rollout.episode_returns, rollout.dones)
+    state.hidden.copy_(rollout.final_hidden)
     target_q, bootstrap = None, rollout.bootstrap_value
     if hp.target_tau is not None:
-        all_target_q = module.agent.target_q(rollout.features)  # [T + 1, B, A]
+        all_target_q = agent.target_q(rollout.features)  # [T + 1, B, A]
         target_q = all_target_q[:-1]
         bootstrap = (torch.softmax(rollout.bootstrap_logits, dim=-1) * all_target_q[-1]).sum(dim=-1)
     entropy_coef: float | torch.Tensor = hp.entropy_coef
     if hp.target_entropy is not None:
-        entropy_coef = module.log_entropy_coef.exp()  # a new tensor: the in-place update below leaves it alone
+        assert log_entropy_coef is not None
+        entropy_coef = log_entropy_coef.exp()  # a new tensor: the in-place update below leaves it alone
     terms = deepep_loss(
         rollout.logits,
         rollout.q,
@@ -71,50 +85,47 @@ def rollout_and_loss(module: DeepEPModule, first_of_step: bool = True) -> tuple[
         value_coef=hp.value_coef,
         entropy_coef=entropy_coef,
         target_q=target_q,
-        target_logits=module.agent.target_logits(rollout.features[:-1]) if hp.kl_coef > 0 else None,
+        target_logits=agent.target_logits(rollout.features[:-1]) if hp.kl_coef > 0 else None,
         kl_coef=hp.kl_coef,
         expected_value_coef=hp.expected_value_coef,
     )
     if hp.target_entropy is not None:
+        assert log_entropy_coef is not None
         adapt_entropy_coef_(
-            module.log_entropy_coef,
-            terms.entropy,
-            hp.target_entropy,
-            hp.entropy_coef_rate,
-            hp.entropy_coef,
+            log_entropy_coef, terms.entropy, hp.target_entropy, hp.entropy_coef_rate, hp.entropy_coef,
             hp.entropy_coef_max,
-        )
+        )  # fmt: skip
     return rollout, terms
 
 
-def fused_bptt_on(module: DeepEPModule) -> bool:
-    """``fused_bptt`` resolved for the module's device (None: on with CUDA and the extension's CUDA kernels)."""
-    choice = module.hparams.get("fused_bptt")
+def fused_bptt_on(config: Any, device: torch.device) -> bool:
+    """``fused_bptt`` resolved for ``device`` (None: on with CUDA and the extension's CUDA kernels)."""
+    choice = config.fused_bptt
     if choice is not None:
         return bool(choice)
-    return module.hparams.detach_feedback and module.device.type == "cuda" and _cuda_kernels_load()
+    return config.detach_feedback and device.type == "cuda" and _cuda_kernels_load()
 
 
-def fused_rollout_on(module: DeepEPModule) -> bool:
-    """``fused_rollout`` resolved for this rollout (None: on with CUDA where the kernel runs the agent and env).
+def fused_rollout_on(config: Any, agent: DeepEPAgent, state: RolloutState, device: torch.device) -> bool:
+    """``fused_rollout`` resolved for a rollout on ``device`` (None: on with CUDA where the kernel runs the agent and
+    env).
 
     Under None on CUDA a rollout the kernel cannot run takes the op-by-op timesteps after one warning per
-    module naming why (none when the CUDA kernels were not built: the extension's loader has said so).
+    agent naming why (none when the CUDA kernels were not built: the extension's loader has said so).
 
     Raises:
         ValueError: ``fused_rollout=True`` and the kernel cannot run this rollout (the reason named).
     """
-    choice = module.hparams.get("fused_rollout")
-    if choice is False or module.hparams.compile_step or (choice is None and module.device.type != "cuda"):
+    choice = config.fused_rollout
+    if choice is False or config.compile_step or (choice is None and device.type != "cuda"):
         return False
-    assert module._env is not None
-    reason = fused_rollout_unsupported_reason(module.agent, module._env)
+    reason = fused_rollout_unsupported_reason(agent, state.env)
     if reason is None:
         return True
     if choice:
         raise ValueError(f"`DeepEPModule(fused_rollout=True)`: {reason} (HINT: leave fused_rollout at None)")
-    if module not in _warned_op_by_op and _cuda_kernels_load():
-        _warned_op_by_op.add(module)
+    if agent not in _warned_op_by_op and _cuda_kernels_load():
+        _warned_op_by_op.add(agent)
         rank_zero_warn(
             f"`DeepEPModule(fused_rollout=None)`: the rollout's timesteps run op by op, not as one "
             f"deepep::cartpole_rollout launch: {reason}. HINT: pass fused_rollout=False to choose the op-by-op "
@@ -123,7 +134,7 @@ def fused_rollout_on(module: DeepEPModule) -> bool:
     return False
 
 
-#: Modules already told why their rollout runs op by op (weak: a module's entry goes with it).
+#: Agents already told why their rollout runs op by op (weak: an agent's entry goes with it).
 _warned_op_by_op: weakref.WeakSet = weakref.WeakSet()
 
 

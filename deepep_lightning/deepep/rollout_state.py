@@ -1,11 +1,11 @@
-"""DeepEPModule's rollout state: the environments, recurrent state and generator that a training step carries on.
+"""One rank's rollout state: the environments, recurrent state, generator and step that a training step carries on.
 
-They are built lazily on the module's device (at ``on_fit_start`` or the first step, after a checkpoint
-restore and the move to the device), seeded from ``derive_seed(seed, "env_init", rank)``, and saved with
-the step counter in every checkpoint, so a resume seeks to the step instead of replaying the rollouts.
-A file of its own: the same state serves checkpoints, :class:`~deepep_lightning.NaNRollbackCallback`'s
-snapshots (through ``protocols.ROLLOUT_STATE_KEY``) and the virtual ranks
-(:mod:`~deepep_lightning.deepep.virtual_ranks`, which keeps one set per virtual rank).
+The data of a training step is a pure function of ``(seed, rank, step)`` and this state: the generator is
+reseeded from ``derive_seed(seed, "rollout", rank, step)`` before each rollout, so a resume seeks to the step
+instead of replaying the rollouts. The state is built on the module's device (after a checkpoint restore and
+the move to the device), and :meth:`RolloutState.state_dict` is what checkpoints and
+:class:`~deepep_lightning.NaNRollbackCallback`'s snapshots carry (through ``protocols.ROLLOUT_STATE_KEY``).
+:class:`~deepep_lightning.deepep.virtual_ranks.VirtualRollouts` keeps one per virtual rank.
 """
 
 from __future__ import annotations
@@ -14,68 +14,87 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from deepep_lightning.deepep.envs import make_env
-from deepep_lightning.deepep.virtual_ranks import (
-    ensure_virtual_rollouts,
-    load_virtual_rollout_state,
-    virtual_layout,
-    virtual_rollout_state_dict,
-)
+from deepep_lightning.deepep.envs import BatchedEnv, make_env
 from deepep_lightning.determinism.streams import derive_seed
-from deepep_lightning.protocols import attached_trainer
 
 if TYPE_CHECKING:
-    from deepep_lightning.deepep.module import DeepEPModule
+    from deepep_lightning.deepep.agent import DeepEPAgent
+    from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
 
-__all__ = ["ensure_rollout_state", "load_rollout_state_dict", "rollout_state_dict"]
-
-
-def ensure_rollout_state(module: DeepEPModule) -> None:
-    """Build ``module``'s environments, recurrent state and generator once (restoring a pending saved state)."""
-    if module._env is not None:
-        return
-    trainer = attached_trainer(module)
-    layout = virtual_layout(trainer.strategy) if trainer is not None else None
-    if layout is not None:
-        ensure_virtual_rollouts(module, *layout)
-        return
-    hp = module.hparams
-    module._env = make_env(hp.env, hp.num_envs, module.device, **(hp.env_kwargs or {}))
-    module._hidden = module.agent.initial_state(hp.num_envs, module.device)
-    module._generator = torch.Generator(device=module.device)
-    if module._pending_rollout_state is not None:
-        state, module._pending_rollout_state = module._pending_rollout_state, None
-        module.load_rollout_state_dict(state)
-    else:
-        module._generator.manual_seed(derive_seed(hp.seed, "env_init", module._rank()))
-        module._env.reset(module._generator)
+__all__ = ["RolloutState"]
 
 
-def rollout_state_dict(module: DeepEPModule) -> dict[str, Any]:
-    """Environment states, recurrent state and the step counter (CPU tensors and ints)."""
-    if module._env is None:
-        return dict(module._pending_rollout_state) if module._pending_rollout_state else {}
-    if module._virtual:
-        return virtual_rollout_state_dict(module)
-    assert module._hidden is not None
-    return {
-        "env": {k: v.cpu() for k, v in module._env.state_dict().items()},
-        "hidden": module._hidden.detach().cpu().clone(),
-        "rollout_step": module._rollout_step,
-    }
+class RolloutState:
+    """The environments, recurrent state and generator of one (virtual) rank, and its rollout step.
 
+    Args:
+        env: the batched environments (B of them), already reset.
+        hidden: the recurrent state ``[B, H]``, updated in place (a captured CUDA graph points at it).
+        generator: every random draw of the rollout; reseeded by :meth:`seed_rollout`.
+        rank: the (virtual) rank whose streams the generator follows.
+        step: the rollout step, the index of the next training step's rollout.
 
-def load_rollout_state_dict(module: DeepEPModule, state: dict[str, Any]) -> None:
-    """Restore what :func:`rollout_state_dict` returned, in place (graph-safe); before the build, keep it pending."""
-    if not state:
-        return
-    if module._env is None:
-        module._pending_rollout_state = state
-        return
-    if module._virtual or "virtual" in state:
-        load_virtual_rollout_state(module, state)
-        return
-    assert module._hidden is not None
-    module._env.load_state_dict({k: v.to(module.device) for k, v in state["env"].items()})
-    module._hidden.copy_(state["hidden"])
-    module._rollout_step = int(state["rollout_step"])
+    Attributes:
+        compiled_timestep: the ``torch.compile``-d timestep bound to ``env`` (``compile_step=True``), built at
+            the first rollout that needs it.
+
+    Example::
+
+        state = RolloutState.build(agent, "cartpole", 32, None, "cpu", seed=0, rank=0)
+        state.seed_rollout(seed=0)  # before each rollout
+    """
+
+    def __init__(self, env: BatchedEnv, hidden: torch.Tensor, generator: torch.Generator, rank: int, step: int = 0):
+        self.env, self.hidden, self.generator = env, hidden, generator
+        self.rank, self.step = rank, step
+        self.compiled_timestep: CompiledTimestep | None = None
+
+    @classmethod
+    def build(
+        cls,
+        agent: DeepEPAgent,
+        env_name: str,
+        num_envs: int,
+        env_kwargs: dict[str, Any] | None,
+        device: torch.device | str,
+        seed: int,
+        rank: int,
+        saved: dict[str, Any] | None = None,
+    ) -> RolloutState:
+        """Environments, recurrent state and generator for ``rank`` on ``device``.
+
+        The environments start from ``derive_seed(seed, "env_init", rank)``, or from ``saved`` (what
+        :meth:`state_dict` returned) when given.
+        """
+        env = make_env(env_name, num_envs, device, **(env_kwargs or {}))
+        hidden = agent.initial_state(num_envs, device)  # [B, H]
+        state = cls(env, hidden, torch.Generator(device=device), rank)
+        if saved:
+            state.load_state_dict(saved)
+        else:
+            state.generator.manual_seed(derive_seed(seed, "env_init", rank))
+            env.reset(state.generator)
+        return state
+
+    @property
+    def device(self) -> torch.device:
+        return self.hidden.device
+
+    def seed_rollout(self, seed: int) -> None:
+        """Reseed the generator for the rollout of this step: ``derive_seed(seed, "rollout", rank, step)``."""
+        self.generator.manual_seed(derive_seed(seed, "rollout", self.rank, self.step))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Environment states, recurrent state and the step (CPU tensors and an int)."""
+        return {
+            "env": {k: v.cpu() for k, v in self.env.state_dict().items()},
+            "hidden": self.hidden.detach().cpu().clone(),
+            "rollout_step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, in place (graph-safe); a state without a step keeps the step."""
+        self.env.load_state_dict({k: v.to(self.device) for k, v in state["env"].items()})
+        self.hidden.copy_(state["hidden"])
+        if "rollout_step" in state:
+            self.step = int(state["rollout_step"])

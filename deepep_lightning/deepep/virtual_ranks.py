@@ -14,50 +14,24 @@ Cost: ``K / W`` sets of environments and recurrent states per process (memory), 
 per optimizer step (time: the global batch is ``K`` rollouts whatever ``W``), and one small gather
 of the scalars and episode returns per optimizer step.
 
-This module also holds :class:`~deepep_lightning.deepep.module.DeepEPModule`'s virtual-rank path, as
-functions of the module: building the virtual ranks' rollouts, pointing the rollout at one of them,
-their training step and window end, and their rollout state in checkpoints.
+The process's virtual ranks are :class:`VirtualRollouts`: one
+:class:`~deepep_lightning.deepep.rollout_state.RolloutState` per virtual rank, the one whose rollout runs now,
+and the scalars of the optimizer step's micro-batches until its last one gathers them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from deepep_lightning.deepep.envs import BatchedEnv, make_env
-from deepep_lightning.determinism.streams import derive_seed
+from deepep_lightning.deepep.rollout_state import RolloutState
 from deepep_lightning.strategies.ordered_reduction import ordered_sum
 
-if TYPE_CHECKING:
-    from deepep_lightning.deepep.module import DeepEPModule
-
-__all__ = [
-    "VirtualRollout",
-    "check_virtual_support",
-    "end_virtual_step",
-    "ensure_virtual_rollouts",
-    "gather_rows",
-    "load_virtual_rollout_state",
-    "ordered_mean",
-    "select_virtual_rank",
-    "virtual_layout",
-    "virtual_rollout_state_dict",
-    "virtual_training_step",
-]
-
-
-@dataclass
-class VirtualRollout:
-    """What one virtual rank carries from step to step."""
-
-    rank: int
-    env: BatchedEnv
-    hidden: torch.Tensor
-    generator: torch.Generator
+__all__ = ["VirtualRollouts", "check_virtual_support", "gather_rows", "ordered_mean", "virtual_layout"]
 
 
 def virtual_layout(strategy: Any) -> tuple[int, int] | None:
@@ -104,88 +78,88 @@ def ordered_mean(rows: torch.Tensor) -> torch.Tensor:
     return ordered_sum(rows).div_(rows.shape[0])
 
 
-def ensure_virtual_rollouts(module: DeepEPModule, first: int, per_process: int) -> None:
-    """One set of environments, recurrent state and generator per virtual rank of this process."""
-    hp = module.hparams
-    check_virtual_support(hp)
-    for rank in range(first, first + per_process):
-        generator = torch.Generator(device=module.device)
-        generator.manual_seed(derive_seed(hp.seed, "env_init", rank))
-        env = make_env(hp.env, hp.num_envs, module.device, **(hp.env_kwargs or {}))
-        env.reset(generator)
-        hidden = module.agent.initial_state(hp.num_envs, module.device)
-        module._virtual.append(VirtualRollout(rank, env, hidden, generator))
-    select_virtual_rank(module, 0)
-    if module._pending_rollout_state is not None:
-        state, module._pending_rollout_state = module._pending_rollout_state, None
-        module.load_rollout_state_dict(state)
+class VirtualRollouts:
+    """This process's virtual ranks: a :class:`RolloutState` each, sharing one rollout step.
 
+    Training step ``s`` runs micro-batch ``i`` on ``select(i)`` for ``i`` in ``0 .. K/W - 1``;
+    :meth:`record` keeps each micro-batch's scalars and finished episodes, and :meth:`end_step` (after the
+    last one) gathers the ``K`` virtual ranks' rows rank-major and moves every rank's step on.
 
-def select_virtual_rank(module: DeepEPModule, index: int) -> None:
-    """Point the rollout at virtual rank ``index`` of this process (its env, recurrent state, generator)."""
-    slot = module._virtual[index]
-    module._env, module._hidden = slot.env, slot.hidden
-    module._generator, module._virtual_rank = slot.generator, slot.rank
+    Args:
+        states: one per virtual rank of this process, in virtual-rank order.
 
+    Example::
 
-def load_virtual_rollout_state(module: DeepEPModule, state: dict[str, Any]) -> None:
-    """Restore what :func:`virtual_rollout_state_dict` returned into this process's virtual ranks.
-
-    Raises:
-        ValueError: the state lacks one of this process's virtual ranks (another ``virtual_world_size``).
+        build_state = functools.partial(RolloutState.build, agent, "cartpole", 32, None, "cpu", 0)
+        rollouts = VirtualRollouts.build(build_state, first=2, per_process=2)
+        state = rollouts.select(1)  # virtual rank 3
     """
-    saved = state.get("virtual")
-    ranks = [slot.rank for slot in module._virtual]
-    if not module._virtual or saved is None or any(rank not in saved for rank in ranks):
-        raise ValueError(
-            f"DeepEPModule: the rollout state holds virtual ranks {sorted(saved) if saved else None!r}, this"
-            f" process trains virtual ranks {ranks!r}. HINT: resume with the virtual_world_size of the checkpoint"
-        )
-    for slot in module._virtual:
-        slot.env.load_state_dict({k: v.to(module.device) for k, v in saved[slot.rank]["env"].items()})
-        slot.hidden.copy_(saved[slot.rank]["hidden"])
-    module._rollout_step = int(state["rollout_step"])
 
+    def __init__(self, states: list[RolloutState]) -> None:
+        if not states:
+            raise ValueError("`VirtualRollouts(states=...)` must hold at least one RolloutState, got []")
+        self.states = states
+        self.active = states[0]
+        self._window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-def virtual_training_step(module: DeepEPModule, batch_idx: int, writes_logs: bool) -> torch.Tensor:
-    """The rollout and loss of one virtual rank: micro-batch ``batch_idx % (K / W)`` of the optimizer step."""
-    index = batch_idx % len(module._virtual)
-    select_virtual_rank(module, index)
-    module._seed_rollout()
-    rollout, terms = module._rollout_and_loss(first_of_step=index == 0)
-    module.last_rollout = rollout
-    scalars = torch.stack([terms.loss, terms.policy_loss, terms.value_loss, terms.entropy]).detach().float()
-    module._virtual_window.append((scalars, rollout.episode_returns.detach().float(), rollout.dones.float()))
-    # epoch mean, summed over processes by the metric: exact in any order while returns are integers (CartPole)
-    module.episode_return.update(rollout.episode_returns.sum(), rollout.dones.sum())
-    module.log("train/episode_return", module.episode_return, on_step=False, on_epoch=True)
-    if index == len(module._virtual) - 1:
-        end_virtual_step(module, writes_logs)
-    return terms.loss
+    @classmethod
+    def build(cls, build_state: Callable[[int], RolloutState], first: int, per_process: int) -> VirtualRollouts:
+        """The virtual ranks ``first .. first + per_process - 1``, each built by ``build_state(virtual rank)``."""
+        return cls([build_state(rank) for rank in range(first, first + per_process)])
 
+    def __len__(self) -> int:
+        return len(self.states)
 
-def end_virtual_step(module: DeepEPModule, writes_logs: bool) -> None:
-    """Gather the window's K virtual ranks rank-major; log their ordered means, add their episodes in order."""
-    window, module._virtual_window = module._virtual_window, []
-    scalars, returns, dones = (gather_rows(torch.stack(column)) for column in zip(*window, strict=True))
-    for episode_returns, done in zip(returns, dones, strict=True):
-        module.episode_return_100.update(episode_returns, done > 0)
-    means = ordered_mean(scalars)
-    module._rollout_step += 1
-    for position, name in enumerate(("loss", "policy_loss", "value_loss", "entropy")):
-        module.log(f"train/{name}", means[position].clone(), on_step=True, on_epoch=False)
-    module.log("train/episode_return_100", module.episode_return_100.compute(), on_step=True, on_epoch=False)
-    if writes_logs:
-        module._log_progress(means[0])
+    @property
+    def ranks(self) -> list[int]:
+        return [state.rank for state in self.states]
 
+    @property
+    def step(self) -> int:
+        return self.active.step
 
-def virtual_rollout_state_dict(module: DeepEPModule) -> dict[str, Any]:
-    """The rollout state keyed by virtual rank: the entries of a process are its virtual ranks'."""
-    virtual = {
-        slot.rank: {
-            "env": {k: v.cpu() for k, v in slot.env.state_dict().items()},
-            "hidden": slot.hidden.detach().cpu().clone(),
-        }
-        for slot in module._virtual
-    }
-    return {"virtual": virtual, "rollout_step": module._rollout_step}
+    def select(self, index: int) -> RolloutState:
+        """Make virtual rank ``index`` of this process the active one and return its state."""
+        self.active = self.states[index]
+        return self.active
+
+    def record(self, scalars: torch.Tensor, episode_returns: torch.Tensor, dones: torch.Tensor) -> None:
+        """Keep one micro-batch's scalars ``[S]``, episode returns and dones (``[T, B]`` each) for :meth:`end_step`."""
+        self._window.append((scalars, episode_returns, dones))
+
+    def end_step(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's recorded rows of all ``K`` virtual ranks, rank-major; every rank's step moves on.
+
+        Returns:
+            ``(scalars [K, S], episode_returns [K, T, B], dones [K, T, B])``.
+        """
+        window, self._window = self._window, []
+        scalars, returns, dones = (gather_rows(torch.stack(column)) for column in zip(*window, strict=True))
+        for state in self.states:
+            state.step += 1
+        return scalars, returns, dones
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rollout state keyed by virtual rank: the entries of a process are its virtual ranks'."""
+        virtual = {}
+        for state in self.states:
+            entry = state.state_dict()
+            del entry["rollout_step"]
+            virtual[state.rank] = entry
+        return {"virtual": virtual, "rollout_step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned into this process's virtual ranks.
+
+        Raises:
+            ValueError: the state lacks one of this process's virtual ranks (another ``virtual_world_size``).
+        """
+        saved = state.get("virtual")
+        if saved is None or any(rank not in saved for rank in self.ranks):
+            raise ValueError(
+                f"DeepEPModule: the rollout state holds virtual ranks {sorted(saved) if saved else None!r}, this"
+                f" process trains virtual ranks {self.ranks!r}. HINT: resume with the virtual_world_size of the"
+                " checkpoint"
+            )
+        for rollout in self.states:
+            rollout.load_state_dict({**saved[rollout.rank], "rollout_step": state["rollout_step"]})

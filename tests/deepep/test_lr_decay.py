@@ -8,18 +8,20 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.graph_training import StandaloneStep
-from deepep_lightning.deepep.lr_decay import apply_lr_decay, lr_decay_factor
+from deepep_lightning.deepep.lr_decay import lr_decay_factor, lr_stairs
 
 TINY = dict(num_envs=4, rollout_length=4, hidden_size=8, steps_per_epoch=4, fused_value_head=False, seed=1)
 STAIRS = [1.0, 1.0, 0.75, 0.75, 0.5, 0.5, 0.25, 0.25]  # 8 steps, 4 stages
 
 
 class _RecordLRs(pl.Callback):
+    """The learning rates each optimizer step uses (the scheduler sets the next step's after the step)."""
+
     def __init__(self) -> None:
         self.lrs: list[list[float]] = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.lrs.append([group["lr"] for group in trainer.optimizers[0].param_groups])
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.lrs.append([group["lr"] for group in optimizer.param_groups])
 
 
 def _fit(tmp_path, max_steps, ckpt_path=None, checkpoint_every=None, **kwargs):
@@ -69,20 +71,30 @@ def test_outside_a_trainer_the_standalone_step_decays_too():
     step = StandaloneStep(model, model.configure_optimizers())
     base = step.optimizer.param_groups[0]["lr"]
     seen = []
-    for _ in range(8):
-        step()
+    for _ in range(8):  # the rate each step uses
         seen.append(step.optimizer.param_groups[0]["lr"] / base)
+        step()
     assert seen == pytest.approx(STAIRS, rel=1e-12)
 
 
-def test_a_scaled_initial_lr_carries_into_the_next_stair():
-    """NaNRollbackCallback's lower_lr multiplies lr and initial_lr; the decay applies on top of the lowered rate."""
+def test_a_scaled_base_lr_carries_into_the_next_stair():
+    """NaNRollbackCallback's lower_lr multiplies lr and the scheduler's base_lrs; the decay applies on top."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    apply_lr_decay(optimizer, 0, 8, 4)
+    scheduler = lr_stairs(optimizer, 8, 4)
     group = optimizer.param_groups[0]
-    group["lr"], group["initial_lr"] = group["lr"] * 0.5, group["initial_lr"] * 0.5  # what lower_lr does
-    apply_lr_decay(optimizer, 2, 8, 4)
-    assert group["lr"] == 0.5 * 0.75 and group["initial_lr"] == 0.5
+    group["lr"], scheduler.base_lrs = group["lr"] * 0.5, [lr * 0.5 for lr in scheduler.base_lrs]  # what lower_lr does
+    optimizer.step()
+    scheduler.step()
+    optimizer.step()
+    scheduler.step()
+    assert group["lr"] == 0.5 * 0.75 and scheduler.base_lrs == [0.5]
+
+
+def test_the_stairs_are_a_scheduler_of_the_configured_optimizer():
+    configured = DeepEPModule(**TINY, lr_decay_steps=8, lr_decay_stages=4).configure_optimizers()
+    assert isinstance(configured["lr_scheduler"]["scheduler"], torch.optim.lr_scheduler.LambdaLR)
+    assert configured["lr_scheduler"]["interval"] == "step"
+    assert isinstance(DeepEPModule(**TINY).configure_optimizers(), torch.optim.Adam)  # constant rates: no scheduler
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from deepep_lightning.deepep import DeepEPModule
-from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
 from deepep_lightning.deepep.graph_training import StandaloneStep
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +17,7 @@ STABILISED = dict(target_tau=0.05, target_entropy=0.69, kl_coef=0.3, expected_va
 
 def _train(steps, graph, fused=True, **kwargs):
     model = DeepEPModule(**SIZES, cuda_graph=graph, fused_value_head=fused, **kwargs).cuda()
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()
@@ -42,17 +41,16 @@ def test_graph_path_is_bitwise_reproducible():
 
 def test_graph_step_does_not_sync_the_host():
     model = DeepEPModule(**SIZES, cuda_graph=True).cuda()
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
-    graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator)
-    for _ in range(graphed.warmup_steps + 1):
-        model._seed_rollout()
-        graphed()
+    step = StandaloneStep(model, optimizer)
+    assert step.graphed is not None
+    for _ in range(step.graphed.warmup_steps + 1):
+        step()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            model._seed_rollout()
-            graphed()
+            step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -94,17 +92,16 @@ def test_graph_path_with_the_stabilisers_equals_eager_and_is_bitwise_reproducibl
 
 def test_graph_step_with_the_stabilisers_does_not_sync_the_host():
     model = DeepEPModule(**SIZES, cuda_graph=True, **STABILISED).cuda()
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     optimizer = model.configure_optimizers()
-    graphed = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator)
-    for _ in range(graphed.warmup_steps + 1):
-        model._seed_rollout()
-        graphed()
+    step = StandaloneStep(model, optimizer)
+    assert step.graphed is not None
+    for _ in range(step.graphed.warmup_steps + 1):
+        step()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            model._seed_rollout()
-            graphed()
+            step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -157,7 +154,7 @@ def test_graph_fit_with_progress_bar_health_and_lr_monitor_syncs_no_host_between
         trainer.fit(model)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert trainer.global_step == 12 and model._graphed is not None
+    assert trainer.global_step == 12 and model.graph_training is not None and model.graph_training.captures > 0
     # during the fit the rolling return stays on the GPU (Lightning moves callback_metrics to the CPU at teardown)
     assert window.return_device == "cuda"
 
@@ -170,7 +167,7 @@ POLICY_STEP = dict(
 def _train_configured(steps, graph, **kwargs):
     """As ``_train``, with the module's own optimizer (its param groups carry the policy-step options)."""
     model = DeepEPModule(**SIZES, cuda_graph=graph, fused_value_head=True, **kwargs).cuda()
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     optimizer = model.configure_optimizers()  # Adam(capturable=True) on the graph path
     step = StandaloneStep(model, optimizer)
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])

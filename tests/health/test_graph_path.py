@@ -1,6 +1,6 @@
 """Health and rollback on DeepEPModule(cuda_graph=True)'s code path, run uncaptured on the CPU.
 
-The graph path is manual optimisation: ``training_step`` runs ``_whole_step`` (rollout, loss,
+The graph path is manual optimisation: ``training_step`` runs ``GraphTraining.whole_step`` (rollout, loss,
 backward, optimizer step) itself and hands ``{"loss", "grad_norm"}`` to the callbacks. Capture
 needs CUDA, so here every step runs under ``uncaptured_steps()``: the same code without the
 graph, on the same tensors. ``test_health_gpu.py`` runs the captured graph.
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.graph_training import graph_capture_key
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NonFiniteError, NumericalHealthCallback
 
 from .conftest import OverflowBeforeStep, Recorder, fit, state_equal, tensor_addresses
@@ -112,7 +113,8 @@ class SkipProbe(pl.Callback):
         tensors = list(pl_module.parameters()) + [
             v for p in pl_module.parameters() for v in optimizer.state[p].values()
         ]
-        return [t.detach().clone() for t in tensors], tensor_addresses(pl_module, optimizer), pl_module._hidden.clone()
+        hidden = pl_module.rollout_state.hidden.clone()
+        return [t.detach().clone() for t in tensors], tensor_addresses(pl_module, optimizer), hidden
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 0:
@@ -198,10 +200,10 @@ def test_lower_lr_changes_what_the_graph_is_captured_with(tmp_path):
         module.hparams.learning_rate * 0.5,
         module.hparams.policy_learning_rate * 0.5,
     ]
-    key = module._graph_capture_key(optimizer)
-    assert module._graph_capture_key(optimizer) == key  # unchanged lr: the graph is kept
+    key = graph_capture_key(optimizer)
+    assert graph_capture_key(optimizer) == key  # unchanged lr: the graph is kept
     optimizer.param_groups[0]["lr"] *= 0.5
-    assert module._graph_capture_key(optimizer) != key  # changed lr: captured again at the next step
+    assert graph_capture_key(optimizer) != key  # changed lr: captured again at the next step
 
 
 def test_gradient_fault_is_refused_where_no_backward_hook_runs(tmp_path):

@@ -169,7 +169,7 @@ def test_graph_transient_fault_rolled_back_in_place_bitwise(tmp_path):
     trainer, faulty = _gpu_fit(tmp_path / "faulty", callbacks, 30, module=_graph_module)
     # caught at the first check after it (step 20), named as step 17; replayed from the snapshot of step 10
     assert _kinds(health) == [("detected", 17), ("rollback", 10), ("transient", 17)]
-    assert faulty._graphed.captures == clean._graphed.captures == 1  # the rollback kept the graph
+    assert faulty.graph_training.captures == clean.graph_training.captures == 1  # the rollback kept the graph
     # restored in place: every parameter and optimizer-state tensor is still the one the graph points to
     assert recorder.first == recorder.last
     # training went on from the restored state, through the graph, exactly as if the fault never happened
@@ -187,7 +187,7 @@ def test_graph_without_rollback_the_nan_reaches_the_weights(tmp_path):
         _, module = _gpu_fit(
             tmp_path, [FaultInjectionCallback("parameter", steps=[7]), health], 12, module=_graph_module
         )
-    assert module._graphed.captures == 1
+    assert module.graph_training.captures == 1
     assert not any(torch.isfinite(p).all() for p in module.parameters())
 
 
@@ -228,7 +228,7 @@ def test_graph_persistent_reported_loss_fault_skipped(tmp_path):
     kinds = [k for k, _ in _kinds(health)]
     assert kinds == ["detected", "rollback", "reproducible", "diagnosis", "policy", "rollback", "recovered"]
     assert trainer.global_step == 12 and module.rollout_state_dict()["rollout_step"] == 12 and not rollback.stopped
-    assert module._graphed.captures == 1 and all(torch.isfinite(p).all() for p in module.parameters())
+    assert module.graph_training.captures == 1 and all(torch.isfinite(p).all() for p in module.parameters())
 
 
 def _lower_lr_run(tmp_path, module):
@@ -247,14 +247,14 @@ def _lower_lr_run(tmp_path, module):
 
 def test_graph_lower_lr_recaptures_and_trains_at_the_lower_rate(tmp_path, monkeypatch):
     graphed = _lower_lr_run(tmp_path / "graph", _graph_module)
-    assert graphed._graphed.captures == 2  # the lowered learning rate is baked into a new capture
+    assert graphed.graph_training.captures == 2  # the lowered learning rate is baked into a new capture
     eager = _lower_lr_run(tmp_path / "eager", lambda: UncapturedGraphModule(**GRAPH, cuda_graph=True))
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(graphed.state_dict()[key], value, rtol=1e-3, atol=1e-4, msg=key)
     # negative control: a graph kept across the change goes on with the old rate, and the comparison sees it
     monkeypatch.setattr(DeepEPModule, "_graph_capture_key", lambda self, optimizer: None)
     stale = _lower_lr_run(tmp_path / "stale", _graph_module)
-    assert stale._graphed.captures == 1
+    assert stale.graph_training.captures == 1
     assert any(
         not torch.allclose(stale.state_dict()[k], v, rtol=1e-3, atol=1e-4) for k, v in eager.state_dict().items()
     )
@@ -307,7 +307,7 @@ def test_graph_skipped_steps_drop_their_update_without_a_host_sync(tmp_path):
         trainer, module = _gpu_fit(tmp_path, callbacks, 10, module=_graph_module)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert trainer.global_step == 10 and module._graphed.captures == 1 and recorder.first == recorder.last
+    assert trainer.global_step == 10 and module.graph_training.captures == 1 and recorder.first == recorder.last
     assert all(torch.equal(a, b) for a, b in zip(weights.after[7], weights.after[5]))  # steps 5, 6 dropped
     assert not all(torch.equal(a, b) for a, b in zip(weights.after[8], weights.after[7]))  # step 7 updates
     assert "loss" in recorder.outputs[5] and health.events.events == []  # a skipped step is no new failure
@@ -319,7 +319,7 @@ def test_graph_regression_trigger_reads_only_at_checks_and_restores_in_place(tmp
 
     trainer, module, health = deepep_regression_run(tmp_path, entropy_trigger(), accelerator="gpu", cuda_graph=True)
     assert [e["kind"] for e in health.events.events] == ["regression", "rollback", "policy", "recovered"]
-    assert module._graphed.captures == 1  # weights restored in place: the graph kept its pointers
+    assert module.graph_training.captures == 1  # weights restored in place: the graph kept its pointers
     assert float(trainer.callback_metrics["train/entropy"]) > 0.6
 
 

@@ -53,10 +53,10 @@ class GraphedTrainStep:
     Example::
 
         optimizer = torch.optim.Adam(model.parameters(), capturable=True)
-        step = GraphedTrainStep(lambda: model._whole_step(optimizer), model._generator,
+        step = GraphedTrainStep(lambda: train_step(optimizer), generator,
                                 capture_key=lambda: [g["lr"] for g in optimizer.param_groups])
-        for _ in range(100):
-            model._seed_rollout()
+        for step_index in range(100):
+            generator.manual_seed(step_index)
             loss = step()["loss"].clone()
     """
 

@@ -165,12 +165,12 @@ def test_the_atomics_scan_sees_an_atomic_kernel():
 def test_training_step_equals_eager_and_is_bitwise_repeatable(compiled):
     def rollout_step(compile_step):
         model = DeepEPModule(**MODULE_SIZES, compile_step=compile_step)
-        model._ensure_rollout_state()
-        model._seed_rollout()
-        _, terms = model._rollout_and_loss()
+        model.ensure_rollout_state()
+        model.seed_rollout()
+        _, terms = model.rollout_and_loss()
         terms.loss.backward()
         grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
-        return terms.loss.detach(), grads, model._hidden.clone(), model._env.state.clone()
+        return terms.loss.detach(), grads, model.rollout_state.hidden.clone(), model.rollout_state.env.state.clone()
 
     eager, first, second = rollout_step(False), rollout_step(True), rollout_step(True)
     torch.testing.assert_close(first[0], eager[0], rtol=1e-5, atol=1e-6)
@@ -241,12 +241,12 @@ def test_unavailable_compile_falls_back_to_eager_with_one_warning(monkeypatch):
 
     def two_steps(compile_step):
         model = DeepEPModule(**MODULE_SIZES, compile_step=compile_step)
-        model._ensure_rollout_state()
+        model.ensure_rollout_state()
         losses = []
         for _ in range(2):
-            model._seed_rollout()
-            losses.append(model._rollout_and_loss()[1].loss.detach())
-            model._rollout_step += 1
+            model.seed_rollout()
+            losses.append(model.rollout_and_loss()[1].loss.detach())
+            model.rollout_state.step += 1
         return torch.stack(losses)
 
     with warnings.catch_warnings(record=True) as caught:
@@ -301,7 +301,7 @@ def _train_gpu(steps, graph, compile_step, seed=5, fused_bptt=False):
     model = DeepEPModule(
         **{**GPU_SIZES, "seed": seed}, cuda_graph=graph, compile_step=compile_step, fused_bptt=fused_bptt
     ).cuda()
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()

@@ -203,20 +203,16 @@ SIZES = dict(num_envs=5, rollout_length=9, hidden_size=8, seed=3, fused_value_he
 
 def _train(fused, steps=4, **overrides):
     model = DeepEPModule(**{**SIZES, **overrides}, fused_bptt=fused)
-    model._ensure_rollout_state()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        model._seed_rollout()
-        losses.append(model._whole_step(optimizer)["loss"].clone())
-        model._rollout_step += 1
+    model.ensure_rollout_state()
+    step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    losses = [step()["loss"].clone() for _ in range(steps)]
     return torch.stack(losses), model.state_dict()
 
 
 def test_none_resolves_off_on_cpu_and_true_turns_it_on():
-    assert not DeepEPModule(**SIZES)._fused_bptt_on()
-    assert DeepEPModule(**SIZES, fused_bptt=True)._fused_bptt_on()
-    assert not DeepEPModule(**SIZES, fused_bptt=False)._fused_bptt_on()
+    assert not DeepEPModule(**SIZES).fused_bptt_on
+    assert DeepEPModule(**SIZES, fused_bptt=True).fused_bptt_on
+    assert not DeepEPModule(**SIZES, fused_bptt=False).fused_bptt_on
 
 
 @pytest.mark.parametrize(
@@ -256,22 +252,20 @@ def test_the_module_uses_the_fused_rollout_only_when_on(monkeypatch):
 
 def test_virtual_ranks_train_with_the_fused_rollout():
     model = DeepEPModule(**SIZES, fused_bptt=True)
-    model._ensure_virtual_rollouts(0, 2)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.ensure_rollout_state(virtual_ranks=(0, 2))
+    step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     for index in range(2):
-        model._select_virtual_rank(index)
-        model._seed_rollout()
-        model._whole_step(optimizer)
+        model.select_virtual_rank(index)
+        step()
     reference = DeepEPModule(**SIZES, fused_bptt=False)
-    reference._ensure_virtual_rollouts(0, 2)
-    reference_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    reference.ensure_rollout_state(virtual_ranks=(0, 2))
+    reference_step = StandaloneStep(reference, torch.optim.Adam(reference.parameters(), lr=1e-2))
     for index in range(2):
-        reference._select_virtual_rank(index)
-        reference._seed_rollout()
-        reference._whole_step(reference_optimizer)
+        reference.select_virtual_rank(index)
+        reference_step()
     for (name, value), other in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(value, other, rtol=1e-3, atol=1e-4, msg=name)
-    for slot, reference_slot in zip(model._virtual, reference._virtual, strict=True):
+    for slot, reference_slot in zip(model.virtual_rollouts.states, reference.virtual_rollouts.states, strict=True):
         torch.testing.assert_close(slot.hidden, reference_slot.hidden, rtol=1e-4, atol=1e-5)
 
 
@@ -309,7 +303,7 @@ def _train_gpu(steps, fused, graph, seed=5):
     # the op-by-op no-gradient timesteps (the rollout kernel's tests are test_fused_rollout.py)
     model = DeepEPModule(**{**GPU_SIZES, "seed": seed}, fused_bptt=fused, cuda_graph=graph, fused_rollout=False)
     model = model.cuda()
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()
@@ -320,7 +314,7 @@ def _train_gpu(steps, fused, graph, seed=5):
 def test_gpu_default_is_on_and_equals_the_reference_to_fp32_rounding():
     _needs_cuda_kernels()
     model, losses, _ = _train_gpu(12, fused=None, graph=False)
-    assert model._fused_bptt_on()
+    assert model.fused_bptt_on
     reference, reference_losses, _ = _train_gpu(12, fused=False, graph=False)
     torch.testing.assert_close(losses, reference_losses, rtol=1e-4, atol=1e-5)
     for (key, value), other in zip(model.state_dict().items(), reference.state_dict().values()):
@@ -372,7 +366,7 @@ def test_gpu_kernel_census_the_fused_backward_saves_kernels_per_timestep():
         assert graphed is not None
 
         def step(model=model, graphed=graphed):
-            model._seed_rollout()
+            model.seed_rollout()
             graphed()
 
         counts[fused] = kernels_per_timestep(step, GPU_SIZES["rollout_length"])

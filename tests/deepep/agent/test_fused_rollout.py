@@ -166,7 +166,7 @@ MODULE = dict(num_envs=8, rollout_length=12, hidden_size=16, seed=3, fused_bptt=
 
 def _train(steps, **kwargs):
     model = DeepEPModule(**{**MODULE, **kwargs})
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     return model, torch.stack([step()["loss"].detach().clone() for _ in range(steps)])
 
@@ -181,10 +181,8 @@ def test_module_steps_with_the_kernel_equal_the_op_by_op_loop_to_rounding():
 
 
 def test_module_switch_is_off_on_cpu_by_default_and_refuses_what_it_cannot_run():
-    from deepep_lightning.deepep.rollout_loss import fused_rollout_on
-
     model, _ = _train(1)
-    assert not fused_rollout_on(model)  # None: CUDA only
+    assert not model.fused_rollout_on  # None: CUDA only
     with pytest.raises(ValueError, match="fused_rollout=True.*the fused rollout steps CartPole only"):
         _train(1, fused_rollout=True, env="memory")
     for bad in ({"compile_step": True}, {"fused_bptt": False}):
@@ -196,20 +194,18 @@ def _as_if_on_cuda(model, monkeypatch, kernels_built=True):
     """``model`` (its state built on the CPU) reporting a CUDA device, where None resolves the switch."""
     from deepep_lightning.deepep import rollout_loss
 
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     monkeypatch.setattr(model, "_device", torch.device("cuda", 0))
     monkeypatch.setattr(rollout_loss, "_cuda_kernels_load", lambda: kernels_built)
 
 
 @pytest.mark.parametrize("case", ["memory_env", "float64_agent"])
 def test_none_on_cuda_warns_once_naming_why_the_rollout_runs_op_by_op(case, monkeypatch, recwarn):
-    from deepep_lightning.deepep.rollout_loss import fused_rollout_on
-
     model = DeepEPModule(**{**MODULE, **({"env": "memory"} if case == "memory_env" else {})})
     _as_if_on_cuda(model, monkeypatch)
     if case == "float64_agent":
         model.agent.double()  # the env's state stays float32
-    assert not fused_rollout_on(model) and not fused_rollout_on(model)
+    assert not model.fused_rollout_on and not model.fused_rollout_on
     messages = [str(w.message) for w in recwarn if "fused_rollout=None" in str(w.message)]
     why = "CartPole only" if case == "memory_env" else "float32 or float64 for every weight and env state"
     assert len(messages) == 1 and why in messages[0] and "fused_rollout=False" in messages[0]
@@ -217,14 +213,12 @@ def test_none_on_cuda_warns_once_naming_why_the_rollout_runs_op_by_op(case, monk
 
 @pytest.mark.parametrize("case", ["false", "cpu", "kernels_not_built"])
 def test_no_warning_where_the_op_by_op_rollout_is_chosen_or_already_explained(case, monkeypatch, recwarn):
-    from deepep_lightning.deepep.rollout_loss import fused_rollout_on
-
     model = DeepEPModule(**{**MODULE, "env": "memory", **({"fused_rollout": False} if case == "false" else {})})
     if case == "cpu":
-        model._ensure_rollout_state()
+        model.ensure_rollout_state()
     else:
         _as_if_on_cuda(model, monkeypatch, kernels_built=case != "kernels_not_built")
-    assert not fused_rollout_on(model)
+    assert not model.fused_rollout_on
     assert not [w for w in recwarn if "fused_rollout=None" in str(w.message)]
 
 
@@ -343,7 +337,7 @@ GPU_MODULE = dict(num_envs=256, rollout_length=32, hidden_size=256, seed=5, fuse
 
 def _train_gpu(steps, graph, **kwargs):
     model = DeepEPModule(**{**GPU_MODULE, **kwargs}, cuda_graph=graph).cuda()
-    model._ensure_rollout_state()
+    model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
     torch.cuda.synchronize()
@@ -353,11 +347,9 @@ def _train_gpu(steps, graph, **kwargs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True])
 def test_gpu_default_training_step_runs_the_kernel_and_repeats_bitwise(graph):
-    from deepep_lightning.deepep.rollout_loss import fused_rollout_on
-
     _needs_cuda_kernels()
     first, first_losses = _train_gpu(10, graph)
-    assert fused_rollout_on(first)  # None: on with CUDA
+    assert first.fused_rollout_on  # None: on with CUDA
     second, second_losses = _train_gpu(10, graph)
     assert torch.equal(first_losses, second_losses)
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
