@@ -42,7 +42,7 @@ def _module():
 
         def training_step(self, batch, batch_idx):
             loss = super().training_step(batch, batch_idx)
-            self.micro.append([int(self.global_step), self._rank(), float(loss.detach()).hex()])
+            self.micro.append([int(self.global_step), self.rollout_state.rank, float(loss.detach()).hex()])
             return loss
 
         def on_train_batch_end(self, outputs, batch, batch_idx):
