@@ -51,6 +51,7 @@ __all__ = [
     "SequenceAuditable",
     "UncapturedSteps",
     "attached_trainer",
+    "counted_optimizer_step",
     "step_grad_norm",
     "step_loss",
 ]
@@ -74,6 +75,11 @@ def attached_trainer(module: pl.LightningModule | None) -> pl.Trainer | None:
         rank = trainer.global_rank if trainer is not None else 0
     """
     return _lightning_compat.attached_trainer(module)
+
+
+#: Lightning's bookkeeping of one optimizer step taken outside ``LightningOptimizer.step`` (a step replayed from a
+#: CUDA graph), as a context manager: ``with counted_optimizer_step(lightning_optimizer): ...``.
+counted_optimizer_step = _lightning_compat.counted_optimizer_step
 
 
 def step_loss(output: Any) -> Tensor | None:

@@ -16,8 +16,8 @@ import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from deepep_lightning._lightning_compat import counted_optimizer_step
 from deepep_lightning.deepep.agent.graphed_step import GraphedTrainStep
+from deepep_lightning.protocols import counted_optimizer_step
 
 if TYPE_CHECKING:
     from deepep_lightning.deepep.module import DeepEPModule
