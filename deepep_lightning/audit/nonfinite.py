@@ -61,6 +61,11 @@ DEFAULT_ALLOW_INF_OPS: frozenset[str] = frozenset(
 # ops whose output is uninitialised memory (garbage may look like NaN until written)
 _UNINITIALISED_PREFIXES = ("aten.empty", "aten.new_empty", "aten.resize_", "aten.set_")
 
+# ops that return a buffer they write only in part, and how many leading outputs they do write:
+# FSDP2's all-gather copy-in fills this rank's slice (output 0) of the gather buffer (output 1),
+# whose other slices hold whatever memory the buffer got until the all-gather lands
+_PARTLY_WRITTEN_OUTPUTS = {"fsdp.all_gather_copy_in.default": 1}
+
 #: Where the first non-finite value appeared: an op's output in forward or backward, a parameter
 #: before the step, or a parameter's update in the optimizer step.
 Phase = Literal["forward", "backward", "before", "optimizer"]
@@ -163,6 +168,8 @@ class _CheckNumerics(TorchDispatchMode):
         if name.startswith(_UNINITIALISED_PREFIXES) or getattr(func, "is_view", False):
             return out
         outputs, _ = tree_flatten(out)
+        if name in _PARTLY_WRITTEN_OUTPUTS:
+            outputs = outputs[: _PARTLY_WRITTEN_OUTPUTS[name]]
         for value in outputs:
             if not isinstance(value, Tensor) or not (value.is_floating_point() or value.is_complex()):
                 continue

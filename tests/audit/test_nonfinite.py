@@ -122,3 +122,17 @@ def test_a_plant_in_one_of_identical_blocks_is_named_by_its_index(plant, phase, 
     found = locate_nonfinite(lambda: module.training_step(torch.randn(3, 4), 0), module=module)
     assert found is not None and found.phase == phase
     assert found.module_path == f"blocks.{planted}.attn"
+
+
+def test_unwritten_part_of_fsdp_gather_buffer_is_not_reported():
+    # FSDP2 gathers into a buffer it gets uninitialised: the slices of the other ranks may hold NaN bit
+    # patterns until the all-gather lands, and that garbage is not an op's output
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives  # noqa: F401  registers fsdp::
+
+    def copy_in(shard, buffer):
+        return torch.ops.fsdp.all_gather_copy_in([shard], buffer, [shard.numel()], shard.numel(), 0)
+
+    garbage = torch.full((6,), float("nan"))  # NaN bit patterns, as an uninitialised buffer may hold
+    assert locate_nonfinite(copy_in, torch.ones(3), garbage, backward=False) is None
+    found = locate_nonfinite(copy_in, torch.tensor([1.0, float("nan"), 1.0]), garbage, backward=False)
+    assert found is not None and found.op == "fsdp.all_gather_copy_in.default"  # this rank's slice is checked
