@@ -83,6 +83,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if item.get_closest_marker("multigpu") and n_gpus < 2:
             item.add_marker(skip_multi)
+    # the files of slow tests (real subprocesses, long fits) first: pytest-xdist hands files out in this
+    # order (check.sh passes --no-loadscope-reorder), so the last files to start are short ones and no
+    # worker idles while another finishes a long file
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 _DETERMINISM_ENV = (
