@@ -48,8 +48,8 @@ def refuse_optimizer_flags(args: Sequence[str]) -> None:
         if flag in _OPTIMIZER_FLAGS or flag.startswith(tuple(f"{f}." for f in _OPTIMIZER_FLAGS)):
             print(
                 f"train.py: error: {arg!r}: DeepEPModule configures its own optimizer (Adam with two learning "
-                "rates), which a LightningCLI optimizer would silently replace. HINT: --model.learning_rate, "
-                "--model.policy_learning_rate, --model.optimizer=sgd",
+                "rates), which a LightningCLI optimizer would silently replace. HINT: --model.optim.learning_rate, "
+                "--model.optim.policy_learning_rate, --model.optim.optimizer=sgd",
                 file=sys.stderr,
             )
             raise SystemExit(2)

@@ -32,7 +32,7 @@ from deepep_lightning.audit.op_hashes import OpHashMode  # noqa: E402
 from deepep_lightning.audit.report import environment_summary  # noqa: E402
 from deepep_lightning.audit.targets import ModuleTarget  # noqa: E402
 
-DEEPEP = {"num_envs": 256, "rollout_length": 64, "hidden_size": 256}
+DEEPEP = {"env": {"num_envs": 256, "rollout_length": 64}, "network": {"hidden_size": 256}}
 
 
 def _timed(fn, repeats: int) -> list[float]:

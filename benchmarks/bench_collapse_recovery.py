@@ -79,7 +79,7 @@ def main() -> None:
         action="append",
         default=[],
         help="more train.py options (a CPU smoke run: "
-        "--trainer.accelerator=cpu --model.cuda_graph=false --model.num_envs=8)",
+        "--trainer.accelerator=cpu --model.execution.cuda_graph=false --model.env.num_envs=8)",
     )
     args = parser.parse_args()
     out = Path(args.out)

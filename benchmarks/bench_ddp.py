@@ -76,15 +76,18 @@ def build_workload(args: argparse.Namespace, devices: int, accelerator: str, str
     import lightning.pytorch as pl
 
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     total = args.warmup + args.steps
     model = DeepEPModule(
-        num_envs=args.num_envs,
-        rollout_length=args.rollout_length,
-        hidden_size=args.hidden_size,
-        steps_per_epoch=total * devices + devices,
-        seed=0,
-        fused_value_head=False,
+        **grouped(
+            num_envs=args.num_envs,
+            rollout_length=args.rollout_length,
+            hidden_size=args.hidden_size,
+            steps_per_epoch=total * devices + devices,
+            seed=0,
+            fused_value_head=False,
+        )
     )
     trainer = pl.Trainer(
         accelerator=accelerator,

@@ -103,6 +103,7 @@ def _build_step(args, device):
     torch.manual_seed(0)
     try:
         from deepep_lightning.deepep import DeepEPModule
+        from deepep_lightning.deepep.config import grouped
 
         model_args = {
             "num_envs": args.B,
@@ -112,7 +113,7 @@ def _build_step(args, device):
             "fused_value_head": args.fused,
             **json.loads(args.model_args),
         }
-        module = DeepEPModule(**model_args).to(device)
+        module = DeepEPModule(**grouped(**model_args)).to(device)
         optimizer = torch.optim.Adam(module.parameters(), lr=1e-3)
 
         def step():
@@ -430,7 +431,7 @@ def main() -> None:
     parser.add_argument("--B", type=int, default=256, help="num_envs")
     parser.add_argument("--T", type=int, default=256, help="rollout_length")
     parser.add_argument("--H", type=int, default=256, help="hidden_size")
-    parser.add_argument("--fused", action="store_true", help="DeepEPModule(fused_value_head=True)")
+    parser.add_argument("--fused", action="store_true", help="the fused value head (fused_value_head=True)")
     parser.add_argument("--model-args", default="{}", help="JSON of extra DeepEPModule arguments (configs/gpu.yaml)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round and variant")

@@ -53,15 +53,18 @@ class _Timer(pl.Callback):
 
 def _module(args: argparse.Namespace) -> pl.LightningModule:
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     return DeepEPModule(
-        num_envs=args.num_envs,
-        rollout_length=args.rollout_length,
-        hidden_size=args.hidden_size,
-        steps_per_epoch=args.warmup + args.steps + 1,
-        seed=0,
-        fused_value_head=args.fused_value_head,
-        cuda_graph=args.cuda_graph,
+        **grouped(
+            num_envs=args.num_envs,
+            rollout_length=args.rollout_length,
+            hidden_size=args.hidden_size,
+            steps_per_epoch=args.warmup + args.steps + 1,
+            seed=0,
+            fused_value_head=args.fused_value_head,
+            cuda_graph=args.cuda_graph,
+        )
     )
 
 

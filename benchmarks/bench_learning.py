@@ -45,9 +45,11 @@ QUICK = {"num_envs": 16, "rollout_length": 16, "hidden_size": 16}
 
 
 def model_config(path: str | Path, overrides: list[str], device: str, quick: bool) -> tuple[dict[str, Any], int]:
-    """The ``model:`` section of a config (with overrides) and its ``trainer.max_steps``."""
+    """The ``model:`` section of a config (with overrides), its groups' fields by name, and ``trainer.max_steps``."""
     config = yaml.safe_load(Path(path).read_text())
-    model = dict(config["model"])
+    model: dict[str, Any] = {}
+    for key, value in config["model"].items():  # {"env": {"num_envs": 32, ...}, "seed": 0} -> {"num_envs": 32, ...}
+        model.update(value if isinstance(value, dict) else {key: value})
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
@@ -58,7 +60,7 @@ def model_config(path: str | Path, overrides: list[str], device: str, quick: boo
         model["fused_value_head"] = True  # the compiled op, as the speed figures use it
     if quick:
         model.update(QUICK)
-        if model.get("env") == "memory":
+        if model.get("name") == "memory":
             model["num_envs"] = 8
     return model, int(config.get("trainer", {}).get("max_steps", 2000))
 
@@ -75,10 +77,11 @@ def _build(config: dict[str, Any], seed: int, device: str) -> Any:
     import torch
 
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     if device == "cpu":
         torch.set_num_threads(1)
-    return DeepEPModule(**{**config, "seed": seed}).to(device)
+    return DeepEPModule(**grouped(**{**config, "seed": seed})).to(device)
 
 
 class StepScalars:
@@ -151,7 +154,7 @@ def memory_run(job: dict[str, Any]) -> dict[str, Any]:
     """Cue recall at one horizon (one rollout = one episode) for the whole budget."""
     start = time.perf_counter()
     horizon = job["horizon"]
-    config = {**job["config"], "rollout_length": horizon, "env_kwargs": {**job["config"].get("env_kwargs", {}),
+    config = {**job["config"], "rollout_length": horizon, "kwargs": {**(job["config"].get("kwargs") or {}),
               "horizon": horizon}}  # fmt: skip
     if config.get("chrono_horizon") is not None:
         config["chrono_horizon"] = horizon

@@ -38,6 +38,7 @@ from torch._dynamo.utils import counters
 
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent import fused_rollout
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.graph_training import StandaloneStep
 
 VARIANTS = (
@@ -74,15 +75,17 @@ class _Variant:
         graph, compiled, kernel = name.endswith("graph"), "compiled" in name, name.startswith("rollout_kernel")
         fused = name.startswith("fused") or kernel
         self.model = DeepEPModule(
-            num_envs=args.batch,
-            rollout_length=horizon,
-            hidden_size=args.hidden,
-            seed=0,
-            fused_value_head=not args.reference_head,
-            cuda_graph=graph,
-            compile_step=compiled,
-            fused_bptt=fused,
-            fused_rollout=kernel,
+            **grouped(
+                num_envs=args.batch,
+                rollout_length=horizon,
+                hidden_size=args.hidden,
+                seed=0,
+                fused_value_head=not args.reference_head,
+                cuda_graph=graph,
+                compile_step=compiled,
+                fused_bptt=fused,
+                fused_rollout=kernel,
+            )
         ).to(args.device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4, capturable=graph)
         self.standalone = StandaloneStep(self.model, self.optimizer)  # one CUDA graph when cuda_graph=True
@@ -173,7 +176,9 @@ def bench_shape(args: argparse.Namespace, horizon: int) -> dict:
             }
         print(f"T={horizon} {name}: {medians[name]:.2f} ms (set-up {setup_s[name]:.1f} s)", flush=True)
         del variant
-    probe = DeepEPModule(num_envs=args.batch, rollout_length=horizon, hidden_size=args.hidden, fused_value_head=False)
+    probe = DeepEPModule(
+        **grouped(num_envs=args.batch, rollout_length=horizon, hidden_size=args.hidden, fused_value_head=False)
+    )
     agent = probe.agent
     flops = flops_per_step(
         args.batch, horizon, args.hidden, agent.value_head.output_weight.numel(), agent.obs_dim, agent.num_actions

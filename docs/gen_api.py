@@ -174,11 +174,25 @@ def argument_table(obj: Any) -> str:
     if isinstance(obj, type) and issubclass(obj, BaseException):
         bases = ", ".join(f"`{b.__name__}`" for b in obj.__bases__)
         return f"Exception; subclass of {bases}. Raised, not constructed by users.\n"
-    hints, meanings = _hints(obj), docstring_args(obj)
     column = "field" if dataclasses.is_dataclass(obj) else "argument"
-    rows = [f"| {column} | type | default | meaning |", "|---|---|---|---|"]
+    rows = [f"| {column} | type | default | meaning |", "|---|---|---|---|", *argument_rows(obj)]
+    lines = [] if len(rows) > 2 else ["No arguments.", ""]
+    if not (isinstance(obj, type)):
+        returns = inspect.signature(obj).return_annotation
+        hint = typing.get_type_hints(obj).get("return", returns) if returns is not inspect.Signature.empty else None
+        if hint is not None:
+            lines += [f"Returns `{render_type(hint)}`.", ""]
+    return "\n".join(lines + (rows if len(rows) > 2 else [])) + "\n"
+
+
+def argument_rows(obj: Any, prefix: str = "", names: collections.abc.Sequence[str] | None = None) -> list[str]:
+    """One table row per parameter of ``obj`` (those in ``names``, when given), its name after ``prefix``."""
+    hints, meanings = _hints(obj), docstring_args(obj)
+    rows = []
     for p in parameters(obj):
-        name = {"VAR_POSITIONAL": f"*{p.name}", "VAR_KEYWORD": f"**{p.name}"}.get(p.kind.name, p.name)
+        if names is not None and p.name not in names:
+            continue
+        name = prefix + {"VAR_POSITIONAL": f"*{p.name}", "VAR_KEYWORD": f"**{p.name}"}.get(p.kind.name, p.name)
         if p.name in hints:
             kind = render_type(hints[p.name])
         elif p.annotation is not inspect.Parameter.empty:
@@ -190,13 +204,26 @@ def argument_table(obj: Any) -> str:
             f"| `{name}` | {'`' + kind.replace('|', chr(92) + '|') + '`' if kind else ''} | "
             f"{render_default(p, obj)} | {meaning} |"
         )
-    lines = [] if len(rows) > 2 else ["No arguments.", ""]
-    if not (isinstance(obj, type)):
-        returns = inspect.signature(obj).return_annotation
-        hint = typing.get_type_hints(obj).get("return", returns) if returns is not inspect.Signature.empty else None
-        if hint is not None:
-            lines += [f"Returns `{render_type(hint)}`.", ""]
-    return "\n".join(lines + (rows if len(rows) > 2 else [])) + "\n"
+    return rows
+
+
+def train_keys() -> list[str]:
+    """``train.py``'s ``--model.*`` keys: each group's fields (``env.num_envs``) and the module's other arguments."""
+    from deepep_lightning.deepep.config import GROUPS
+
+    keys = [f"{group}.{p.name}" for group, kind in GROUPS.items() for p in parameters(kind)]
+    return keys + [p.name for p in parameters(train_module()) if p.name not in GROUPS]
+
+
+def train_table() -> str:
+    """The generated block of ``train.py``'s ``--model.*`` keys, group by group."""
+    from deepep_lightning.deepep.config import GROUPS
+
+    rows = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    for group, kind in GROUPS.items():
+        rows += argument_rows(kind, prefix=f"{group}.")
+    rows += argument_rows(train_module(), names=[p.name for p in parameters(train_module()) if p.name not in GROUPS])
+    return "\n".join(rows) + "\n"
 
 
 def option_table(parser: argparse.ArgumentParser) -> str:
@@ -222,7 +249,7 @@ def generated_blocks() -> dict[str, str]:
     """What every generated block of ``docs/api.md`` must hold, by key."""
     blocks = {name: argument_table(obj) for name, obj in public_objects().items()}
     blocks.update({key: option_table(parser) for key, parser in cli_parsers().items()})
-    blocks[TRAIN_KEY] = argument_table(train_module())
+    blocks[TRAIN_KEY] = train_table()
     return blocks
 
 

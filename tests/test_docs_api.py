@@ -73,9 +73,9 @@ def undocumented(text: str) -> list[str]:
                 if flag not in rows:
                     missing.append(f"{key}: option {flag!r} has no row")
     train_rows = _row_names(sections.get(gen_api.TRAIN_KEY, ""))
-    for parameter in gen_api.parameters(gen_api.train_module()):
-        if parameter.name not in train_rows:
-            missing.append(f"train.py: --model.{parameter.name} has no row")
+    for key in gen_api.train_keys():
+        if key not in train_rows:
+            missing.append(f"train.py: --model.{key} has no row")
     return missing
 
 

@@ -17,19 +17,19 @@ def _main(args):
 
 def test_unknown_config_key_names_the_key(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _main(["fit", "--config", DEFAULT, "--model.num_envz=4"])
+        _main(["fit", "--config", DEFAULT, "--model.env.num_envz=4"])
     assert exit_info.value.code != 0
     assert "num_envz" in capsys.readouterr().err
 
 
 def test_bad_value_names_argument_and_value_before_training(tmp_path):
     with pytest.raises(MisconfigurationException, match=r"num_envs=.*must be a positive int, got 0"):
-        _main(["fit", "--config", DEFAULT, "--model.num_envs=0", f"--trainer.default_root_dir={tmp_path}"])
+        _main(["fit", "--config", DEFAULT, "--model.env.num_envs=0", f"--trainer.default_root_dir={tmp_path}"])
 
 
 def test_unknown_env_name_is_refused(tmp_path):
-    with pytest.raises(MisconfigurationException, match=r"env=.*got 'pong'"):
-        _main(["fit", "--config", DEFAULT, "--model.env=pong", f"--trainer.default_root_dir={tmp_path}"])
+    with pytest.raises(MisconfigurationException, match=r"name=.*got 'pong'"):
+        _main(["fit", "--config", DEFAULT, "--model.env.name=pong", f"--trainer.default_root_dir={tmp_path}"])
 
 
 @pytest.mark.parametrize("name", ["default", "gpu", "memory", "nan_demo", "ddp", "audit"])
@@ -46,7 +46,7 @@ def test_lightning_cli_optimizer_flags_are_refused_with_the_reason(flag, capsys)
         _main(["fit", "--config", DEFAULT, flag])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert repr(flag) in err and "two learning rates" in err and "HINT: --model.learning_rate" in err
+    assert repr(flag) in err and "two learning rates" in err and "HINT: --model.optim.learning_rate" in err
 
 
 def test_no_optimizer_option_in_the_parser(capsys):
@@ -54,7 +54,7 @@ def test_no_optimizer_option_in_the_parser(capsys):
     with pytest.raises(SystemExit):
         _main(["fit", "--help"])
     out = capsys.readouterr().out
-    assert "--model.learning_rate" in out and "--optimizer " not in out and "--lr_scheduler " not in out
+    assert "--model.optim.learning_rate" in out and "--optimizer " not in out and "--lr_scheduler " not in out
 
 
 def test_configs_show_progress_summary_lr_and_no_hp_metric():

@@ -63,7 +63,7 @@ _EPILOG = textwrap.dedent("""\
       deepep-audit l3 --variant fused_atomic --device cuda        # DeepEP's atomic value head
       deepep-audit l2 --target mypkg.models:Net --config net.yaml --json -
       deepep-audit l3 --target mypkg.models:Net --data mypkg.data:ImageData --config cli.yaml --json report.json
-      deepep-audit l4 --config configs/default.yaml --steps 6 --resume-at 3 --model.fused_value_head=false
+      deepep-audit l4 --config configs/default.yaml --steps 6 --resume-at 3 --model.execution.fused_value_head=false
     """)
 
 

@@ -90,7 +90,7 @@ def audit_training(
         resume_at: kill run B after this step and resume it (``0 < resume_at < steps``).
         determinism: add :class:`~deepep_lightning.determinism.DeterminismCallback` to both runs.
         seed: ``seed_everything`` (and DeepEP's seed).
-        extra_args: more LightningCLI arguments, e.g. ``["--model.fused_value_head=false"]``.
+        extra_args: more LightningCLI arguments, e.g. ``["--model.execution.fused_value_head=false"]``.
         workdir: where runs ``a`` and ``b`` are written (default: a temporary directory, removed).
         timeout: seconds per subprocess.
         parallel: start run a and run b together (they are independent; results do not depend on it).

@@ -9,10 +9,10 @@ Protocol (the same for every module; L4 covers Trainer, data loading and checkpo
   weights, same Python attributes, same RNG, same batches.
 * **L2** — ``training_step(batch_0, 0)`` and ``loss.backward()``; compared: the loss and every
   parameter's gradient. A :class:`~deepep_lightning.protocols.SequenceAuditable` module is built
-  with ``audit_config(config, "L2")``, one timestep of its sequence (DeepEP: ``rollout_length=1``:
+  with ``audit_config(config, "L2")``, one timestep of its sequence (DeepEP: ``env.rollout_length=1``:
   policy, value head, recurrent cell, loss).
 * **L3** — a ``SequenceAuditable`` module: one whole sequence forward and backward (one
-  ``training_step`` under ``audit_config(config, "L3")``; DeepEP: a rollout of ``rollout_length``
+  ``training_step`` under ``audit_config(config, "L3")``; DeepEP: a rollout of ``env.rollout_length``
   timesteps), compared like L2. Another module: ``steps`` consecutive
   ``training_step``/``backward``/``optimizer.step`` on the first ``steps`` batches with the first
   optimizer of ``configure_optimizers()``; compared: every step's loss, the last gradients and the
@@ -30,6 +30,7 @@ overrides such as DeepEP's value heads ``"reference"``, ``"fused"``, ``"fused_at
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import os
 from typing import Any
@@ -119,6 +120,18 @@ def load_config(config: Any) -> dict[str, Any]:
         config = dict(model.get("init_args", model)) if "class_path" in model else dict(model)
         config.pop("class_path", None)
     return dict(config)
+
+
+def _merged(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``overrides`` laid over it, nested mappings merged key by key (a variant sets a few fields
+    of an argument group and keeps the config's others)."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        below = merged.get(key)
+        if dataclasses.is_dataclass(below) and not isinstance(below, type):
+            below = dataclasses.asdict(below)  # an argument group built in code: its fields
+        merged[key] = _merged(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return merged
 
 
 def _is_cli_config(config: Any) -> bool:
@@ -261,7 +274,7 @@ class ModuleTarget:
             raise ValueError(f"`variant` must be one of {tuple(variants)} or None, got {variant!r}")
         self.variant = variant
         if variant is not None:
-            self.config.update(variants[variant])
+            self.config = _merged(self.config, variants[variant])
 
     def name(self, level: AuditLevel) -> str:
         suffix = f", variant={self.variant}" if self.variant else ""

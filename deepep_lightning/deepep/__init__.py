@@ -4,7 +4,26 @@ A *user* of the plugin: it imports ``deepep_lightning``'s layers and implements 
 (:mod:`deepep_lightning.protocols`); nothing in the plugin imports it.
 """
 
+from deepep_lightning.deepep.config import (
+    DeepEPConfig,
+    EnvConfig,
+    ExecutionConfig,
+    LossConfig,
+    NetworkConfig,
+    OptimConfig,
+    grouped,
+)
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean
 from deepep_lightning.deepep.module import DeepEPModule
 
-__all__ = ["DeepEPModule", "EpisodeReturnMean"]
+__all__ = [
+    "DeepEPConfig",
+    "DeepEPModule",
+    "EnvConfig",
+    "EpisodeReturnMean",
+    "ExecutionConfig",
+    "LossConfig",
+    "NetworkConfig",
+    "OptimConfig",
+    "grouped",
+]

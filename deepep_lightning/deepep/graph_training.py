@@ -106,7 +106,7 @@ class GraphTraining:
         optimizer = lightning_optimizer.optimizer
         if not uncaptured and self.state.device.type != "cuda":
             raise MisconfigurationException(
-                f"`DeepEPModule(cuda_graph=True)` needs a CUDA device, the module is on {self.state.device}"
+                f"`ExecutionConfig(cuda_graph=True)` needs a CUDA device, the module is on {self.state.device}"
                 " (HINT: set cuda_graph: false for CPU runs)"
             )
         if self.graphed is None and not uncaptured:
@@ -161,10 +161,10 @@ class StandaloneStep:
         optimizer = configured["optimizer"]
         scheduler = configured["lr_scheduler"]["scheduler"] if "lr_scheduler" in configured else None
         self.module, self.optimizer, self.scheduler = module, optimizer, scheduler
-        state, max_grad_norm = module.rollout_state, module.hparams.max_grad_norm
+        state, max_grad_norm = module.rollout_state, module.config.optim.max_grad_norm
         self.training = GraphTraining(module.rollout_and_loss, module.parameters, state, max_grad_norm)
         self.graphed: GraphedTrainStep | None = None
-        if module.hparams.cuda_graph:
+        if module.config.execution.cuda_graph:
             self.graphed = GraphedTrainStep(
                 lambda: self.training.whole_step(optimizer),
                 state.generator,
@@ -173,7 +173,7 @@ class StandaloneStep:
 
     def __call__(self) -> dict[str, torch.Tensor]:
         state = self.module.rollout_state  # the active one: a test may select another virtual rank between calls
-        state.seed_rollout(self.module.hparams.seed)
+        state.seed_rollout(self.module.config.seed)
         outputs = self.graphed() if self.graphed is not None else self.training.whole_step(self.optimizer)
         state.step += 1
         if self.scheduler is not None:

@@ -23,6 +23,7 @@ from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_up
 
 if TYPE_CHECKING:
     from deepep_lightning.deepep.agent import DeepEPAgent
+    from deepep_lightning.deepep.config import DeepEPConfig
     from deepep_lightning.deepep.rollout_state import RolloutState
 
 __all__ = ["fused_bptt_on", "fused_rollout_on", "rollout_and_loss"]
@@ -31,7 +32,7 @@ __all__ = ["fused_bptt_on", "fused_rollout_on", "rollout_and_loss"]
 def rollout_and_loss(
     agent: DeepEPAgent,
     state: RolloutState,
-    config: Any,
+    config: DeepEPConfig,
     log_entropy_coef: torch.Tensor | None = None,
     first_of_step: bool = True,
 ) -> tuple[Any, Any]:
@@ -40,24 +41,24 @@ def rollout_and_loss(
     Args:
         agent: the online networks (and the target networks with ``target_tau``).
         state: the rollout state of one (virtual) rank, its generator already seeded for the step.
-        config: the module's hyperparameters (attribute access: ``config.gamma``, ...).
+        config: the module's hyperparameters.
         log_entropy_coef: ``log α`` of the adaptive entropy coefficient (``target_entropy``), updated in place.
         first_of_step: the first rollout of an optimizer step, where the target networks take their Polyak
             step (with virtual ranks, only the first micro-batch's).
 
     Returns:
         ``(rollout, terms)``: the collected :class:`~deepep_lightning.deepep.agent.rollout.Rollout` and the
-        :class:`~deepep_lightning.deepep.agent.loss.DeepEPLoss` terms.
+        :class:`~deepep_lightning.deepep.agent.loss.LossTerms`.
     """
-    hp = config
-    if hp.target_tau is not None and first_of_step:
+    loss, run = config.loss, config.execution
+    if loss.target_tau is not None and first_of_step:
         # Before the rollout, so the target follows the weights of the previous optimizer step on both paths.
         assert agent.target_value_head is not None
-        polyak_update_(list(agent.target_parameters()), list(agent.online_parameters_of_targets()), hp.target_tau)
-    if hp.compile_step and (state.compiled_timestep is None or state.compiled_timestep.env is not state.env):
+        polyak_update_(list(agent.target_parameters()), list(agent.online_parameters_of_targets()), loss.target_tau)
+    if run.compile_step and (state.compiled_timestep is None or state.compiled_timestep.env is not state.env):
         state.compiled_timestep = CompiledTimestep(agent, state.env)
-    timestep = state.compiled_timestep if hp.compile_step else None
-    args = (agent, state.env, state.hidden.clone(), hp.rollout_length, state.generator, hp.bptt_truncation)
+    timestep = state.compiled_timestep if run.compile_step else None
+    args = (agent, state.env, state.hidden.clone(), config.env.rollout_length, state.generator, loss.bptt_truncation)
     if fused_bptt_on(config, state.device):
         kernel = fused_rollout_on(config, agent, state, state.device)
         rollout = collect_rollout_fused(*args, timestep=timestep, fused_rollout=kernel)
@@ -65,48 +66,48 @@ def rollout_and_loss(
         rollout = collect_rollout(*args, timestep=timestep)
     state.hidden.copy_(rollout.final_hidden)
     target_q, bootstrap = None, rollout.bootstrap_value
-    if hp.target_tau is not None:
+    if loss.target_tau is not None:
         all_target_q = agent.target_q(rollout.features)  # [T + 1, B, A]
         target_q = all_target_q[:-1]
         bootstrap = (torch.softmax(rollout.bootstrap_logits, dim=-1) * all_target_q[-1]).sum(dim=-1)
-    entropy_coef: float | torch.Tensor = hp.entropy_coef
-    if hp.target_entropy is not None:
+    entropy_coef: float | torch.Tensor = loss.entropy_coef
+    if loss.target_entropy is not None:
         assert log_entropy_coef is not None
         entropy_coef = log_entropy_coef.exp()  # a new tensor: the in-place update below leaves it alone
     terms = deepep_loss(
         rollout.logits,
         rollout.q,
         rollout.actions,
-        rollout.rewards * hp.reward_scale,
+        rollout.rewards * loss.reward_scale,
         rollout.terminateds,
         bootstrap,
-        gamma=hp.gamma,
-        gae_lambda=hp.gae_lambda,
-        value_coef=hp.value_coef,
+        gamma=loss.gamma,
+        gae_lambda=loss.gae_lambda,
+        value_coef=loss.value_coef,
         entropy_coef=entropy_coef,
         target_q=target_q,
-        target_logits=agent.target_logits(rollout.features[:-1]) if hp.kl_coef > 0 else None,
-        kl_coef=hp.kl_coef,
-        expected_value_coef=hp.expected_value_coef,
+        target_logits=agent.target_logits(rollout.features[:-1]) if loss.kl_coef > 0 else None,
+        kl_coef=loss.kl_coef,
+        expected_value_coef=loss.expected_value_coef,
     )
-    if hp.target_entropy is not None:
+    if loss.target_entropy is not None:
         assert log_entropy_coef is not None
         adapt_entropy_coef_(
-            log_entropy_coef, terms.entropy, hp.target_entropy, hp.entropy_coef_rate, hp.entropy_coef,
-            hp.entropy_coef_max,
+            log_entropy_coef, terms.entropy, loss.target_entropy, loss.entropy_coef_rate, loss.entropy_coef,
+            loss.entropy_coef_max,
         )  # fmt: skip
     return rollout, terms
 
 
-def fused_bptt_on(config: Any, device: torch.device) -> bool:
+def fused_bptt_on(config: DeepEPConfig, device: torch.device) -> bool:
     """``fused_bptt`` resolved for ``device`` (None: on with CUDA and the extension's CUDA kernels)."""
-    choice = config.fused_bptt
+    choice = config.execution.fused_bptt
     if choice is not None:
         return bool(choice)
-    return config.detach_feedback and device.type == "cuda" and _cuda_kernels_load()
+    return config.network.detach_feedback and device.type == "cuda" and _cuda_kernels_load()
 
 
-def fused_rollout_on(config: Any, agent: DeepEPAgent, state: RolloutState, device: torch.device) -> bool:
+def fused_rollout_on(config: DeepEPConfig, agent: DeepEPAgent, state: RolloutState, device: torch.device) -> bool:
     """``fused_rollout`` resolved for a rollout on ``device`` (None: on with CUDA where the kernel runs the agent and
     env).
 
@@ -116,18 +117,18 @@ def fused_rollout_on(config: Any, agent: DeepEPAgent, state: RolloutState, devic
     Raises:
         ValueError: ``fused_rollout=True`` and the kernel cannot run this rollout (the reason named).
     """
-    choice = config.fused_rollout
-    if choice is False or config.compile_step or (choice is None and device.type != "cuda"):
+    choice = config.execution.fused_rollout
+    if choice is False or config.execution.compile_step or (choice is None and device.type != "cuda"):
         return False
     reason = fused_rollout_unsupported_reason(agent, state.env)
     if reason is None:
         return True
     if choice:
-        raise ValueError(f"`DeepEPModule(fused_rollout=True)`: {reason} (HINT: leave fused_rollout at None)")
+        raise ValueError(f"`ExecutionConfig(fused_rollout=True)`: {reason} (HINT: leave fused_rollout at None)")
     if agent not in _warned_op_by_op and _cuda_kernels_load():
         _warned_op_by_op.add(agent)
         rank_zero_warn(
-            f"`DeepEPModule(fused_rollout=None)`: the rollout's timesteps run op by op, not as one "
+            f"`ExecutionConfig(fused_rollout=None)`: the rollout's timesteps run op by op, not as one "
             f"deepep::cartpole_rollout launch: {reason}. HINT: pass fused_rollout=False to choose the op-by-op "
             "rollout without this warning."
         )

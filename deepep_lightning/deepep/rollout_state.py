@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.data import DataLoader, Dataset
 
 from deepep_lightning.deepep.envs import BatchedEnv, make_env
 from deepep_lightning.determinism.streams import derive_seed
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from deepep_lightning.deepep.agent import DeepEPAgent
     from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep
 
-__all__ = ["RolloutState"]
+__all__ = ["RolloutState", "step_indices"]
 
 
 class RolloutState:
@@ -98,3 +99,24 @@ class RolloutState:
         self.hidden.copy_(state["hidden"])
         if "rollout_step" in state:
             self.step = int(state["rollout_step"])
+
+
+class _StepIndices(Dataset):
+    """``count`` integers: a DeepEP training "batch" is only the index of a rollout."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def step_indices(steps_per_epoch: int, virtual_world_size: int | None) -> DataLoader:
+    """The loader of an epoch's rollout indices; with virtual ranks one per micro-batch of every virtual rank, in
+    batches of one that the strategy shards over the processes."""
+    if virtual_world_size is not None:
+        return DataLoader(_StepIndices(steps_per_epoch * virtual_world_size), batch_size=1)
+    return DataLoader(_StepIndices(steps_per_epoch), batch_size=None, shuffle=False)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from deepep_lightning.deepep.config import DeepEPConfig
 from deepep_lightning.deepep.rollout_state import RolloutState
 from deepep_lightning.strategies.ordered_reduction import ordered_sum
 
@@ -41,24 +42,36 @@ def virtual_layout(strategy: Any) -> tuple[int, int] | None:
     return int(strategy.virtual_rank(0)), int(strategy.micro_batches_per_step)
 
 
-def check_virtual_support(hparams: Any) -> None:
+def check_virtual_support(config: DeepEPConfig) -> None:
     """Refuse the options whose per-process state would follow the process count.
 
     Raises:
         MisconfigurationException: ``cuda_graph``, ``compile_step`` or ``target_entropy`` is set.
     """
-    for name, value, why in (
-        ("cuda_graph", hparams.cuda_graph, "the graph holds one rollout per step; virtual ranks accumulate several"),
-        ("compile_step", hparams.compile_step, "the compiled timestep is bound to one set of environments"),
+    run = config.execution
+    for owner, name, value, why in (
         (
+            "ExecutionConfig",
+            "cuda_graph",
+            run.cuda_graph,
+            "the graph holds one rollout per step; virtual ranks accumulate several",
+        ),
+        (
+            "ExecutionConfig",
+            "compile_step",
+            run.compile_step,
+            "the compiled timestep is bound to one set of environments",
+        ),
+        (
+            "LossConfig",
             "target_entropy",
-            hparams.target_entropy,
+            config.loss.target_entropy,
             "the adaptive coefficient would move once per virtual rank of a process",
         ),
     ):
         if value not in (None, False):
             raise MisconfigurationException(
-                f"`DeepEPModule({name}={value!r})` is not supported with"
+                f"`{owner}({name}={value!r})` is not supported with"
                 f" `DeterministicDDPStrategy(virtual_world_size=...)`: {why}. HINT: leave {name} at its default"
             )
 
@@ -163,3 +176,76 @@ class VirtualRollouts:
             )
         for rollout in self.states:
             rollout.load_state_dict({**saved[rollout.rank], "rollout_step": state["rollout_step"]})
+
+
+class ProcessRollouts:
+    """The rollout states this process trains: one rank's :class:`RolloutState`, or its :class:`VirtualRollouts`.
+
+    They are built once, on the module's device (:meth:`build`); a state loaded before that (a checkpoint
+    restored before the fit starts) waits in :attr:`pending` and is restored by the build. :attr:`active` is the
+    state of the (virtual) rank whose rollout runs now.
+
+    Example::
+
+        rollouts = ProcessRollouts()
+        rollouts.load_state_dict(checkpoint_state)  # kept until the build
+        state = rollouts.build(build_state, rank=0, virtual_ranks=None)
+    """
+
+    def __init__(self) -> None:
+        self.active: RolloutState | None = None
+        self.virtual: VirtualRollouts | None = None  # DeterministicDDPStrategy(virtual_world_size=K)
+        self.pending: dict[str, Any] | None = None  # loaded before the build
+
+    def build(
+        self, build_state: Callable[..., RolloutState], rank: int, virtual_ranks: tuple[int, int] | None
+    ) -> RolloutState:
+        """Build the states with ``build_state(rank, saved=...)``, restoring a pending state; return the active one.
+
+        Args:
+            build_state: builds the state of a (virtual) rank.
+            rank: this process's rank (without virtual ranks).
+            virtual_ranks: ``(first virtual rank, virtual ranks per process)``, or None for one state of ``rank``.
+        """
+        pending, self.pending = self.pending, None
+        if virtual_ranks is not None:
+            self.virtual = VirtualRollouts.build(build_state, *virtual_ranks)
+            self.active = self.virtual.select(0)
+            if pending:
+                self.virtual.load_state_dict(pending)
+        else:
+            self.active = build_state(rank, saved=pending)
+        return self.active
+
+    def select(self, index: int) -> RolloutState:
+        """Make virtual rank ``index`` of this process the active one."""
+        if self.virtual is None:
+            raise RuntimeError("ProcessRollouts: no virtual ranks to select from")
+        self.active = self.virtual.select(index)
+        return self.active
+
+    def state_dict(self) -> dict[str, Any]:
+        """Environment states, recurrent state and the step counter (CPU tensors and ints); a pending state as is."""
+        if self.active is None:
+            return dict(self.pending) if self.pending else {}
+        return self.virtual.state_dict() if self.virtual is not None else self.active.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, in place (graph-safe); before the build, keep it pending.
+
+        Raises:
+            ValueError: a state of virtual ranks for a process without them.
+        """
+        if not state:
+            return
+        if self.active is None:
+            self.pending = state
+        elif self.virtual is not None:
+            self.virtual.load_state_dict(state)
+        elif "virtual" in state:
+            raise ValueError(
+                f"DeepEPModule: the rollout state holds virtual ranks {sorted(state['virtual'])!r}, this process"
+                " trains virtual ranks None. HINT: resume with the virtual_world_size of the checkpoint"
+            )
+        else:
+            self.active.load_state_dict(state)

@@ -49,7 +49,7 @@ class FaultInjectionCallback(Callback):
     (a replay is clean) and ``mode="always"`` a persistent one (a replay fails the same way).
 
     Under manual optimisation the optimizer step happens inside ``training_step``; for a module
-    whose step is one CUDA graph (e.g. ``DeepEPModule(cuda_graph=True)``) it is a graph replay.
+    whose step is one CUDA graph (e.g. ``ExecutionConfig(cuda_graph=True)`` of DeepEP) it is a graph replay.
     There, ``"parameter"`` is the fault that reaches training: it is written into the parameter
     in place, which the graph reads, so the loss, the gradients and the updated weights turn non-finite. ``"loss"`` only
     poisons the loss the step *reports* (the update is already done), which tests detection

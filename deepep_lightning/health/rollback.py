@@ -96,7 +96,7 @@ class NaNRollbackCallback(Callback):
     ``accumulate_grad_batches=1``; batches are copied at ``on_train_batch_start`` (host memory
     grows with ``keep_snapshots × snapshot_every_n_steps`` batches).
 
-    Manual optimisation and CUDA graphs (e.g. ``DeepEPModule(cuda_graph=True)``): the step's outputs
+    Manual optimisation and CUDA graphs (e.g. DeepEP with ``ExecutionConfig(cuda_graph=True)``): the step's outputs
     must carry ``"loss"`` (and ``"grad_norm"``, standing in for the gradients no hook sees; see
     :func:`~deepep_lightning.protocols.step_grad_norm`). A replay calls ``training_step`` again,
     which replays the graph on the restored tensors: every restore copies in place, so the

@@ -67,11 +67,11 @@ def test_deepep_kill_and_resume_from_the_cli(tmp_path, capsys):
             "--determinism",
             "--workdir",
             str(tmp_path),
-            "--model.fused_value_head=false",
-            "--model.num_envs=4",
-            "--model.rollout_length=4",
-            "--model.hidden_size=8",
-            "--model.steps_per_epoch=3",
+            "--model.execution.fused_value_head=false",
+            "--model.env.num_envs=4",
+            "--model.env.rollout_length=4",
+            "--model.network.hidden_size=8",
+            "--model.env.steps_per_epoch=3",
         ]
     )
     out = capsys.readouterr().out

@@ -7,7 +7,11 @@ from deepep_lightning.audit.causes import base_name
 from deepep_lightning.audit.levels import audit_module
 from deepep_lightning.audit.targets import ModuleTarget, load_class, load_config
 
-TINY_DEEPEP = {"num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch": 4, "fused_value_head": False}
+TINY_DEEPEP = {  # DeepEPModule's arguments as a config file's model: section gives them
+    "env": {"num_envs": 4, "rollout_length": 6, "steps_per_epoch": 4},
+    "network": {"hidden_size": 8},
+    "execution": {"fused_value_head": False},
+}
 
 
 @pytest.mark.parametrize("level", ["L2", "L3"])
@@ -89,7 +93,7 @@ def test_index_add_over_duplicates_is_caught_on_cuda_and_fixed_by_deterministic_
 @pytest.mark.gpu
 def test_deepep_reference_is_reproducible_and_atomic_head_is_located_on_cuda():
     # 1024 rows per value-head call: 64 row chunks atomically added in the backward (16 rows per chunk)
-    config = {"num_envs": 1024, "rollout_length": 16, "hidden_size": 256}
+    config = {"env": {"num_envs": 1024, "rollout_length": 16}, "network": {"hidden_size": 256}}
     reference = audit_module("L3", ModuleTarget(config=config, device="cuda", variant="reference"), repeats=5)
     assert reference.status == "reproducible", reference.describe()
     fused = audit_module("L3", ModuleTarget(config=config, device="cuda", variant="fused"), repeats=5)

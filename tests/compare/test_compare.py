@@ -299,7 +299,7 @@ def test_two_seeded_train_py_runs_are_identical(tmp_path, fit_process, run_proce
             "--trainer.log_every_n_steps=1",
             "--trainer.enable_checkpointing=false",
             f"--trainer.logger.init_args.save_dir={save_dir}",
-            "--model.fused_value_head=false",  # the pure-PyTorch value head
+            "--model.execution.fused_value_head=false",  # the pure-PyTorch value head
         ]
         return fit_process(REPO / "train.py", args, log_path=tmp_path / f"{save_dir.name}.log")
 

@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.graph_training import StandaloneStep
 from deepep_lightning.deepep.lr_decay import lr_decay_factor, lr_stairs
 
@@ -31,7 +32,7 @@ def _fit(tmp_path, max_steps, ckpt_path=None, checkpoint_every=None, **kwargs):
         callbacks.append(
             pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=checkpoint_every, save_top_k=-1)
         )
-    model = DeepEPModule(**{**TINY, **kwargs})
+    model = DeepEPModule(**grouped(**{**TINY, **kwargs}))
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=bool(checkpoint_every),
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, default_root_dir=tmp_path,
@@ -67,7 +68,7 @@ def test_a_resumed_fit_continues_the_stairs_bitwise(tmp_path):
 
 
 def test_outside_a_trainer_the_standalone_step_decays_too():
-    model = DeepEPModule(**TINY, lr_decay_steps=8, lr_decay_stages=4)
+    model = DeepEPModule(**grouped(**TINY, lr_decay_steps=8, lr_decay_stages=4))
     step = StandaloneStep(model, model.configure_optimizers())
     base = step.optimizer.param_groups[0]["lr"]
     seen = []
@@ -91,10 +92,12 @@ def test_a_scaled_base_lr_carries_into_the_next_stair():
 
 
 def test_the_stairs_are_a_scheduler_of_the_configured_optimizer():
-    configured = DeepEPModule(**TINY, lr_decay_steps=8, lr_decay_stages=4).configure_optimizers()
+    configured = DeepEPModule(**grouped(**TINY, lr_decay_steps=8, lr_decay_stages=4)).configure_optimizers()
     assert isinstance(configured["lr_scheduler"]["scheduler"], torch.optim.lr_scheduler.LambdaLR)
     assert configured["lr_scheduler"]["interval"] == "step"
-    assert isinstance(DeepEPModule(**TINY).configure_optimizers(), torch.optim.Adam)  # constant rates: no scheduler
+    assert isinstance(
+        DeepEPModule(**grouped(**TINY)).configure_optimizers(), torch.optim.Adam
+    )  # constant rates: no scheduler
 
 
 @pytest.mark.parametrize(
@@ -109,4 +112,4 @@ def test_the_stairs_are_a_scheduler_of_the_configured_optimizer():
 )
 def test_bad_decay_arguments_are_refused_by_name(kwargs, match):
     with pytest.raises(MisconfigurationException, match=match):
-        DeepEPModule(**TINY, **kwargs)
+        DeepEPModule(**grouped(**TINY, **kwargs))

@@ -4,13 +4,15 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.envs import BatchedCartPole
+from deepep_lightning.deepep.progress import ProgressLog
 
 TINY = dict(num_envs=8, rollout_length=8, hidden_size=16, steps_per_epoch=4)
 
 
 def _fit(max_steps, **kwargs):
-    model = DeepEPModule(**{**TINY, **kwargs})
+    model = DeepEPModule(**grouped(**{**TINY, **kwargs}))
     clip = None if kwargs.get("cuda_graph") else 1.0  # Lightning refuses gradient_clip_val in manual optimisation
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -84,7 +86,7 @@ def test_short_seeded_run_beats_the_random_policy():
     random_mean = _random_policy_mean_return()
     assert 18 < random_mean < 28  # CartPole under a uniform policy: ~22
     episodes = _FinishedEpisodes()
-    model = DeepEPModule(num_envs=32, rollout_length=32, hidden_size=64, seed=0)
+    model = DeepEPModule(**grouped(num_envs=32, rollout_length=32, hidden_size=64, seed=0))
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=300,
@@ -104,18 +106,18 @@ def test_short_seeded_run_beats_the_random_policy():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"env": "pong"}, r"env=.*must be one of \['cartpole', 'memory'\], got 'pong'"),
+        ({"name": "pong"}, r"name=.*must be one of \['cartpole', 'memory'\], got 'pong'"),
         ({"num_envs": 0}, r"num_envs=.*must be a positive int, got 0"),
         ({"rollout_length": -3}, r"rollout_length=.*got -3"),
         ({"hidden_size": 2.5}, r"hidden_size=.*got 2.5"),
         ({"gamma": 1.5}, r"gamma=.*\[0.0, 1.0\], got 1.5"),
         ({"learning_rate": 0}, r"learning_rate=.*got 0"),
-        ({"env": "memory", "env_kwargs": {"horizon": 0}}, r"env_kwargs=.*horizon must be an int >= 2, got 0"),
+        ({"name": "memory", "kwargs": {"horizon": 0}}, r"kwargs=.*horizon must be an int >= 2, got 0"),
     ],
 )
 def test_bad_arguments_fail_before_training(kwargs, message):
     with pytest.raises(MisconfigurationException, match=message):
-        DeepEPModule(**kwargs)
+        DeepEPModule(**grouped(**kwargs))
 
 
 def test_cuda_graph_on_cpu_is_refused_with_a_hint():
@@ -136,7 +138,7 @@ def test_epoch_episode_return_is_the_mean_over_finished_episodes():
     # Negative control: a mean of per-step means (what MeanMetric(nan_strategy="disable") gives, since it
     # drops the weights, torchmetrics#3434) differs from the per-episode mean on this run.
     finished = _AllFinishedReturns()
-    model = DeepEPModule(num_envs=8, rollout_length=16, hidden_size=16, steps_per_epoch=6, seed=0)
+    model = DeepEPModule(**grouped(num_envs=8, rollout_length=16, hidden_size=16, steps_per_epoch=6, seed=0))
     step_means = []
     original_update = model.episode_return.update
 
@@ -172,7 +174,7 @@ def test_stabilised_fits_are_bitwise_identical_and_update_their_targets():
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     agent = a.agent
     # the targets moved from their initial copies but lag the online networks (Polyak, not a copy)
-    fresh_module = DeepEPModule(**{**TINY, "seed": 3, **STABILISED})
+    fresh_module = DeepEPModule(**grouped(**{**TINY, "seed": 3, **STABILISED}))
     fresh = fresh_module.agent
     for target, online in zip(agent.target_parameters(), agent.online_parameters_of_targets()):
         assert not torch.equal(target, online)
@@ -208,7 +210,7 @@ def test_stabilisers_off_leave_the_run_unchanged():
 )
 def test_bad_stabiliser_arguments_fail_before_training(kwargs, message):
     with pytest.raises(MisconfigurationException, match=message):
-        DeepEPModule(**kwargs)
+        DeepEPModule(**grouped(**kwargs))
 
 
 class _LoggedEveryStep(pl.Callback):
@@ -223,7 +225,7 @@ class _LoggedEveryStep(pl.Callback):
 
 def test_rolling_100_episode_return_logged_every_step_and_progress_values_at_log_steps():
     recorder = _LoggedEveryStep()
-    model = DeepEPModule(**{**TINY, "num_envs": 32, "rollout_length": 16}, log_throughput=True)
+    model = DeepEPModule(**grouped(**{**TINY, "num_envs": 32, "rollout_length": 16}, log_throughput=True))
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=12,
@@ -249,13 +251,13 @@ def test_rolling_100_episode_return_logged_every_step_and_progress_values_at_log
 
 def test_progress_values_are_read_only_at_the_steps_lightning_writes(monkeypatch):
     reads = []
-    original = DeepEPModule._log_progress
+    original = ProgressLog.log
 
-    def counting(self, loss):
-        reads.append(self.trainer.global_step)
-        original(self, loss)
+    def counting(self, module, *args):
+        reads.append(module.trainer.global_step)
+        original(self, module, *args)
 
-    monkeypatch.setattr(DeepEPModule, "_log_progress", counting)
+    monkeypatch.setattr(ProgressLog, "log", counting)
     trainer = pl.Trainer(
         accelerator="cpu",
         max_steps=9,
@@ -265,7 +267,7 @@ def test_progress_values_are_read_only_at_the_steps_lightning_writes(monkeypatch
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(DeepEPModule(**TINY))
+    trainer.fit(DeepEPModule(**grouped(**TINY)))
     assert reads == [2, 5, 8]  # the 0-based steps Lightning writes at with log_every_n_steps=3
 
 
@@ -280,15 +282,15 @@ def test_throughput_is_logged_only_when_asked_for():
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(DeepEPModule(**TINY))
+    trainer.fit(DeepEPModule(**grouped(**TINY)))
     assert "perf/env_steps_per_s" not in trainer.callback_metrics and "return_100" in trainer.callback_metrics
     with pytest.raises(MisconfigurationException, match="log_throughput.*'yes'"):
-        DeepEPModule(**TINY, log_throughput="yes")
+        DeepEPModule(**grouped(**TINY, log_throughput="yes"))
 
 
 def _policy_step_sizes(gradient, steps=20, **kwargs):
     """Per-element policy weight change after ``steps`` Adam steps on a constant policy gradient."""
-    model = DeepEPModule(**{**TINY, **kwargs})
+    model = DeepEPModule(**grouped(**{**TINY, **kwargs}))
     optimizer = model.configure_optimizers()
     policy = list(model.agent.policy_net.parameters())
     start = [p.detach().clone() for p in policy]
@@ -315,7 +317,7 @@ def test_policy_adam_eps_bounds_the_policy_step_under_a_tiny_biased_gradient():
 
 def test_recurrent_learning_rate_moves_the_recurrent_cell_at_its_own_rate():
     def first_step_sizes(**kwargs):
-        model = DeepEPModule(**{**TINY, **kwargs})
+        model = DeepEPModule(**grouped(**{**TINY, **kwargs}))
         optimizer = model.configure_optimizers()
         modules = {"cell": model.agent.rnn_cell, "head": model.agent.value_head, "policy": model.agent.policy_net}
         start = {name: [p.detach().clone() for p in module.parameters()] for name, module in modules.items()}
@@ -326,8 +328,8 @@ def test_recurrent_learning_rate_moves_the_recurrent_cell_at_its_own_rate():
         for name, module in modules.items():
             change = torch.cat([(p.detach() - s).abs().flatten() for p, s in zip(module.parameters(), start[name])])
             sizes[name] = change.max().item()
-        grouped = sorted(id(p) for group in optimizer.param_groups for p in group["params"])
-        assert grouped == sorted(id(p) for p in model.parameters() if p.requires_grad)  # each parameter once
+        in_groups = sorted(id(p) for group in optimizer.param_groups for p in group["params"])
+        assert in_groups == sorted(id(p) for p in model.parameters() if p.requires_grad)  # each parameter once
         return sizes, optimizer
 
     default, optimizer = first_step_sizes(learning_rate=3e-3, policy_learning_rate=1e-4)
@@ -353,7 +355,7 @@ def test_recurrent_learning_rate_moves_the_recurrent_cell_at_its_own_rate():
 )
 def test_bad_policy_step_arguments_fail_before_training(kwargs, message):
     with pytest.raises(MisconfigurationException, match=message):
-        DeepEPModule(**kwargs)
+        DeepEPModule(**grouped(**kwargs))
 
 
 def test_policy_step_options_train_bitwise_repeatably_and_change_the_run():

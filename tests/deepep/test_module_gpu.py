@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.graph_training import StandaloneStep
 
 pytestmark = pytest.mark.gpu
@@ -16,7 +17,7 @@ STABILISED = dict(target_tau=0.05, target_entropy=0.69, kl_coef=0.3, expected_va
 
 
 def _train(steps, graph, fused=True, **kwargs):
-    model = DeepEPModule(**SIZES, cuda_graph=graph, fused_value_head=fused, **kwargs).cuda()
+    model = DeepEPModule(**grouped(**SIZES, cuda_graph=graph, fused_value_head=fused, **kwargs)).cuda()
     model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
@@ -40,7 +41,7 @@ def test_graph_path_is_bitwise_reproducible():
 
 
 def test_graph_step_does_not_sync_the_host():
-    model = DeepEPModule(**SIZES, cuda_graph=True).cuda()
+    model = DeepEPModule(**grouped(**SIZES, cuda_graph=True)).cuda()
     model.ensure_rollout_state()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
     step = StandaloneStep(model, optimizer)
@@ -58,7 +59,7 @@ def test_graph_step_does_not_sync_the_host():
 def test_lightning_fit_with_cuda_graph_runs_and_counts_steps(tmp_path):
     import lightning.pytorch as pl
 
-    model = DeepEPModule(**SIZES, cuda_graph=True)
+    model = DeepEPModule(**grouped(**SIZES, cuda_graph=True))
     trainer = pl.Trainer(
         accelerator="gpu",
         devices=1,
@@ -83,7 +84,7 @@ def test_graph_path_with_the_stabilisers_equals_eager_and_is_bitwise_reproducibl
     assert torch.equal(losses_a, losses_b)
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
     # the in-place updates ran inside the graph: targets and the entropy coefficient moved
-    initial = DeepEPModule(**SIZES, **STABILISED).state_dict()
+    initial = DeepEPModule(**grouped(**SIZES, **STABILISED)).state_dict()
     assert not torch.equal(state_a["log_entropy_coef"].cpu(), initial["log_entropy_coef"])
     assert not torch.equal(
         state_a["agent.target_value_head.output_weight"].cpu(), initial["agent.target_value_head.output_weight"]
@@ -91,7 +92,7 @@ def test_graph_path_with_the_stabilisers_equals_eager_and_is_bitwise_reproducibl
 
 
 def test_graph_step_with_the_stabilisers_does_not_sync_the_host():
-    model = DeepEPModule(**SIZES, cuda_graph=True, **STABILISED).cuda()
+    model = DeepEPModule(**grouped(**SIZES, cuda_graph=True, **STABILISED)).cuda()
     model.ensure_rollout_state()
     optimizer = model.configure_optimizers()
     step = StandaloneStep(model, optimizer)
@@ -131,7 +132,7 @@ def test_graph_fit_with_progress_bar_health_and_lr_monitor_syncs_no_host_between
 
     from deepep_lightning import NaNRollbackCallback, NumericalHealthCallback
 
-    model = DeepEPModule(**SIZES, cuda_graph=True, steps_per_epoch=100)
+    model = DeepEPModule(**grouped(**SIZES, cuda_graph=True, steps_per_epoch=100))
     window = _SyncFreeWindow(4, 11)
     callbacks = [
         window,  # first: its on_train_batch_start runs before the others
@@ -166,7 +167,7 @@ POLICY_STEP = dict(
 
 def _train_configured(steps, graph, **kwargs):
     """As ``_train``, with the module's own optimizer (its param groups carry the policy-step options)."""
-    model = DeepEPModule(**SIZES, cuda_graph=graph, fused_value_head=True, **kwargs).cuda()
+    model = DeepEPModule(**grouped(**SIZES, cuda_graph=graph, fused_value_head=True, **kwargs)).cuda()
     model.ensure_rollout_state()
     optimizer = model.configure_optimizers()  # Adam(capturable=True) on the graph path
     step = StandaloneStep(model, optimizer)
@@ -190,7 +191,7 @@ def test_graph_path_with_the_policy_step_options_equals_eager_and_is_bitwise_rep
 
 def test_graph_path_under_lr_decay_recaptures_once_per_stair_and_equals_eager():
     decay = dict(lr_decay_steps=8, lr_decay_stages=4)
-    model = DeepEPModule(**SIZES, cuda_graph=True, fused_value_head=True, **decay).cuda()
+    model = DeepEPModule(**grouped(**SIZES, cuda_graph=True, fused_value_head=True, **decay)).cuda()
     step = StandaloneStep(model, model.configure_optimizers())
     graph_losses = torch.stack([step()["loss"].clone() for _ in range(8)])
     assert step.graphed is not None and step.graphed.captures == 3  # stairs 2-4 (stair 1 is in the warm-up)

@@ -163,9 +163,10 @@ def _deepep_module(extra_args: str):
     import json
 
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     kwargs = {
-        "env": "cartpole",
+        "name": "cartpole",
         "num_envs": 4,
         "rollout_length": 6,
         "hidden_size": 8,
@@ -174,7 +175,7 @@ def _deepep_module(extra_args: str):
         "fused_value_head": False,
         **json.loads(extra_args),
     }
-    return DeepEPModule(**kwargs)
+    return DeepEPModule(**grouped(**kwargs))
 
 
 def _stripped_copy(path: str, state_key: str, what: str) -> str:

@@ -4,13 +4,16 @@ import pytest
 import torch
 
 from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback
 
 from .conftest import fit, state_equal
 
 
 def _make():
-    return DeepEPModule(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False)
+    return DeepEPModule(
+        **grouped(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False)
+    )
 
 
 @pytest.mark.parametrize(
@@ -53,8 +56,8 @@ def test_deepep_transient_fault_under_lr_decay_is_invisible(tmp_path):
     """The replay after the rollback runs its steps at their stairs' rates: the weights end as the clean run's."""
 
     def make():
-        return DeepEPModule(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False,
-                            lr_decay_steps=8, lr_decay_stages=4)  # fmt: skip
+        sizes = dict(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20)
+        return DeepEPModule(**grouped(**sizes, fused_value_head=False, lr_decay_steps=8, lr_decay_stages=4))
 
     def callbacks(health):
         return [health, NaNRollbackCallback(snapshot_every_n_steps=2)]
@@ -93,13 +96,15 @@ def test_deepep_real_overflow_detected_diagnosed_and_recovered(tmp_path):
 
     def make():
         return DeepEPModule(
-            num_envs=4,
-            rollout_length=8,
-            hidden_size=16,
-            steps_per_epoch=50,
-            learning_rate=10.0,
-            optimizer="sgd",
-            fused_value_head=False,
+            **grouped(
+                num_envs=4,
+                rollout_length=8,
+                hidden_size=16,
+                steps_per_epoch=50,
+                learning_rate=10.0,
+                optimizer="sgd",
+                fused_value_head=False,
+            )
         )
 
     trainer, module = fit(tmp_path, [health, rollback], max_steps=20, module=make)

@@ -170,11 +170,14 @@ def test_bucket_cap_mb_must_be_a_finite_number(value):
 )
 def test_deepep_refuses_infinite_rates_and_scales_and_truthy_strings(kwargs):
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     name, value = next(iter(kwargs.items()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(MisconfigurationException, match=name) as info:
-            DeepEPModule(**kwargs)
-        DeepEPModule(**{name: False if name == "cuda_graph" else 0.5})  # negative control: a valid value passes
+            DeepEPModule(**grouped(**kwargs))
+        DeepEPModule(
+            **grouped(**{name: False if name == "cuda_graph" else 0.5})
+        )  # negative control: a valid value passes
     assert repr(value) in str(info.value)

@@ -1,4 +1,4 @@
-"""Health and rollback on DeepEPModule(cuda_graph=True)'s code path, run uncaptured on the CPU.
+"""Health and rollback on DeepEP with ``cuda_graph=True``'s code path, run uncaptured on the CPU.
 
 The graph path is manual optimisation: ``training_step`` runs ``GraphTraining.whole_step`` (rollout, loss,
 backward, optimizer step) itself and hands ``{"loss", "grad_norm"}`` to the callbacks. Capture
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.graph_training import graph_capture_key
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NonFiniteError, NumericalHealthCallback
 
@@ -18,7 +19,7 @@ from .conftest import OverflowBeforeStep, Recorder, fit, state_equal, tensor_add
 
 
 class UncapturedGraphPath(DeepEPModule):
-    """``DeepEPModule(cuda_graph=True)`` with every step uncaptured and Adam not capturable (that needs CUDA)."""
+    """DeepEP's ``cuda_graph=True`` step with every step uncaptured and Adam not capturable (that needs CUDA)."""
 
     def configure_optimizers(self):
         optimizer = super().configure_optimizers()
@@ -33,13 +34,15 @@ class UncapturedGraphPath(DeepEPModule):
 
 def _make(**kwargs):
     return UncapturedGraphPath(
-        num_envs=4,
-        rollout_length=8,
-        hidden_size=16,
-        steps_per_epoch=20,
-        fused_value_head=False,
-        cuda_graph=True,
-        **kwargs,
+        **grouped(
+            num_envs=4,
+            rollout_length=8,
+            hidden_size=16,
+            steps_per_epoch=20,
+            fused_value_head=False,
+            cuda_graph=True,
+            **kwargs,
+        )
     )
 
 
@@ -49,7 +52,7 @@ def _kinds(health):
 
 def test_module_is_on_the_manual_graph_path():
     module = _make()
-    assert module.hparams.cuda_graph and not module.automatic_optimization
+    assert module.config.execution.cuda_graph and not module.automatic_optimization
 
 
 def test_step_hands_loss_and_grad_norm_to_the_callbacks(tmp_path):
@@ -170,7 +173,7 @@ def test_diagnosis_names_the_overflowing_op_like_the_eager_path(tmp_path):
         (
             "eager",
             lambda: DeepEPModule(
-                num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False
+                **grouped(num_envs=4, rollout_length=8, hidden_size=16, steps_per_epoch=20, fused_value_head=False)
             ),
         ),
         ("graph", _make),
@@ -197,8 +200,8 @@ def test_lower_lr_changes_what_the_graph_is_captured_with(tmp_path):
     optimizer = trainer.optimizers[0]
     assert rollback.stopped and rollback.stop_report["lr_scale"] == 0.5
     assert [g["lr"] for g in optimizer.param_groups] == [
-        module.hparams.learning_rate * 0.5,
-        module.hparams.policy_learning_rate * 0.5,
+        module.config.optim.learning_rate * 0.5,
+        module.config.optim.policy_learning_rate * 0.5,
     ]
     key = graph_capture_key(optimizer)
     assert graph_capture_key(optimizer) == key  # unchanged lr: the graph is kept

@@ -1,6 +1,6 @@
 """GPU campaign: no host sync per step (sync debug mode), transient faults bitwise, persistent ones handled, DeepEP.
 
-The ``test_graph_*`` tests run DeepEPModule(cuda_graph=True): the whole step is one CUDA graph replay, and
+The ``test_graph_*`` tests run DeepEP with ``cuda_graph=True``: the whole step is one CUDA graph replay, and
 rollback must restore in place what the graph points to.
 """
 
@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from deepep_lightning.audit.nonfinite import locate_nonfinite
-from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep import DeepEPModule, graph_training
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.health import FaultInjectionCallback, NaNRollbackCallback, NumericalHealthCallback, state_copies
 from deepep_lightning.health import snapshot as snapshot_module
 
@@ -111,7 +112,9 @@ def test_locator_on_gpu():
 
 def test_deepep_transient_bitwise_on_gpu(tmp_path):
     def make():
-        return DeepEPModule(num_envs=64, rollout_length=32, hidden_size=64, steps_per_epoch=30, fused_value_head=False)
+        return DeepEPModule(
+            **grouped(num_envs=64, rollout_length=32, hidden_size=64, steps_per_epoch=30, fused_value_head=False)
+        )
 
     _, clean = _gpu_fit(
         tmp_path,
@@ -132,7 +135,7 @@ GRAPH = dict(num_envs=64, rollout_length=32, hidden_size=64, steps_per_epoch=40,
 
 
 def _graph_module():
-    return DeepEPModule(**GRAPH, cuda_graph=True)
+    return DeepEPModule(**grouped(**GRAPH, cuda_graph=True))
 
 
 class UncapturedGraphModule(DeepEPModule):
@@ -213,7 +216,7 @@ def test_graph_diagnosis_without_uncaptured_step_cannot_see_inside(tmp_path):
         tmp_path,
         [OverflowBeforeStep(7), health, NaNRollbackCallback(snapshot_every_n_steps=4, policy="stop")],
         12,
-        module=lambda: Opaque(**GRAPH, cuda_graph=True),
+        module=lambda: Opaque(**grouped(**GRAPH, cuda_graph=True)),
     )
     diagnosis = next(e for e in health.events.events if e["kind"] == "diagnosis")
     assert diagnosis["op"] != "aten.pow.Tensor_Scalar" and "loss.py" not in diagnosis["report"]
@@ -241,18 +244,18 @@ def _lower_lr_run(tmp_path, module):
     kinds = [k for k, _ in _kinds(health)]
     assert kinds == ["detected", "rollback", "reproducible", "policy", "rollback", "recovered"]
     assert trainer.global_step == 14 and rollback.state_dict()["lr_scale"] == 0.5
-    assert trainer.optimizers[0].param_groups[0]["lr"] == module.hparams.learning_rate * 0.5
+    assert trainer.optimizers[0].param_groups[0]["lr"] == module.config.optim.learning_rate * 0.5
     return module
 
 
 def test_graph_lower_lr_recaptures_and_trains_at_the_lower_rate(tmp_path, monkeypatch):
     graphed = _lower_lr_run(tmp_path / "graph", _graph_module)
     assert graphed.graph_training.captures == 2  # the lowered learning rate is baked into a new capture
-    eager = _lower_lr_run(tmp_path / "eager", lambda: UncapturedGraphModule(**GRAPH, cuda_graph=True))
+    eager = _lower_lr_run(tmp_path / "eager", lambda: UncapturedGraphModule(**grouped(**GRAPH, cuda_graph=True)))
     for key, value in eager.state_dict().items():
         torch.testing.assert_close(graphed.state_dict()[key], value, rtol=1e-3, atol=1e-4, msg=key)
     # negative control: a graph kept across the change goes on with the old rate, and the comparison sees it
-    monkeypatch.setattr(DeepEPModule, "_graph_capture_key", lambda self, optimizer: None)
+    monkeypatch.setattr(graph_training, "graph_capture_key", lambda optimizer: None)
     stale = _lower_lr_run(tmp_path / "stale", _graph_module)
     assert stale.graph_training.captures == 1
     assert any(

@@ -236,6 +236,7 @@ class SharpenPolicy(pl.Callback):
 def deepep_regression_run(tmp_path, trigger, accelerator="cpu", **module_args):
     """DeepEP with the entropy collapse at step 10; returns the trainer, the module and the health callback."""
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     health = NumericalHealthCallback(check_every_n_steps=2, spike_detection=False)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=4, policy="skip", regression=trigger)
@@ -244,7 +245,7 @@ def deepep_regression_run(tmp_path, trigger, accelerator="cpu", **module_args):
         tmp_path,
         [SharpenPolicy(10), health, rollback],
         max_steps=30,
-        module=lambda: DeepEPModule(**{**args, **module_args}),
+        module=lambda: DeepEPModule(**grouped(**{**args, **module_args})),
         accelerator=accelerator,
     )
     return trainer, module, health

@@ -33,6 +33,7 @@ SIZES = {"num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch"
 
 def _module():
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     class TracedDeepEP(DeepEPModule):
         def __init__(self, **kwargs) -> None:
@@ -52,7 +53,7 @@ def _module():
             names = ("train/loss", "train/episode_return_100", "train/grad_norm")
             self.logged.append([int(self.global_step)] + [float(metrics[name]).hex() for name in names])
 
-    return TracedDeepEP(env="cartpole", seed=SEED, fused_value_head=False, **SIZES)
+    return TracedDeepEP(**grouped(name="cartpole", seed=SEED, fused_value_head=False, **SIZES))
 
 
 def main(argv: list[str]) -> None:

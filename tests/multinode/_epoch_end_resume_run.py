@@ -58,9 +58,10 @@ def _tiny_module():
 
 def _deepep_module():
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     sizes = {"num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch": 4}
-    return DeepEPModule(env="cartpole", seed=SEED, fused_value_head=False, **sizes)
+    return DeepEPModule(**grouped(name="cartpole", seed=SEED, fused_value_head=False, **sizes))
 
 
 def main(argv: list[str]) -> None:

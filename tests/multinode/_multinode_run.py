@@ -106,6 +106,7 @@ def _module(trace_path: str):
 def _deepep_module(trace_path: str):
     """A small DeepEP agent (rollouts keyed by the global rank), tracing ``[step, loss, logged, parameter sum]``."""
     from deepep_lightning.deepep import DeepEPModule
+    from deepep_lightning.deepep.config import grouped
 
     class TracedDeepEP(DeepEPModule):
         def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -116,7 +117,7 @@ def _deepep_module(trace_path: str):
                 handle.write(json.dumps(row) + "\n")
 
     sizes = {"num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch": 4}
-    return TracedDeepEP(env="cartpole", seed=SEED, fused_value_head=False, **sizes)
+    return TracedDeepEP(**grouped(name="cartpole", seed=SEED, fused_value_head=False, **sizes))
 
 
 def _strategy(args):

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from deepep_lightning.deepep.config import DeepEPConfig, grouped
 from deepep_lightning.deepep.virtual_ranks import check_virtual_support, ordered_mean
 
 SCRIPT = Path(__file__).with_name("_deepep_virtual_run.py")
@@ -68,10 +68,9 @@ def test_ordered_mean_adds_in_row_order():
 
 @pytest.mark.parametrize("name, value", [("cuda_graph", True), ("compile_step", True), ("target_entropy", 0.5)])
 def test_refuses_per_process_options(name, value):
-    hparams = SimpleNamespace(**{"cuda_graph": False, "compile_step": False, "target_entropy": None, name: value})
     with pytest.raises(MisconfigurationException, match=rf"{name}={value!r}.*virtual_world_size"):
-        check_virtual_support(hparams)
-    check_virtual_support(SimpleNamespace(cuda_graph=False, compile_step=False, target_entropy=None))
+        check_virtual_support(DeepEPConfig(**grouped(**{name: value})))
+    check_virtual_support(DeepEPConfig())
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ class GraphedTrainStep:
     in place, and return a dict of tensors. Every call is one real training step: the warm-up calls
     (on a side stream, as CUDA graphs require) train too, and the capture call captures *and then
     replays*, so call ``k`` of the graphed step equals call ``k`` of plain eager execution.
-    ``torch.compile``'d code inside ``step_fn`` (``DeepEPModule(compile_step=True)``) compiles in the
+    ``torch.compile``'d code inside ``step_fn`` (``ExecutionConfig(compile_step=True)``) compiles in the
     first warm-up call, its backward at that call's ``backward()``, so the capture records the
     generated kernels; a guard that fails only at capture would compile during it and fail there.
 

@@ -1,4 +1,4 @@
-"""Environment names accepted by ``DeepEPModule(env=...)``."""
+"""Environment names accepted by ``EnvConfig(name=...)``."""
 
 from __future__ import annotations
 

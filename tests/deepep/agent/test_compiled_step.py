@@ -22,6 +22,7 @@ from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent import DeepEPAgent, compiled_step
 from deepep_lightning.deepep.agent.compiled_step import CompiledTimestep, compile_unavailable_reason
 from deepep_lightning.deepep.agent.rollout import eager_timestep
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.envs import BatchedCartPole, BatchedEnv, CueRecall
 from deepep_lightning.deepep.graph_training import StandaloneStep
 
@@ -164,7 +165,7 @@ def test_the_atomics_scan_sees_an_atomic_kernel():
 
 def test_training_step_equals_eager_and_is_bitwise_repeatable(compiled):
     def rollout_step(compile_step):
-        model = DeepEPModule(**MODULE_SIZES, compile_step=compile_step)
+        model = DeepEPModule(**grouped(**MODULE_SIZES, compile_step=compile_step))
         model.ensure_rollout_state()
         model.seed_rollout()
         _, terms = model.rollout_and_loss()
@@ -240,7 +241,7 @@ def test_unavailable_compile_falls_back_to_eager_with_one_warning(monkeypatch):
     monkeypatch.setattr(compiled_step, "_compiled", lambda fn: pytest.fail("compiled although unavailable"))
 
     def two_steps(compile_step):
-        model = DeepEPModule(**MODULE_SIZES, compile_step=compile_step)
+        model = DeepEPModule(**grouped(**MODULE_SIZES, compile_step=compile_step))
         model.ensure_rollout_state()
         losses = []
         for _ in range(2):
@@ -270,7 +271,7 @@ def test_compile_unavailable_reason_names_the_missing_piece(monkeypatch):
 
 def test_bad_arguments_are_refused_by_name():
     with pytest.raises(MisconfigurationException, match=r"compile_step=.*'yes'"):
-        DeepEPModule(compile_step="yes")
+        DeepEPModule(**grouped(compile_step="yes"))
     with pytest.raises(TypeError, match="agent must be a DeepEPAgent, got str"):
         CompiledTimestep("agent", BatchedCartPole(2))
     with pytest.raises(TypeError, match="env must be a BatchedEnv, got str"):
@@ -299,7 +300,7 @@ GPU_SIZES = dict(num_envs=64, rollout_length=32, hidden_size=64, seed=5, fused_v
 
 def _train_gpu(steps, graph, compile_step, seed=5, fused_bptt=False):
     model = DeepEPModule(
-        **{**GPU_SIZES, "seed": seed}, cuda_graph=graph, compile_step=compile_step, fused_bptt=fused_bptt
+        **grouped(**{**GPU_SIZES, "seed": seed}, cuda_graph=graph, compile_step=compile_step, fused_bptt=fused_bptt)
     ).cuda()
     model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.agent import DeepEPAgent, collect_rollout, deepep_loss, fused_bptt
 from deepep_lightning.deepep.agent.fused_bptt import collect_rollout_fused, gru_sequence
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.envs import BatchedCartPole
 from deepep_lightning.deepep.envs.base import StepResult
 from deepep_lightning.deepep.graph_training import StandaloneStep
@@ -202,7 +203,7 @@ SIZES = dict(num_envs=5, rollout_length=9, hidden_size=8, seed=3, fused_value_he
 
 
 def _train(fused, steps=4, **overrides):
-    model = DeepEPModule(**{**SIZES, **overrides}, fused_bptt=fused)
+    model = DeepEPModule(**grouped(**{**SIZES, **overrides}, fused_bptt=fused))
     model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     losses = [step()["loss"].clone() for _ in range(steps)]
@@ -210,14 +211,14 @@ def _train(fused, steps=4, **overrides):
 
 
 def test_none_resolves_off_on_cpu_and_true_turns_it_on():
-    assert not DeepEPModule(**SIZES).fused_bptt_on
-    assert DeepEPModule(**SIZES, fused_bptt=True).fused_bptt_on
-    assert not DeepEPModule(**SIZES, fused_bptt=False).fused_bptt_on
+    assert not DeepEPModule(**grouped(**SIZES)).fused_bptt_on
+    assert DeepEPModule(**grouped(**SIZES, fused_bptt=True)).fused_bptt_on
+    assert not DeepEPModule(**grouped(**SIZES, fused_bptt=False)).fused_bptt_on
 
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"target_tau": 0.05, "kl_coef": 0.1, "expected_value_coef": 0.5, "logit_bound": 3.0, "env": "memory"}],
+    [{}, {"target_tau": 0.05, "kl_coef": 0.1, "expected_value_coef": 0.5, "logit_bound": 3.0, "name": "memory"}],
     ids=["default", "targets_kl_bound_memory"],
 )
 def test_training_steps_equal_the_reference_path_to_fp32_rounding(options):
@@ -251,30 +252,30 @@ def test_the_module_uses_the_fused_rollout_only_when_on(monkeypatch):
 
 
 def test_virtual_ranks_train_with_the_fused_rollout():
-    model = DeepEPModule(**SIZES, fused_bptt=True)
+    model = DeepEPModule(**grouped(**SIZES, fused_bptt=True))
     model.ensure_rollout_state(virtual_ranks=(0, 2))
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     for index in range(2):
-        model.select_virtual_rank(index)
+        model.rollouts.select(index)
         step()
-    reference = DeepEPModule(**SIZES, fused_bptt=False)
+    reference = DeepEPModule(**grouped(**SIZES, fused_bptt=False))
     reference.ensure_rollout_state(virtual_ranks=(0, 2))
     reference_step = StandaloneStep(reference, torch.optim.Adam(reference.parameters(), lr=1e-2))
     for index in range(2):
-        reference.select_virtual_rank(index)
+        reference.rollouts.select(index)
         reference_step()
     for (name, value), other in zip(model.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(value, other, rtol=1e-3, atol=1e-4, msg=name)
-    for slot, reference_slot in zip(model.virtual_rollouts.states, reference.virtual_rollouts.states, strict=True):
+    for slot, reference_slot in zip(model.rollouts.virtual.states, reference.rollouts.virtual.states, strict=True):
         torch.testing.assert_close(slot.hidden, reference_slot.hidden, rtol=1e-4, atol=1e-5)
 
 
 def test_bad_values_are_refused_by_name():
     with pytest.raises(ValueError, match=r"fused_bptt=\.\.\.\)` must be None or False with detach_feedback=False"):
-        DeepEPModule(**SIZES, fused_bptt=True, detach_feedback=False)
+        DeepEPModule(**grouped(**SIZES, fused_bptt=True, detach_feedback=False))
     with pytest.raises(MisconfigurationException, match="fused_bptt"):
-        DeepEPModule(**SIZES, fused_bptt="yes")
-    DeepEPModule(**SIZES, fused_bptt=None, detach_feedback=False)  # None resolves off there: accepted
+        DeepEPModule(**grouped(**SIZES, fused_bptt="yes"))
+    DeepEPModule(**grouped(**SIZES, fused_bptt=None, detach_feedback=False))  # None resolves off there: accepted
 
 
 def test_compiled_no_grad_timestep_inside_the_fused_rollout_equals_eager():
@@ -301,7 +302,9 @@ def _needs_cuda_kernels():
 
 def _train_gpu(steps, fused, graph, seed=5):
     # the op-by-op no-gradient timesteps (the rollout kernel's tests are test_fused_rollout.py)
-    model = DeepEPModule(**{**GPU_SIZES, "seed": seed}, fused_bptt=fused, cuda_graph=graph, fused_rollout=False)
+    model = DeepEPModule(
+        **grouped(**{**GPU_SIZES, "seed": seed}, fused_bptt=fused, cuda_graph=graph, fused_rollout=False)
+    )
     model = model.cuda()
     model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))

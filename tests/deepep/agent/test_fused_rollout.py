@@ -19,6 +19,7 @@ from deepep_lightning.deepep.agent.fused_rollout import (
     rollout_steps,
     rollout_steps_fused,
 )
+from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.envs import BatchedCartPole, CueRecall
 from deepep_lightning.deepep.graph_training import StandaloneStep
 from deepep_lightning.ops import extension_available
@@ -165,7 +166,7 @@ MODULE = dict(num_envs=8, rollout_length=12, hidden_size=16, seed=3, fused_bptt=
 
 
 def _train(steps, **kwargs):
-    model = DeepEPModule(**{**MODULE, **kwargs})
+    model = DeepEPModule(**grouped(**{**MODULE, **kwargs}))
     model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     return model, torch.stack([step()["loss"].detach().clone() for _ in range(steps)])
@@ -184,10 +185,10 @@ def test_module_switch_is_off_on_cpu_by_default_and_refuses_what_it_cannot_run()
     model, _ = _train(1)
     assert not model.fused_rollout_on  # None: CUDA only
     with pytest.raises(ValueError, match="fused_rollout=True.*the fused rollout steps CartPole only"):
-        _train(1, fused_rollout=True, env="memory")
+        _train(1, fused_rollout=True, name="memory")
     for bad in ({"compile_step": True}, {"fused_bptt": False}):
         with pytest.raises(ValueError, match=r"fused_rollout=\.\.\.\)` must be None or False"):
-            DeepEPModule(**{**MODULE, **bad, "fused_rollout": True})
+            DeepEPModule(**grouped(**{**MODULE, **bad, "fused_rollout": True}))
 
 
 def _as_if_on_cuda(model, monkeypatch, kernels_built=True):
@@ -201,7 +202,7 @@ def _as_if_on_cuda(model, monkeypatch, kernels_built=True):
 
 @pytest.mark.parametrize("case", ["memory_env", "float64_agent"])
 def test_none_on_cuda_warns_once_naming_why_the_rollout_runs_op_by_op(case, monkeypatch, recwarn):
-    model = DeepEPModule(**{**MODULE, **({"env": "memory"} if case == "memory_env" else {})})
+    model = DeepEPModule(**grouped(**{**MODULE, **({"name": "memory"} if case == "memory_env" else {})}))
     _as_if_on_cuda(model, monkeypatch)
     if case == "float64_agent":
         model.agent.double()  # the env's state stays float32
@@ -213,7 +214,9 @@ def test_none_on_cuda_warns_once_naming_why_the_rollout_runs_op_by_op(case, monk
 
 @pytest.mark.parametrize("case", ["false", "cpu", "kernels_not_built"])
 def test_no_warning_where_the_op_by_op_rollout_is_chosen_or_already_explained(case, monkeypatch, recwarn):
-    model = DeepEPModule(**{**MODULE, "env": "memory", **({"fused_rollout": False} if case == "false" else {})})
+    model = DeepEPModule(
+        **grouped(**{**MODULE, "name": "memory", **({"fused_rollout": False} if case == "false" else {})})
+    )
     if case == "cpu":
         model.ensure_rollout_state()
     else:
@@ -336,7 +339,7 @@ GPU_MODULE = dict(num_envs=256, rollout_length=32, hidden_size=256, seed=5, fuse
 
 
 def _train_gpu(steps, graph, **kwargs):
-    model = DeepEPModule(**{**GPU_MODULE, **kwargs}, cuda_graph=graph).cuda()
+    model = DeepEPModule(**grouped(**{**GPU_MODULE, **kwargs}, cuda_graph=graph)).cuda()
     model.ensure_rollout_state()
     step = StandaloneStep(model, torch.optim.Adam(model.parameters(), lr=1e-3, capturable=graph))
     losses = torch.stack([step()["loss"].clone() for _ in range(steps)])
