@@ -37,7 +37,14 @@ from deepep_lightning.deepep.agent.network import AgentStep, DeepEPAgent
 from deepep_lightning.deepep.agent.rollout import eager_timestep
 from deepep_lightning.deepep.envs.base import BatchedEnv, StepResult
 
-__all__ = ["COMPILE_OPTIONS", "CompiledTimestep", "compile_unavailable_reason"]
+__all__ = [
+    "COMPILE_OPTIONS",
+    "CompiledTimestep",
+    "agent_and_env_step",
+    "agent_step",
+    "compile_unavailable_reason",
+    "compile_once",
+]
 
 #: Inductor options of the compiled timestep (see the module docstring for ``deterministic``).
 COMPILE_OPTIONS: dict[str, Any] = {"deterministic": True}
@@ -67,7 +74,7 @@ def compile_unavailable_reason(device: torch.device | str) -> str | None:
     return f"inductor builds code for cpu and cuda devices, not {device.type!r}"
 
 
-def _agent_and_env_step(
+def agent_and_env_step(
     agent: DeepEPAgent,
     env: BatchedEnv,
     obs: torch.Tensor,
@@ -75,19 +82,25 @@ def _agent_and_env_step(
     uniform: torch.Tensor,
     noise: torch.Tensor,
 ) -> tuple[AgentStep, StepResult, torch.Tensor]:
+    """One timestep as the compiler sees it: the agent's step, the env's step with the given noise, the reset
+    of the finished environments' recurrent state."""
     step = agent.step(obs, hidden, uniform)
     result = env.step_with_noise(step.action, noise)
     return step, result, step.hidden * (~result.done).unsqueeze(-1).to(step.hidden.dtype)
 
 
-def _agent_step(agent: DeepEPAgent, obs: torch.Tensor, hidden: torch.Tensor, uniform: torch.Tensor) -> AgentStep:
+def agent_step(agent: DeepEPAgent, obs: torch.Tensor, hidden: torch.Tensor, uniform: torch.Tensor) -> AgentStep:
+    """The agent's step alone (for an env whose step is not compiled)."""
     return agent.step(obs, hidden, uniform)
 
 
 @functools.cache
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    # One compiled wrapper per function for the process: dynamo keys its cache by code object and backend,
-    # and the agent and env are arguments, so two modules of the same shapes share the compiled code.
+def compile_once(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile`` with :data:`COMPILE_OPTIONS`, one wrapper per function for the process.
+
+    Dynamo keys its cache by code object and backend, and the agent and env are arguments, so two modules of
+    the same shapes share the compiled code.
+    """
     return torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False, options=dict(COMPILE_OPTIONS))
 
 
@@ -157,7 +170,7 @@ class CompiledTimestep:
             hidden = hidden.detach().requires_grad_()
         if self.includes_env:
             noise = self.env.draw_step_noise(generator)
-            return _compiled(_agent_and_env_step)(self.agent, self.env, obs, hidden, uniform, noise)
-        step = _compiled(_agent_step)(self.agent, obs, hidden, uniform)
+            return compile_once(agent_and_env_step)(self.agent, self.env, obs, hidden, uniform, noise)
+        step = compile_once(agent_step)(self.agent, obs, hidden, uniform)
         result = self.env.step(step.action, generator)
         return step, result, step.hidden * (~result.done).unsqueeze(-1).to(step.hidden.dtype)

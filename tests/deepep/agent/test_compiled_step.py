@@ -115,7 +115,7 @@ def test_compiled_timestep_is_bitwise_repeatable(compiled):
 
 def test_the_uniform_is_an_input_of_the_compiled_sampler(compiled):
     agent, _, _ = compiled
-    fn = compiled_step._compiled(compiled_step._agent_and_env_step)
+    fn = compiled_step.compile_once(compiled_step.agent_and_env_step)
     obs, hidden = _env().observe(), torch.zeros(B, H, requires_grad=True)
     noise = torch.zeros(B, 4)
     low, _, _ = fn(agent, _env(), obs, hidden, torch.zeros(B), noise)
@@ -238,7 +238,7 @@ def test_under_a_dispatch_mode_the_timestep_runs_eagerly_and_the_mode_sees_its_o
 def test_unavailable_compile_falls_back_to_eager_with_one_warning(monkeypatch):
     reason = "inductor's CPU backend needs a C++ compiler (test)"
     monkeypatch.setattr(compiled_step, "compile_unavailable_reason", lambda device: reason)
-    monkeypatch.setattr(compiled_step, "_compiled", lambda fn: pytest.fail("compiled although unavailable"))
+    monkeypatch.setattr(compiled_step, "compile_once", lambda fn: pytest.fail("compiled although unavailable"))
 
     def two_steps(compile_step):
         model = DeepEPModule(**grouped(**MODULE_SIZES, compile_step=compile_step))
