@@ -1,4 +1,4 @@
-"""The torchvision family of the L1 catalogue (deepep_lightning/audit/catalogue_torchvision.py): its entries
+"""The torchvision family of the L1 catalogue (deepep_lightning/audit/catalogue/torchvision.py): its entries
 name routes that exist, run reproducibly on CPU, and on CUDA the plugin column makes them reproducible."""
 
 import pytest

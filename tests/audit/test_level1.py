@@ -1,4 +1,4 @@
-"""L1: one op N times, and the catalogue table (deepep_lightning/audit/level1.py, catalogue.py)."""
+"""L1: one op N times, and the catalogue table (deepep_lightning/audit/level1.py, catalogue/)."""
 
 import itertools
 import re

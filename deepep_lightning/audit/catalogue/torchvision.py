@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deepep_lightning.audit.catalogue_entry import CatalogueEntry, grad_of, randn
+from deepep_lightning.audit.catalogue.entry import CatalogueEntry, grad_of, randn
 
 __all__ = ["TORCHVISION_ENTRIES"]
 

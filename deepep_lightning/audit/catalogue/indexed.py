@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepep_lightning.audit.catalogue_entry import BINS, CatalogueEntry, grad_of, indices, randn
+from deepep_lightning.audit.catalogue.entry import BINS, CatalogueEntry, grad_of, indices, randn
 
 __all__ = ["INDEXED_ENTRIES"]
 

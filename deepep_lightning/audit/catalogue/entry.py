@@ -1,7 +1,7 @@
 """What an L1 catalogue entry is, and the fixed random inputs its builder makes.
 
-Kept apart from the entries so that the families of entries (:mod:`~deepep_lightning.audit.catalogue_indexed`,
-:mod:`~deepep_lightning.audit.catalogue_spatial`, :mod:`~deepep_lightning.audit.catalogue_dense`) share one
+Kept apart from the entries so that the families of entries (:mod:`~deepep_lightning.audit.catalogue.indexed`,
+:mod:`~deepep_lightning.audit.catalogue.spatial`, :mod:`~deepep_lightning.audit.catalogue.dense`) share one
 definition of the entry and one way to draw inputs, and :mod:`~deepep_lightning.audit.catalogue` assembles them.
 """
 

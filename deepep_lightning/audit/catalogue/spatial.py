@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepep_lightning.audit.catalogue_entry import CatalogueEntry, grad_of, output_and_grad, randn
+from deepep_lightning.audit.catalogue.entry import CatalogueEntry, grad_of, output_and_grad, randn
 
 __all__ = ["SPATIAL_ENTRIES"]
 

@@ -11,21 +11,21 @@ CPU tests fast.
 to a deterministic kernel (on CUDA, in deterministic mode): the ops PyTorch refuses there, or runs
 deterministically but slowly. An entry with ``routed=()`` runs PyTorch's kernels in every column.
 
-The entries live by family: :mod:`~deepep_lightning.audit.catalogue_indexed` (accumulation by index, the
-atomic-add family), :mod:`~deepep_lightning.audit.catalogue_spatial` (losses and image ops, the family
-deterministic mode refuses), :mod:`~deepep_lightning.audit.catalogue_torchvision` (torchvision's RoI and
-deformable-convolution ops, when torchvision imports) and :mod:`~deepep_lightning.audit.catalogue_dense`
+The entries live by family: :mod:`~deepep_lightning.audit.catalogue.indexed` (accumulation by index, the
+atomic-add family), :mod:`~deepep_lightning.audit.catalogue.spatial` (losses and image ops, the family
+deterministic mode refuses), :mod:`~deepep_lightning.audit.catalogue.torchvision` (torchvision's RoI and
+deformable-convolution ops, when torchvision imports) and :mod:`~deepep_lightning.audit.catalogue.dense`
 (dense ops and DeepEP's own);
 this module puts them in table order.
 """
 
 from __future__ import annotations
 
-from deepep_lightning.audit.catalogue_dense import DENSE_ENTRIES
-from deepep_lightning.audit.catalogue_entry import CatalogueEntry
-from deepep_lightning.audit.catalogue_indexed import INDEXED_ENTRIES
-from deepep_lightning.audit.catalogue_spatial import SPATIAL_ENTRIES
-from deepep_lightning.audit.catalogue_torchvision import TORCHVISION_ENTRIES
+from deepep_lightning.audit.catalogue.dense import DENSE_ENTRIES
+from deepep_lightning.audit.catalogue.entry import CatalogueEntry
+from deepep_lightning.audit.catalogue.indexed import INDEXED_ENTRIES
+from deepep_lightning.audit.catalogue.spatial import SPATIAL_ENTRIES
+from deepep_lightning.audit.catalogue.torchvision import TORCHVISION_ENTRIES
 
 __all__ = ["CATALOGUE", "CatalogueEntry", "catalogue_names", "size_of"]
 
