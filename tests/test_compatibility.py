@@ -372,6 +372,7 @@ def _snippets(name: str) -> list[str]:
     return blocks
 
 
+@pytest.mark.slow
 def test_the_documented_load_from_checkpoint_snippet_runs_without_the_plugin(tmp_path, quiet_trainer, run_process):
     """A checkpoint written with the three callbacks loads (inference) and fine-tunes where the plugin is absent."""
     from lightning.pytorch.callbacks import ModelCheckpoint

@@ -1,5 +1,5 @@
 """The ``plugin`` column of the L1 catalogue: deterministic mode with ``patch_refused_ops(True)``
-(deepep_lightning/audit/level1.py, catalogue.py)."""
+(deepep_lightning/audit/level1.py, catalogue/)."""
 
 import re
 
@@ -108,6 +108,7 @@ def test_plugin_column_buys_a_refused_op_and_forced_off_it_raises(planted, monke
     assert forced_off["raises"] and forced_off["routing"] is False
 
 
+@pytest.mark.slow
 def test_plugin_column_in_a_fresh_subprocess_runs_with_routing_on(monkeypatch):
     monkeypatch.setenv("DEEPEP_LIGHTNING_DISABLE_EXTENSION", "1")  # the workers skip the build; routing is on
     table = audit_catalogue(["cumsum"], columns=["deterministic", "plugin"], device="cpu", repeats=2, isolate=True)

@@ -49,6 +49,7 @@ def test_bad_resume_step_raises():
         audit_training(steps=3, resume_at=3)
 
 
+@pytest.mark.slow
 def test_deepep_kill_and_resume_from_the_cli(tmp_path, capsys):
     # Run b is SIGKILLed after step 2 (mid-epoch) and resumed in a third process. Measured: without
     # --determinism the epoch-level train/episode_return differs after the resume (steps_per_epoch=3),
@@ -80,6 +81,7 @@ def test_deepep_kill_and_resume_from_the_cli(tmp_path, capsys):
     assert (tmp_path / "config.yaml").exists() and (tmp_path / "b" / "ckpt" / "last.ckpt").exists()
 
 
+@pytest.mark.slow
 def test_l4_fits_with_a_data_module_from_the_flag_or_the_config(tmp_path, monkeypatch):
     """A module without loaders trains in both fresh processes on the DataModule's batches."""
     import yaml

@@ -82,6 +82,7 @@ class _FinishedEpisodes(pl.Callback):
             self.returns += rollout.episode_returns[rollout.dones].tolist()
 
 
+@pytest.mark.slow
 def test_short_seeded_run_beats_the_random_policy():
     random_mean = _random_policy_mean_return()
     assert 18 < random_mean < 28  # CartPole under a uniform policy: ~22

@@ -132,11 +132,13 @@ def _differences(reference: Path, other: Path) -> list[str]:
     return different
 
 
+@pytest.mark.slow
 def test_two_fresh_runs_are_bitwise_equal(runs: dict[str, Path]) -> None:
     assert _differences(runs["plain/full"], runs["plain/full_again"]) == []
     assert "train/loss" in _scalars(runs["plain/full"]) and "val/loss" in _scalars(runs["plain/full"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(_SCENARIOS))
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(runs: dict[str, Path], scenario: str) -> None:
     scalars = _scalars(runs[f"{scenario}/full"])
@@ -145,6 +147,7 @@ def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(runs: dict[str, Path], s
     assert _differences(runs[f"{scenario}/full"], runs[f"{scenario}/resumed"]) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["plain", "plain_noreseed", "plain_onecycle"])
 def test_negative_control_resume_without_restoring_differs(runs: dict[str, Path], scenario: str) -> None:
     different = _differences(runs[f"{scenario}/full"], runs[f"{scenario}/unrestored"])
@@ -152,6 +155,7 @@ def test_negative_control_resume_without_restoring_differs(runs: dict[str, Path]
     assert "tensorboard scalars" in different and any(key.startswith("model.") for key in different)
 
 
+@pytest.mark.slow
 def test_checkpoint_loads_with_weights_only(runs: dict[str, Path]) -> None:
     checkpoint = torch.load(runs["plain/killed"] / "last.ckpt", weights_only=True)
     state = checkpoint["callbacks"]["DeterminismCallback"]

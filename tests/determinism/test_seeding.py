@@ -182,6 +182,7 @@ except MisconfigurationException as error:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "exit_code", "warned"),
     [("unseeded", 0, True), ("strict", 3, True), ("seeded", 0, False)],

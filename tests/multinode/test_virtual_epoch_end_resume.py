@@ -37,6 +37,7 @@ def _weights_equal(a: Path, b: Path, rank: int = 0) -> bool:
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 @pytest.mark.parametrize(
     ("module", "devices", "virtual"),

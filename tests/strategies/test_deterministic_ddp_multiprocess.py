@@ -70,6 +70,7 @@ def test_comparison_detects_one_ulp():
     assert not _bitwise_equal(a, b)
 
 
+@pytest.mark.slow
 def test_two_runs_are_bitwise_equal(runs):
     a0, a1, b0 = _weights(runs["A"], 0), _weights(runs["A"], 1), _weights(runs["B"], 0)
     assert _bitwise_equal(a0, b0)
@@ -78,6 +79,7 @@ def test_two_runs_are_bitwise_equal(runs):
     assert _rank(runs["A"], 0)["global_step"] == 8
 
 
+@pytest.mark.slow
 def test_shards_are_disjoint_covering_and_a_pure_function(runs):
     seen = [_rank(runs["A"], rank)["seen"] for rank in (0, 1)]
     for epoch in ("0", "1"):
@@ -88,12 +90,14 @@ def test_shards_are_disjoint_covering_and_a_pure_function(runs):
     assert seen == [_rank(runs["B"], rank)["seen"] for rank in (0, 1)]
 
 
+@pytest.mark.slow
 def test_every_rank_destroys_its_gloo_group_before_the_interpreter_finalizes(runs):
     # the negative control (a gloo group with no handler is still alive at exit) is in test_process_group_exit.py
     for rank in (0, 1):
         assert json.loads((runs["A"] / f"exit_rank{rank}.json").read_text()) == {"process_group_initialized": False}
 
 
+@pytest.mark.slow
 def test_per_rank_seeds_are_derived_different_and_recorded(runs):
     records = [_rank(runs["A"], rank) for rank in (0, 1)]
     expected = [derive_seed(SEED, "rank", rank) for rank in (0, 1)]
@@ -107,6 +111,7 @@ def test_per_rank_seeds_are_derived_different_and_recorded(runs):
     assert len(state["per_rank"]) == 2 and "callbacks" in state["per_rank"][1]
 
 
+@pytest.mark.slow
 def test_fault_on_rank_one_rolls_back_every_rank_in_lockstep(runs):
     records = [_rank(runs["C"], rank) for rank in (0, 1)]
     assert records[0]["injections"] == [] and records[1]["injections"] == [[FAULT_STEP, "gradient"]]
@@ -120,6 +125,7 @@ def test_fault_on_rank_one_rolls_back_every_rank_in_lockstep(runs):
     assert _bitwise_equal(c0, _weights(runs["A"], 0))  # as if the fault had never happened
 
 
+@pytest.mark.slow
 def test_resume_with_a_different_world_size_is_refused(runs):
     # what Trainer.fit(ckpt_path=...) calls first on every rank; in this process (no second
     # subprocess run: CI time) with the checkpoint the 2-process run wrote
@@ -145,6 +151,7 @@ def test_resume_with_a_different_world_size_is_refused(runs):
         strategy(1).load_checkpoint(runs["A"] / "last.ckpt")
 
 
+@pytest.mark.slow
 def test_one_process_equals_two_in_world_size_invariant_mode(runs):
     # virtual_world_size=2: one process accumulates the micro-batches the two ranks of run A computed
     one, two = _rank(runs["V"], 0), [_rank(runs["A"], rank) for rank in (0, 1)]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from lightning.pytorch.strategies import StrategyRegistry
 
 from deepep_lightning.strategies import DeterministicDDPStrategy
@@ -24,6 +25,7 @@ def _fresh_process(run_process, code: str) -> subprocess.CompletedProcess:
     return run_process([sys.executable, "-c", code], cwd=_ROOT, env=dict(os.environ))
 
 
+@pytest.mark.slow
 def test_import_deepep_lightning_makes_the_name_work_in_a_fresh_process(run_process):
     result = _fresh_process(run_process, "import deepep_lightning\n" + _TRAINER)
     assert result.returncode == 0, result.stderr[-2000:]

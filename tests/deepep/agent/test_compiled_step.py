@@ -88,6 +88,7 @@ def _assert_outputs_close(actual, expected, rtol=RTOL, atol=ATOL):
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=rtol, atol=atol, msg=name)
 
 
+@pytest.mark.slow
 def test_compiled_timestep_equals_eager_to_fp32_rounding(compiled):
     agent, result, _ = compiled
     env = _env()
@@ -95,6 +96,7 @@ def test_compiled_timestep_equals_eager_to_fp32_rounding(compiled):
     _assert_outputs_close(result, expected)
 
 
+@pytest.mark.slow
 def test_a_planted_change_is_caught_at_that_tolerance(compiled):
     agent, result, _ = compiled
     planted = copy.deepcopy(agent)
@@ -106,6 +108,7 @@ def test_a_planted_change_is_caught_at_that_tolerance(compiled):
         _assert_outputs_close(result, perturbed)
 
 
+@pytest.mark.slow
 def test_compiled_timestep_is_bitwise_repeatable(compiled):
     agent, result, _ = compiled
     env = _env()
@@ -113,6 +116,7 @@ def test_compiled_timestep_is_bitwise_repeatable(compiled):
     _assert_outputs_close(again, result, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_the_uniform_is_an_input_of_the_compiled_sampler(compiled):
     agent, _, _ = compiled
     fn = compiled_step.compile_once(compiled_step.agent_and_env_step)
@@ -133,6 +137,7 @@ def _atomic_adds(code):
     return [match for source in code for match in re.findall(pattern, source)]
 
 
+@pytest.mark.slow
 def test_generated_code_has_no_atomic_adds(compiled):
     _, _, code = compiled
     assert len(code) >= 2, "forward and backward code expected"  # the scan below reads real kernels
@@ -163,6 +168,7 @@ def test_the_atomics_scan_sees_an_atomic_kernel():
     assert _atomic_adds(code)
 
 
+@pytest.mark.slow
 def test_training_step_equals_eager_and_is_bitwise_repeatable(compiled):
     def rollout_step(compile_step):
         model = DeepEPModule(**grouped(**MODULE_SIZES, compile_step=compile_step))
@@ -207,6 +213,7 @@ class _UnsplitCartPole(BatchedCartPole):
         return BatchedCartPole.step_with_noise(self, action, BatchedCartPole.draw_step_noise(self, generator))
 
 
+@pytest.mark.slow
 def test_an_env_without_a_split_step_steps_eagerly_after_the_compiled_agent(compiled):
     agent, result, _ = compiled
     env = _UnsplitCartPole(B)
@@ -219,6 +226,7 @@ def test_an_env_without_a_split_step_steps_eagerly_after_the_compiled_agent(comp
     _assert_outputs_close(_one_timestep(timestep, agent, env), result)
 
 
+@pytest.mark.slow
 def test_under_a_dispatch_mode_the_timestep_runs_eagerly_and_the_mode_sees_its_ops(compiled):
     agent, result, _ = compiled
     seen = []
