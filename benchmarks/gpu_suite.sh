@@ -17,7 +17,8 @@
 #                     ZOO_PARALLEL verdict processes (8), nothing started past ZOO_BUDGET_S (420); it continues
 #                     benchmarks/results/zoo/zoo.json (earlier calls' records are kept), so calls can split the zoo
 #   gpu-tests         every test marked gpu and not multigpu; gpu-tests-multi: the multigpu tests (2 GPUs)
-#                     (GPU_TESTS="tests/ops/test_x.py ..." runs those files instead of tests/)
+#                     (GPU_TESTS="tests/ops/test_x.py ..." runs those files instead of tests/; GPU_TEST_WORKERS=N
+#                     runs N pytest-xdist processes, a file each)
 #
 # Each section writes its result files to /tmp/r/results/<section>/ (the layout of benchmarks/results/) and its
 # logs to /tmp/r/logs/ (<run>.txt, status.txt with one exit code per run). /tmp/r is packed into
@@ -112,13 +113,15 @@ PY
 }
 
 gpu_tests() {  # gpu_tests NAME LIMIT_S MARKER: pytest -m MARKER over $GPU_TESTS (tests/); summary in results/NAME/NAME.json
-  local name=$1 limit=$2 marker=$3 paths=${GPU_TESTS:-tests}
+  local name=$1 limit=$2 marker=$3 paths=${GPU_TESTS:-tests} workers=()
+  # GPU_TEST_WORKERS=N: N pytest-xdist processes sharing the GPU, a test file each (needs pytest-xdist in .whl/)
+  [ -n "${GPU_TEST_WORKERS:-}" ] && workers=(-n "$GPU_TEST_WORKERS" --dist loadfile)
   rm -f "$LOGS/$name.xml"
   # shellcheck disable=SC2086 # $paths is a list of test paths
-  run "$name" "$limit" python3 -m pytest -q -rs -m "$marker" $paths --junitxml="$LOGS/$name.xml"
+  run "$name" "$limit" python3 -m pytest -q -rs -m "$marker" "${workers[@]}" $paths --junitxml="$LOGS/$name.xml"
   mkdir -p "$RESULTS/$name"
   python3 - "$LOGS/$name.xml" "$LOGS/$name.txt" "$RESULTS/$name/$name.json" "$RC" \
-    "python3 -m pytest -q -rs -m \"$marker\" $paths" <<'PY'
+    "python3 -m pytest -q -rs -m \"$marker\" ${workers[*]} $paths" <<'PY'
 import json, os, sys
 import xml.etree.ElementTree as ET
 
@@ -305,7 +308,7 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
       run bench_zoo 560 python3 benchmarks/bench_zoo.py --models ${ZOO_MODELS:-all} --stages ${ZOO_STAGES:-verdict timing} \
         --parallel "${ZOO_PARALLEL:-8}" --budget-s "${ZOO_BUDGET_S:-420}" --out "$RESULTS/zoo" --runs-dir "$LOGS/zoo_runs" ;;
     gpu-tests)
-      gpu_tests gpu_tests 540 "gpu and not multigpu" ;;
+      gpu_tests gpu_tests "${GPU_TESTS_LIMIT_S:-540}" "gpu and not multigpu" ;;
     gpu-tests-multi)
       gpu_tests gpu_tests_multi 540 multigpu ;;
   esac

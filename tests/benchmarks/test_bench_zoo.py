@@ -176,3 +176,21 @@ def test_a_cuda_profile_lists_device_events_as_kernels_and_aten_ops_by_device_ti
     assert table["ops"] == [{"name": "aten::index_put_", "ms": 1.5, "calls": 1.0}]
     on_cpu = zoo_worker.profile_table(profiler, steps=2, cuda=False)  # self CPU time of aten ops only
     assert on_cpu == {"kernels": [], "ops": [{"name": "aten::index_put_", "ms": 0.02, "calls": 1.0}]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_a_real_cuda_profile_has_kernel_rows():
+    """The attribution's kernel rows come from a real ``torch.profiler`` run as the zoo worker starts it."""
+    weight = torch.randn(512, 512, device="cuda")
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(2):
+            (weight @ weight).relu().sum().item()
+    table = zoo_worker.profile_table(profiler, steps=2, cuda=True)
+    seen = [
+        (event.key[:40], str(event.device_type), event.self_device_time_total, event.device_time_total)
+        for event in profiler.key_averages()
+    ]
+    assert table["kernels"] and all(row["ms"] > 0 for row in table["kernels"]), seen
+    assert any(row["name"] == "aten::mm" for row in table["ops"]), seen
