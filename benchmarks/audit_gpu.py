@@ -89,6 +89,8 @@ def main() -> int:
     started = time.perf_counter()
     command = " ".join([os.path.basename(sys.executable)] + sys.argv)
 
+    import deepep_lightning.deepep.kernels  # noqa: F401  (adds DeepEP's value head to the catalogue)
+
     table = audit_catalogue(device="cuda", repeats=args.repeats)
     table.update({"environment": environment_summary(), "command": command, "seconds": time.perf_counter() - started})
     with open(os.path.join(args.out, "audit_catalogue_h200.json"), "w") as handle:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import textwrap
@@ -13,13 +14,17 @@ from deepep_lightning.audit.report import EXIT_COULD_NOT_RUN, AuditReport, Level
 
 __all__ = ["main"]
 
+#: The module whose import adds DeepEP's value head to the L1 catalogue, imported unless ``--extend`` names others.
+DEEPEP_CATALOGUE = "deepep_lightning.deepep.kernels"
+
 _DESCRIPTION = textwrap.dedent("""\
     Audit bitwise reproducibility at four levels (the verification pyramid):
 
       l1   one op N times on fixed random inputs (never zeros). Without --callable: the built-in
-           catalogue (DeepEP's ops and the known offenders: index_add_, scatter_add_, index_put_
-           accumulate, index_reduce, histc, median(dim), 4-D cross_entropy, ctc_loss, grid_sample /
-           interpolate / pooling backward, embedding backward, cumsum, ...) as a table, with columns:
+           catalogue (the known offenders: index_add_, scatter_add_, index_put_ accumulate,
+           index_reduce, histc, median(dim), 4-D cross_entropy, ctc_loss, grid_sample / interpolate /
+           pooling backward, embedding backward, cumsum, ...; DeepEP's value head and what --extend
+           adds) as a table, with columns:
            default (PyTorch's defaults: verdict and time per call) | deterministic (PyTorch's own
            torch.use_deterministic_algorithms: yes, NO or raises, time as a ratio to default) | plugin
            (deterministic mode with deepep_lightning's kernels for refused ops, patch_refused_ops(True)
@@ -88,6 +93,13 @@ def _parser() -> argparse.ArgumentParser:
     l1 = sub.add_parser("l1", parents=[common], help="one op N times; the catalogue table")
     l1.add_argument("--ops", help="comma-separated catalogue names (default: all); see --list")
     l1.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    l1.add_argument(
+        "--extend",
+        action="append",
+        metavar="MODULE",
+        help=f"import MODULE first, which adds its ops to the catalogue; repeatable (default: {DEEPEP_CATALOGUE},"
+        " DeepEP's value head)",
+    )
     l1.add_argument("--callable", metavar="PKG.MOD:FN", help="audit FN() instead of the catalogue (bind fixed inputs)")
     l1.add_argument(
         "--columns",
@@ -223,6 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if extra and args.level != "l4":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.level == "l1":
+        for module in args.extend or [DEEPEP_CATALOGUE]:
+            try:
+                importlib.import_module(module)
+            except ImportError as error:
+                print(f"deepep-audit: error: --extend {module!r}: cannot import it ({error})", file=sys.stderr)
+                return EXIT_COULD_NOT_RUN
     if args.level == "l1" and args.list:
         from deepep_lightning.audit.catalogue import CATALOGUE
 

@@ -88,6 +88,13 @@ def test_l1_catalogue_subset_and_list(capsys, tmp_path):
     assert "grid_sample_backward" in capsys.readouterr().out
 
 
+def test_l1_extend_imports_the_module_that_adds_rows(capsys):
+    assert main(["l1", "--list", "--extend", "deepep_lightning.deepep.kernels"]) == 0
+    assert "all_action_q_atomic" in capsys.readouterr().out
+    assert main(["l1", "--list", "--extend", "no_such_package_xyz"]) == 2
+    assert "--extend 'no_such_package_xyz': cannot import it" in capsys.readouterr().err
+
+
 def test_l1_callable_planted(capsys):
     assert main(["l1", "--callable", "_planted:counting_callable", "--repeats", "4"]) == 1
     out = capsys.readouterr().out

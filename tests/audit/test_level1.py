@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from deepep_lightning.audit.catalogue import CATALOGUE, catalogue_names
+import deepep_lightning.deepep.kernels  # noqa: F401  (registers DeepEP's value head)
+from deepep_lightning.audit.catalogue import CATALOGUE, CatalogueEntry, catalogue_names, register
 from deepep_lightning.audit.level1 import audit_callable, audit_catalogue, format_catalogue_table
 from deepep_lightning.audit.repeat import run_repeats
 
@@ -63,6 +64,18 @@ def test_catalogue_covers_the_known_offenders_and_deepep():
     ):
         assert required in names
     assert CATALOGUE["all_action_q_atomic"].cuda_only
+
+
+def test_registering_adds_rows_and_refuses_a_taken_name_or_a_non_entry():
+    entry = CATALOGUE["all_action_q_reference"]
+    register(entry)  # the same entry again (a module imported twice): no change
+    assert catalogue_names().count("all_action_q_reference") == 1
+    impostor = CatalogueEntry("cumsum", entry.build, "another op")
+    with pytest.raises(ValueError, match="already has an entry named 'cumsum'"):
+        register(impostor)
+    assert CATALOGUE["cumsum"] is not impostor
+    with pytest.raises(ValueError, match="`entries` must be CatalogueEntry objects, got str"):
+        register("cumsum")  # type: ignore[arg-type]
 
 
 def test_catalogue_table_on_cpu():

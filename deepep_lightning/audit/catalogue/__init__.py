@@ -15,8 +15,9 @@ The entries live by family: :mod:`~deepep_lightning.audit.catalogue.indexed` (ac
 atomic-add family), :mod:`~deepep_lightning.audit.catalogue.spatial` (losses and image ops, the family
 deterministic mode refuses), :mod:`~deepep_lightning.audit.catalogue.torchvision` (torchvision's RoI and
 deformable-convolution ops, when torchvision imports) and :mod:`~deepep_lightning.audit.catalogue.dense`
-(dense ops and DeepEP's own);
-this module puts them in table order.
+(dense ops);
+this module puts them in table order. A workload adds its own ops with :func:`register` (DeepEP's value head:
+:mod:`deepep_lightning.deepep.kernels.audit_entries`, registered when that package is imported).
 """
 
 from __future__ import annotations
@@ -27,13 +28,31 @@ from deepep_lightning.audit.catalogue.indexed import INDEXED_ENTRIES
 from deepep_lightning.audit.catalogue.spatial import SPATIAL_ENTRIES
 from deepep_lightning.audit.catalogue.torchvision import TORCHVISION_ENTRIES
 
-__all__ = ["CATALOGUE", "CatalogueEntry", "catalogue_names", "size_of"]
+__all__ = ["CATALOGUE", "CatalogueEntry", "catalogue_names", "register", "size_of"]
 
 _SIZES = {"small": 1 << 12, "large": 1 << 23}
 
 CATALOGUE: dict[str, CatalogueEntry] = {
     e.name: e for e in [*INDEXED_ENTRIES, *SPATIAL_ENTRIES, *TORCHVISION_ENTRIES, *DENSE_ENTRIES]
 }
+
+
+def register(*entries: CatalogueEntry) -> None:
+    """Add ``entries`` to the catalogue, after the built-in rows (registering the same entry again is a no-op).
+
+    Raises:
+        ValueError: an entry is not a :class:`CatalogueEntry`, or its name belongs to another entry.
+    """
+    for entry in entries:
+        if not isinstance(entry, CatalogueEntry):
+            raise ValueError(f"`entries` must be CatalogueEntry objects, got {type(entry).__name__}: {entry!r}")
+        existing = CATALOGUE.get(entry.name)
+        if existing is not None and existing is not entry:
+            raise ValueError(
+                f"the catalogue already has an entry named {entry.name!r} ({existing.note}); "
+                "HINT: give the new entry another name"
+            )
+    CATALOGUE.update((entry.name, entry) for entry in entries)
 
 
 def catalogue_names() -> list[str]:

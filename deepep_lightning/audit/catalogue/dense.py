@@ -1,8 +1,5 @@
-"""L1 catalogue entries of dense ops and DeepEP's own: GEMM, Linear and layer_norm backward, reductions, GRU cell.
-
-Also action sampling and the DeepEP workload's ``deepep::all_action_q`` value head
-(:mod:`deepep_lightning.deepep.kernels`, imported when its entry is built): its PyTorch reference, its
-deterministic backward and its atomic backward (the negative control, CUDA only).
+"""L1 catalogue entries of dense ops: GEMM, Linear and layer_norm backward, reductions, the GRU cell and
+seeded action sampling (the dense ops DeepEP's step is made of).
 """
 
 from __future__ import annotations
@@ -55,30 +52,6 @@ def _multinomial(device, n, gen):
     return run
 
 
-def _all_action_q(variant: str):
-    def build(device, n, gen):
-        rows, actions, hidden = max(16, n // 512), 4, 128
-        z = randn(gen, device, rows, hidden, requires_grad=True)
-        e = randn(gen, device, actions, hidden, requires_grad=True)
-        w = randn(gen, device, hidden, requires_grad=True)
-        b = randn(gen, device, 1, requires_grad=True)
-        grad_out = randn(gen, device, rows, actions)
-        if variant == "reference":
-            from deepep_lightning.deepep.kernels import all_action_q_reference as op
-
-            forward = lambda: op(z, e, w, b)  # noqa: E731
-        else:
-            from deepep_lightning.deepep.kernels import all_action_q
-            from deepep_lightning.ops import extension_available
-
-            if not extension_available():
-                raise RuntimeError("the C++ extension did not load (see deepep_lightning.ops.extension_error())")
-            forward = lambda: all_action_q(z, e, w, b, deterministic=variant == "fused")  # noqa: E731
-        return grad_of(forward, [z, e, w, b], grad_out)
-
-    return build
-
-
 DENSE_ENTRIES: list[CatalogueEntry] = [
     CatalogueEntry("matmul", _dense("matmul"), "GEMM (cuBLAS)"),
     CatalogueEntry("linear_backward", _dense("linear_backward"), "DeepEP: Linear backward"),
@@ -87,18 +60,4 @@ DENSE_ENTRIES: list[CatalogueEntry] = [
     CatalogueEntry("sum", _dense("sum"), "full reduction"),
     CatalogueEntry("gru_cell", _gru_cell, "DeepEP: recurrent cell forward+backward"),
     CatalogueEntry("multinomial", _multinomial, "DeepEP: action sampling, seeded generator"),
-    CatalogueEntry("all_action_q_reference", _all_action_q("reference"), "DeepEP: value head, PyTorch reference"),
-    CatalogueEntry(
-        "all_action_q_fused",
-        _all_action_q("fused"),
-        "DeepEP: extension op, deterministic backward",
-        needs_extension=True,
-    ),
-    CatalogueEntry(
-        "all_action_q_atomic",
-        _all_action_q("atomic"),
-        "DeepEP: extension op, atomicAdd backward",
-        cuda_only=True,
-        needs_extension=True,
-    ),
 ]
