@@ -92,7 +92,7 @@ class NaNRollbackCallback(Callback):
     Optimizers whose state is not laid out like the parameters, and CPU offload, are refused at fit
     start (:mod:`~deepep_lightning.health.sharded_layouts`).
 
-    Guarantee scope: bitwise replay needs deterministic kernels (see ``DESIGN.md``) and
+    Guarantee scope: bitwise replay needs deterministic kernels (``docs/determinism.md``) and
     ``accumulate_grad_batches=1``; batches are copied at ``on_train_batch_start`` (host memory
     grows with ``keep_snapshots × snapshot_every_n_steps`` batches).
 

@@ -12,9 +12,9 @@ So BPTT costs two kernels per timestep. The math, for ``h' = (1 − z)·n + z·h
     grad_hidden_gates = [dr_pre, dz_pre, dn_pre · r]
     grad_hidden       = g · z
 
-Python layer: argument checks (before the compiled op runs, DESIGN.md section 7), the fake kernel for
-tracing, the pure-PyTorch reference (the fallback without the extension and the tests' oracle). The op
-is itself a backward, so it has no autograd formula.
+Python layer: argument checks (before the compiled op runs: a bad input is named, never reaches the kernel),
+the fake kernel for tracing, the pure-PyTorch reference (the fallback without the extension and the tests'
+oracle). The op is itself a backward, so it has no autograd formula.
 """
 
 from __future__ import annotations

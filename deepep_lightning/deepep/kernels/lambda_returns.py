@@ -8,9 +8,9 @@ reference's order with one rounding each, so its returns are the reference's **b
 and CUDA, float32 and float64 (the tests check it), and a run's numbers do not depend on which path
 computed its targets.
 
-Python layer: argument checks (before the compiled op runs, DESIGN.md section 7), the fake kernel for
-tracing, the reference (the fallback without the extension, for other dtypes and for inputs that
-need gradients: the op has no autograd formula, the targets of the loss are computed without one).
+Python layer: argument checks (before the compiled op runs: a bad input is named, never reaches the kernel),
+the fake kernel for tracing, the reference (the fallback without the extension, for other dtypes and for inputs
+that need gradients: the op has no autograd formula, the targets of the loss are computed without one).
 """
 
 from __future__ import annotations
