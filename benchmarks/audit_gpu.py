@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from _timing import sample_ms  # noqa: E402
 
 from deepep_lightning.audit.level1 import audit_catalogue, format_catalogue_table  # noqa: E402
-from deepep_lightning.audit.levels import audit_module  # noqa: E402
+from deepep_lightning.audit.level2_3 import audit_module  # noqa: E402
 from deepep_lightning.audit.op_hashes import OpHashMode  # noqa: E402
 from deepep_lightning.audit.report import environment_summary  # noqa: E402
 from deepep_lightning.audit.targets import ModuleTarget  # noqa: E402

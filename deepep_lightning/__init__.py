@@ -44,7 +44,7 @@ _EXPORTS = {
     "WorldSizeMismatchError": "deepep_lightning.strategies.rank_state",
     "audit_callable": "deepep_lightning.audit.level1",
     "audit_catalogue": "deepep_lightning.audit.level1",
-    "audit_module": "deepep_lightning.audit.levels",
+    "audit_module": "deepep_lightning.audit.level2_3",
     "audit_training": "deepep_lightning.audit.level4",
     "OpHashMode": "deepep_lightning.audit.op_hashes",
     "first_divergence": "deepep_lightning.audit.op_hashes",

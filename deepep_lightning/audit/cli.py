@@ -201,7 +201,7 @@ def _l1(args: argparse.Namespace) -> tuple[list[LevelResult], str | None]:
 
 
 def _in_process(args: argparse.Namespace) -> list[LevelResult]:
-    from deepep_lightning.audit.levels import audit_module
+    from deepep_lightning.audit.level2_3 import audit_module
     from deepep_lightning.audit.targets import ModuleTarget
 
     if args.deterministic:

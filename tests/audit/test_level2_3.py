@@ -1,10 +1,10 @@
-"""L2/L3 audits of LightningModules (deepep_lightning/audit/levels.py, targets.py), with negative controls."""
+"""L2/L3 audits of LightningModules (deepep_lightning/audit/level2_3.py, targets.py), with negative controls."""
 
 import pytest
 import torch
 
 from deepep_lightning.audit.causes import base_name
-from deepep_lightning.audit.levels import audit_module
+from deepep_lightning.audit.level2_3 import audit_module
 from deepep_lightning.audit.targets import ModuleTarget, load_class, load_config
 
 TINY_DEEPEP = {  # DeepEPModule's arguments as a config file's model: section gives them
