@@ -105,12 +105,12 @@ def _run_installed(run_process, python: Path, code: str, cwd: Path, **env: str) 
 _LOCATE = """
 import json
 import deepep_lightning
-from deepep_lightning.ops import _loader
+from deepep_lightning.ops import extension_loader
 try:
-    sources, error, hint = _loader._sources(with_cuda=True), None, None
+    sources, error, hint = extension_loader.sources(with_cuda=True), None, None
 except FileNotFoundError as err:
-    sources, error, hint = [], str(err), _loader._build_hint(err)
-print(json.dumps({"package": deepep_lightning.__file__, "csrc": str(_loader.csrc_dir()),
+    sources, error, hint = [], str(err), extension_loader.build_hint(err)
+print(json.dumps({"package": deepep_lightning.__file__, "csrc": str(extension_loader.csrc_dir()),
                   "sources": sources, "error": error, "hint": hint}))
 """
 
@@ -187,12 +187,12 @@ def test_installed_wheel_jit_builds_the_cpu_op(wheel, run_process, tmp_path_fact
 _RUN_OP = """
 import json, shutil, torch
 from deepep_lightning.deepep.kernels import all_action_q, all_action_q_reference
-from deepep_lightning.ops import _loader, extension_available
+from deepep_lightning.ops import extension_loader, extension_available
 z, e, w, b = (torch.randn(*shape, dtype=torch.float64) for shape in ((5, 4), (3, 4), (4,), (1,)))
 available = extension_available()
 q = all_action_q(z, e, w, b)
-print(json.dumps({"available": available, "error": _loader.extension_error(),
-                  "library": str(_loader.extension_library()), "compiler": shutil.which("c++"),
+print(json.dumps({"available": available, "error": extension_loader.extension_error(),
+                  "library": str(extension_loader.extension_library()), "compiler": shutil.which("c++"),
                   "matches": torch.allclose(q, all_action_q_reference(z, e, w, b), rtol=1e-12, atol=1e-12)}))
 """
 

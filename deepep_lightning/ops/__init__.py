@@ -1,7 +1,7 @@
 """Python layer of the plugin's C++/CUDA extension: the refused-op kernels, their routing, the loader.
 
 The plugin's ops live in the ``deepep_lightning::`` namespace (``torch.ops.deepep_lightning``). The
-extension is JIT-compiled on first use (see :mod:`deepep_lightning.ops._loader`); without a compiler
+extension is JIT-compiled on first use (see :mod:`deepep_lightning.ops.extension_loader`); without a compiler
 every op falls back to its pure-PyTorch reference with one warning. A workload with kernels of its
 own (DeepEP's, in :mod:`deepep_lightning.deepep.kernels`) has them built into the same library and
 writes their Python side with :func:`register_op_python_side` (or :func:`on_extension_loaded`),
@@ -9,7 +9,7 @@ writes their Python side with :func:`register_op_python_side` (or :func:`on_exte
 """
 
 from deepep_lightning.ops._guards import kernels_reason, require_tensors
-from deepep_lightning.ops._loader import (
+from deepep_lightning.ops.extension_loader import (
     cuda_kernels_available,
     extension_available,
     extension_error,

@@ -1,6 +1,6 @@
 """What the C++/CUDA extension is compiled from and with: one definition for both build paths.
 
-The JIT build (:mod:`deepep_lightning.ops._loader`, on first use) and the ahead-of-time build
+The JIT build (:mod:`deepep_lightning.ops.extension_loader`, on first use) and the ahead-of-time build
 (``setup.py`` with ``DEEPEP_LIGHTNING_BUILD_EXTENSION`` set, at install time) read the sources,
 flags and names from here, so a compiled module and a JIT build of one checkout hold the same
 kernels built the same way. This module imports nothing but the standard library: ``setup.py`` loads

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops.extension_loader import cuda_kernels_available, extension_available, on_extension_loaded
 
 __all__ = [
     "FLOAT_DTYPES",

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
-from deepep_lightning.ops._loader import register_op_python_side
 from deepep_lightning.ops._routes import Route, register_route
+from deepep_lightning.ops.extension_loader import register_op_python_side
 from deepep_lightning.ops.grid_sample_decomposed import (
     bicubic_backward,
     decomposed_backward_unsupported_reason,

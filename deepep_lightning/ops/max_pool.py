@@ -40,8 +40,8 @@ import torch
 from torch import Tensor
 
 from deepep_lightning.ops._guards import FLOAT_DTYPES, register_fakes
-from deepep_lightning.ops._loader import cuda_kernels_available
 from deepep_lightning.ops._routes import Route, register_route
+from deepep_lightning.ops.extension_loader import cuda_kernels_available
 
 __all__ = ["argmax_scatter_backward", "argmax_window_backward", "max_unpool"]
 

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from deepep_lightning.ops import _torchvision_entry
-from deepep_lightning.ops._loader import on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
+from deepep_lightning.ops.extension_loader import on_extension_loaded
 from deepep_lightning.ops.roi_align import roi_align_backward_unsupported_reason
 
 __all__ = ["ps_roi_align_backward", "ps_roi_align_backward_unsupported_reason"]

@@ -20,8 +20,8 @@ from torch import Tensor
 
 from deepep_lightning.ops import _torchvision_entry
 from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
-from deepep_lightning.ops._loader import on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
+from deepep_lightning.ops.extension_loader import on_extension_loaded
 
 __all__ = ["ps_roi_pool_backward", "ps_roi_pool_backward_unsupported_reason"]
 

@@ -26,8 +26,8 @@ from torch import Tensor
 
 from deepep_lightning.ops import _torchvision_entry
 from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
-from deepep_lightning.ops._loader import on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
+from deepep_lightning.ops.extension_loader import on_extension_loaded
 
 __all__ = ["roi_align_backward", "roi_align_backward_unsupported_reason"]
 

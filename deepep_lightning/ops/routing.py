@@ -19,7 +19,7 @@ import pkgutil
 from collections.abc import Iterator
 
 from deepep_lightning.ops import _routes
-from deepep_lightning.ops._loader import extension_available
+from deepep_lightning.ops.extension_loader import extension_available
 
 __all__ = ["patch_refused_ops", "refused_ops_patched", "refused_ops_routing", "routed_aten_ops"]
 

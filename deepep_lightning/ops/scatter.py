@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from deepep_lightning.ops._guards import FLOAT_DTYPES
-from deepep_lightning.ops._loader import cuda_kernels_available, extension_available, on_extension_loaded
 from deepep_lightning.ops._routes import Route, register_route
+from deepep_lightning.ops.extension_loader import cuda_kernels_available, extension_available, on_extension_loaded
 
 __all__ = ["segment_scatter_add", "segment_scatter_add_reference"]
 

@@ -17,7 +17,7 @@ import torch
 import torch.utils.cpp_extension as cpp_extension
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-from deepep_lightning.ops import _build_cache, _loader
+from deepep_lightning.ops import _build_cache, extension_loader
 
 BUILDING = "deepep_lightning: building the C++/CUDA extension (first use, about "
 BUILT = "deepep_lightning: built the C++/CUDA extension in "
@@ -27,10 +27,9 @@ BUILT = "deepep_lightning: built the C++/CUDA extension in "
 def stub_build(tmp_path, monkeypatch):
     """The loader's JIT path with ``load`` stubbed, on a copy of the sources; returns the calls made."""
     sources = tmp_path / "csrc"
-    shutil.copytree(_loader.csrc_dir(), sources)
-    monkeypatch.setattr(_loader, "csrc_dir", lambda: sources)
-    monkeypatch.setattr(_loader, "_library", None)
-    monkeypatch.setattr(_loader, "_cuda_buildable", lambda: False)
+    shutil.copytree(extension_loader.csrc_dir(), sources)
+    monkeypatch.setattr(extension_loader, "csrc_dir", lambda: sources)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU build, also on a GPU machine
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     calls: list[Path] = []
 
@@ -49,28 +48,29 @@ def _lines(capsys) -> list[str]:
 def test_a_first_build_prints_both_lines_and_a_cached_load_none(stub_build, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(rank_zero_only, "rank", 0)
     directory = tmp_path / "extensions" / "deepep_lightning_ext_cpu"
-    assert _loader._jit_build_and_load() is False
+    library, with_cuda = extension_loader.jit_build_and_load()
+    assert with_cuda is False
     first = _lines(capsys)
     assert len(first) == 2, first
     assert first[0].startswith(BUILDING) and f"CPU kernels; cached in {directory})" in first[0]
     assert first[1].startswith(BUILT) and first[1].endswith(" s")
-    assert _loader.extension_library() == directory / "deepep_lightning_ext_cpu.so"
+    assert library == directory / "deepep_lightning_ext_cpu.so"
     # negative control: the library is cached, so the next load says nothing (and still goes through torch)
-    _loader._jit_build_and_load()
+    extension_loader.jit_build_and_load()
     assert _lines(capsys) == []
     assert stub_build == [directory, directory]
     # an edited header makes the next load compile again, and say so
-    header = next((_loader.csrc_dir()).glob("*.h"))
+    header = next((extension_loader.csrc_dir()).glob("*.h"))
     later = (directory / "deepep_lightning_ext_cpu.so").stat().st_mtime + 10
     os.utime(header, (later, later))
-    _loader._jit_build_and_load()
+    extension_loader.jit_build_and_load()
     again = _lines(capsys)
     assert len(again) == 2 and again[0].startswith(BUILDING) and again[1].startswith(BUILT)
 
 
 def test_other_ranks_build_silently(stub_build, capsys, monkeypatch):
     monkeypatch.setattr(rank_zero_only, "rank", 1)
-    _loader._jit_build_and_load()
+    extension_loader.jit_build_and_load()
     assert _lines(capsys) == []
     assert len(stub_build) == 1
 

@@ -1,4 +1,4 @@
-"""Tests of deepep_lightning/ops/_loader.py: build once, thread-safe, one warning on fallback."""
+"""Tests of deepep_lightning/ops/extension_loader.py: build once, thread-safe, one warning on fallback."""
 
 import importlib.machinery
 import os
@@ -7,36 +7,34 @@ import sys
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from deepep_lightning.ops import _loader, extension_available, grid_sample
+from deepep_lightning.ops import extension_available, extension_loader, grid_sample
+from deepep_lightning.ops.extension_loader import ExtensionLoader
 
 
 @pytest.fixture
 def fresh_loader(monkeypatch):
-    """A loader that has not tried yet, with the real build replaced by a counting stub."""
-    monkeypatch.setattr(_loader, "_attempted", False)
-    monkeypatch.setattr(_loader, "_loaded", False)
-    monkeypatch.setattr(_loader, "_error", None)
-    monkeypatch.setattr(_loader, "_hooks", [])
-    monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
+    """The process's loader replaced by one that has not tried yet, whose build is a counting stub."""
+    monkeypatch.delenv(extension_loader.DISABLE_ENV, raising=False)
     calls = []
 
     def fake_build():
         calls.append(threading.get_ident())
         time.sleep(0.05)  # widen the race window for the concurrency test
-        return False
+        return Path("fake.so"), False
 
-    monkeypatch.setattr(_loader, "_build_and_load", fake_build)
+    monkeypatch.setattr(extension_loader, "LOADER", ExtensionLoader(fake_build))
     return calls
 
 
 def test_sources_cover_every_cpp_and_cu_file():
-    cpu_sources = _loader._sources(with_cuda=False)
-    all_sources = _loader._sources(with_cuda=True)
+    cpu_sources = extension_loader.sources(with_cuda=False)
+    all_sources = extension_loader.sources(with_cuda=True)
     assert any(s.endswith("csrc/refused_ops.cpp") for s in cpu_sources)
     assert any(s.endswith("csrc/deepep/all_action_q.cpp") for s in cpu_sources)  # the workload's, same build
     assert all(s.endswith(".cpp") for s in cpu_sources)
@@ -44,7 +42,7 @@ def test_sources_cover_every_cpp_and_cu_file():
     assert any(s.endswith("csrc/deepep/cuda/all_action_q_cuda.cu") for s in all_sources)
     assert set(cpu_sources) < set(all_sources)
     on_disk = set()
-    for folder in (_loader.csrc_dir(), _loader.csrc_dir() / "deepep"):
+    for folder in (extension_loader.csrc_dir(), extension_loader.csrc_dir() / "deepep"):
         on_disk |= {str(p) for p in folder.glob("*.cpp")} | {str(p) for p in folder.glob("cuda/*.cu")}
     assert set(all_sources) == on_disk
 
@@ -53,7 +51,7 @@ def test_build_failure_falls_back_with_exactly_one_warning(fresh_loader, monkeyp
     def broken_build():
         raise OSError("c++: command not found")
 
-    monkeypatch.setattr(_loader, "_build_and_load", broken_build)
+    monkeypatch.setattr(extension_loader, "LOADER", ExtensionLoader(broken_build))
     x, grid = torch.randn(1, 2, 5, 5, requires_grad=True), torch.rand(1, 3, 3, 2) * 2 - 1
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -63,25 +61,25 @@ def test_build_failure_falls_back_with_exactly_one_warning(fresh_loader, monkeyp
     fallbacks = [w for w in caught if issubclass(w.category, RuntimeWarning) and "falling back" in str(w.message)]
     assert len(fallbacks) == 1, [str(w.message) for w in caught]
     assert "c++: command not found" in str(fallbacks[0].message)
-    assert "command not found" in _loader.extension_error()
+    assert "command not found" in extension_loader.extension_error()
     assert torch.equal(out, F.grid_sample(x, grid, align_corners=False))
     assert "deepep" not in out.grad_fn.name()  # PyTorch's autograd, not the compiled op
 
 
 def test_disable_env_uses_reference_without_warning(fresh_loader, monkeypatch):
-    monkeypatch.setenv(_loader.DISABLE_ENV, "1")
+    monkeypatch.setenv(extension_loader.DISABLE_ENV, "1")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert extension_available() is False
     assert fresh_loader == []  # never tried to build
-    assert _loader.DISABLE_ENV in _loader.extension_error()
+    assert extension_loader.DISABLE_ENV in extension_loader.extension_error()
 
 
 def test_concurrent_first_use_builds_once_and_runs_hooks_once(fresh_loader):
     hook_calls = []
-    _loader.on_extension_loaded(lambda: hook_calls.append(1))
+    extension_loader.on_extension_loaded(lambda: hook_calls.append(1))
     results = []
-    threads = [threading.Thread(target=lambda: results.append(_loader._load_once())) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: results.append(extension_available())) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -90,14 +88,15 @@ def test_concurrent_first_use_builds_once_and_runs_hooks_once(fresh_loader):
     assert len(fresh_loader) == 1, "the extension was built more than once"
     assert hook_calls == [1]
     # A hook registered after the load runs at once.
-    _loader.on_extension_loaded(lambda: hook_calls.append(2))
+    extension_loader.on_extension_loaded(lambda: hook_calls.append(2))
     assert hook_calls == [1, 2]
 
 
 @pytest.mark.skipif(not (shutil.which("c++") or shutil.which("g++")), reason="no C++ compiler")
 def test_real_extension_is_loaded_once_per_process():
     assert extension_available()
-    assert _loader._attempted and _loader._loaded and _loader.extension_error() is None
+    loader = extension_loader.LOADER
+    assert loader.attempted and loader.loaded and extension_loader.extension_error() is None
 
 
 _CUDA_HOME_GUESS = "No CUDA runtime is found"
@@ -126,12 +125,14 @@ def test_a_cached_load_prints_no_build_line_and_no_cuda_home_guess(run_process):
 def test_a_compiled_module_is_loaded_instead_of_building(tmp_path, monkeypatch):
     compiled = tmp_path / "_C.so"
     loaded: list[str] = []
-    monkeypatch.setattr(_loader, "_library", None)
-    monkeypatch.setattr(_loader, "compiled_module_path", lambda: compiled)
+    monkeypatch.setattr(extension_loader, "compiled_module_path", lambda: compiled)
     monkeypatch.setattr(torch.ops, "load_library", loaded.append)
-    monkeypatch.setattr(_loader, "_jit_build_and_load", lambda: pytest.fail("JIT-built despite a compiled module"))
-    assert _loader._build_and_load() is (torch.cuda.is_available() and _loader.cuda_kernels_available())
-    assert loaded == [str(compiled)] and _loader.extension_library() == compiled
+    monkeypatch.setattr(
+        extension_loader, "jit_build_and_load", lambda: pytest.fail("JIT-built despite a compiled module")
+    )
+    library, with_cuda = extension_loader.build_and_load()
+    assert with_cuda is (torch.cuda.is_available() and extension_loader.cuda_kernels_available())
+    assert loaded == [str(compiled)] and library == compiled
 
 
 def test_a_compiled_module_that_does_not_load_falls_back_to_the_jit_build(tmp_path, monkeypatch):
@@ -142,24 +143,24 @@ def test_a_compiled_module_that_does_not_load_falls_back_to_the_jit_build(tmp_pa
     def broken(path):
         raise OSError(f"{path}: undefined symbol: _ZN3c104impl")
 
-    monkeypatch.setattr(_loader, "compiled_module_path", lambda: compiled)
+    monkeypatch.setattr(extension_loader, "compiled_module_path", lambda: compiled)
     monkeypatch.setattr(torch.ops, "load_library", broken)
-    monkeypatch.setattr(_loader, "_jit_build_and_load", lambda: jit_builds.append(1) or False)
+    monkeypatch.setattr(extension_loader, "jit_build_and_load", lambda: jit_builds.append(1) or (Path("jit.so"), False))
     with pytest.warns(RuntimeWarning, match=r"does not load .*undefined symbol.*JIT-building"):
-        assert _loader._build_and_load() is False
+        assert extension_loader.build_and_load() == (Path("jit.so"), False)
     assert jit_builds == [1]
 
 
 def test_a_compiled_module_older_than_the_checkout_sources_is_ignored(tmp_path):
     package, sources = tmp_path / "deepep_lightning", tmp_path / "csrc"
     package.mkdir(), sources.mkdir()
-    assert _loader._compiled_module_in(package, sources) is None  # none built
+    assert extension_loader.compiled_module_in(package, sources) is None  # none built
     compiled = package / f"_C{importlib.machinery.EXTENSION_SUFFIXES[0]}"
     compiled.write_bytes(b"")
     (sources / "op.cpp").write_text("// older")
     os.utime(sources / "op.cpp", (0, 0))
-    assert _loader._compiled_module_in(package, sources) == compiled
+    assert extension_loader.compiled_module_in(package, sources) == compiled
     (sources / "op.h").write_text("// edited after the build")
     os.utime(sources / "op.h", (compiled.stat().st_mtime + 10,) * 2)
-    assert _loader._compiled_module_in(package, sources) is None  # the checkout's edit wins: JIT
-    assert _loader._compiled_module_in(package, None) == compiled  # an installed package has no checkout
+    assert extension_loader.compiled_module_in(package, sources) is None  # the checkout's edit wins: JIT
+    assert extension_loader.compiled_module_in(package, None) == compiled  # an installed package has no checkout

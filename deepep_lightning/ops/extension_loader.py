@@ -1,5 +1,9 @@
 """Load the C++/CUDA extension once per process: the compiled module, else a JIT build.
 
+:class:`ExtensionLoader` is the load: once, thread-safe, hooks run after it, one warning on a fallback;
+:data:`LOADER` is the process's loader, which :func:`extension_available` and the other functions here
+consult. :func:`build_and_load` and :func:`jit_build_and_load` are what it runs.
+
 A package installed with ``DEEPEP_LIGHTNING_BUILD_EXTENSION`` set carries the extension compiled at
 install time (``deepep_lightning/_C*.so``, built by ``setup.py`` with
 :class:`torch.utils.cpp_extension.BuildExtension`); the loader loads it and needs no compiler. Otherwise
@@ -36,14 +40,21 @@ from deepep_lightning.ops import _build_config
 from deepep_lightning.ops._build_cache import BuildAnnouncement, build_directory, needs_compile
 
 __all__ = [
-    "extension_available",
+    "LOADER",
+    "ExtensionLoader",
+    "build_and_load",
+    "build_hint",
+    "compiled_module_in",
+    "compiled_module_path",
+    "csrc_dir",
     "cuda_kernels_available",
+    "extension_available",
     "extension_error",
+    "extension_library",
+    "jit_build_and_load",
     "on_extension_loaded",
     "register_op_python_side",
-    "csrc_dir",
-    "compiled_module_path",
-    "extension_library",
+    "sources",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,14 +64,6 @@ VERBOSE_ENV = "DEEPEP_LIGHTNING_VERBOSE_BUILD"
 # an op whose CUDA kernel a compiled module holds exactly when it was built with the CUDA sources
 _CUDA_PROBE_OP = "deepep_lightning::grid_sample_bilinear2d_backward"
 
-_lock = threading.RLock()  # re-entrant: a hook may query the loader
-_attempted = False
-_loaded = False
-_error: str | None = None
-_with_cuda = False
-_library: Path | None = None
-_hooks: list[Callable[[], None]] = []
-
 
 def csrc_dir() -> Path:
     """The extension sources: the checkout's ``extensions/csrc``, else the installed package's ``_csrc``.
@@ -68,7 +71,7 @@ def csrc_dir() -> Path:
     A source checkout (editable install, ``PYTHONPATH``) builds from ``<repo>/extensions/csrc``, so edits
     there take effect; a built package (``pip install .``, a wheel) carries a copy as
     ``deepep_lightning/_csrc`` (setup.py's ``build_py``). When neither exists the checkout path is
-    returned, and :func:`_sources` names both in its error.
+    returned, and :func:`sources` names both in its error.
     """
     package = Path(__file__).resolve().parents[1]
     checkout = package.parent / "extensions" / "csrc"
@@ -83,7 +86,7 @@ def _import_cpp_extension_quietly() -> None:
 
     Its import guesses ``CUDA_HOME`` and logs that line on a machine with a CUDA toolkit but no GPU,
     where this loader builds the CPU kernels only and the guess does not matter; a GPU without
-    ``nvcc`` gets the loader's own warning (:func:`_build_and_load`).
+    ``nvcc`` gets the loader's own warning (:func:`jit_build_and_load`).
     """
     cpp_extension_log = logging.getLogger("torch.utils.cpp_extension")
     level = cpp_extension_log.level
@@ -107,7 +110,7 @@ class _MissingSourcesError(FileNotFoundError):
     """The installed package has no extension sources to build (not a compiler problem)."""
 
 
-def _build_hint(err: Exception) -> str:
+def build_hint(err: Exception) -> str:
     """What to do about a failed build, from what is missing on this machine."""
     from torch.utils.cpp_extension import is_ninja_available
 
@@ -125,7 +128,8 @@ def _build_hint(err: Exception) -> str:
     return "the compiler and ninja are present, so the build log says what failed"
 
 
-def _sources(with_cuda: bool) -> list[str]:
+def sources(with_cuda: bool) -> list[str]:
+    """The C++ sources (and, ``with_cuda``, the CUDA sources) of the one library, plugin's and workload's."""
     sources = _build_config.source_files(csrc_dir(), with_cuda)
     if not sources:
         package = Path(__file__).resolve().parents[1]
@@ -144,10 +148,11 @@ def compiled_module_path() -> Path | None:
     """
     package = Path(__file__).resolve().parents[1]
     root = csrc_dir()
-    return _compiled_module_in(package, root if root != package / "_csrc" else None)
+    return compiled_module_in(package, root if root != package / "_csrc" else None)
 
 
-def _compiled_module_in(package: Path, checkout_sources: Path | None) -> Path | None:
+def compiled_module_in(package: Path, checkout_sources: Path | None) -> Path | None:
+    """The compiled module in ``package``, unless a file under ``checkout_sources`` is newer than it."""
     for suffix in importlib.machinery.EXTENSION_SUFFIXES:
         path = package / f"{_build_config.COMPILED_MODULE}{suffix}"
         if not path.is_file():
@@ -177,10 +182,9 @@ def _load_compiled(path: Path) -> bool:
     return bool(has_cuda_kernels and torch.cuda.is_available())
 
 
-def _build_and_load() -> bool:
-    """Loads the compiled module, else builds (or re-uses) the JIT library; returns whether the CUDA
-    kernels are in it."""
-    global _library
+def build_and_load() -> tuple[Path, bool]:
+    """Loads the compiled module, else builds (or re-uses) the JIT library; returns the library loaded and
+    whether the CUDA kernels are in it."""
     compiled = compiled_module_path()
     if compiled is not None:
         try:
@@ -194,13 +198,13 @@ def _build_and_load() -> bool:
                 stacklevel=4,
             )
         else:
-            _library = compiled
-            return with_cuda
-    return _jit_build_and_load()
+            return compiled, with_cuda
+    return jit_build_and_load()
 
 
-def _jit_build_and_load() -> bool:
-    global _library
+def jit_build_and_load() -> tuple[Path, bool]:
+    """Builds the library from :func:`sources` (or finds it in the build cache), loads it; returns the library
+    and whether the CUDA kernels are in it. A load that compiles prints one line before and one after."""
     _import_cpp_extension_quietly()
     from torch.utils.cpp_extension import load
 
@@ -215,14 +219,14 @@ def _jit_build_and_load() -> bool:
         )
     # Distinct names keep a CPU-only and a CUDA build of one checkout apart in the cache.
     name = _build_config.JIT_NAME + ("_cuda" if with_cuda else "_cpu")
-    sources = _sources(with_cuda)
+    files = sources(with_cuda)
     directory = build_directory(name)
-    announcement = BuildAnnouncement(directory, sources) if needs_compile(directory, name, csrc_dir()) else None
+    announcement = BuildAnnouncement(directory, files) if needs_compile(directory, name, csrc_dir()) else None
     if announcement is not None:
         announcement.start()
     load(
         name=name,
-        sources=sources,
+        sources=files,
         extra_cflags=list(_build_config.CXX_FLAGS),
         extra_cuda_cflags=_build_config.cuda_flags(),
         extra_include_paths=[str(csrc_dir())],
@@ -233,41 +237,73 @@ def _jit_build_and_load() -> bool:
     )
     if announcement is not None:
         announcement.done()
-    _library = directory / f"{name}.so"
-    return with_cuda
+    return directory / f"{name}.so", with_cuda
 
 
-def _load_once() -> bool:
-    global _attempted, _loaded, _error, _with_cuda
-    if _attempted:  # fast path, no lock: both flags are final once _attempted is set
-        return _loaded
-    with _lock:
-        if _attempted:
-            return _loaded
-        if os.environ.get(DISABLE_ENV, "0") == "1":
-            _error = f"disabled by {DISABLE_ENV}=1"
-            log.info("deepep_lightning.ops: C++ extension %s; using the PyTorch references", _error)
-        else:
-            try:
-                _with_cuda = bool(_build_and_load())
-                for hook in _hooks:
-                    hook()
-                _loaded = True
-            except Exception as err:  # noqa: BLE001 - any build failure means: fall back
-                _error = f"{type(err).__name__}: {err}"
-                first_line = _error.strip().splitlines()[0][:300]
-                warnings.warn(
-                    "deepep_lightning.ops: could not build/load the C++ extension "
-                    f"({first_line}); falling back to the pure-PyTorch reference ops (same "
-                    f"results up to fp32 rounding, slower, more memory). HINT: {_build_hint(err)}; "
-                    "deepep_lightning.ops.extension_error() holds the whole "
-                    f"build log ({VERBOSE_ENV}=1 prints it live); {DISABLE_ENV}=1 uses the "
-                    "references without this warning.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
-        _attempted = True
-        return _loaded
+class ExtensionLoader:
+    """The extension's load: ``build`` runs at most once (thread-safe), the hooks after it, one warning on a
+    failure.
+
+    Args:
+        build: loads the library; returns it and whether it holds the CUDA kernels
+            (:func:`build_and_load`). An exception means: fall back to the references, with one warning.
+
+    ``DEEPEP_LIGHTNING_DISABLE_EXTENSION=1`` at the first :meth:`load` selects the references without trying.
+    """
+
+    def __init__(self, build: Callable[[], tuple[Path, bool]]) -> None:
+        self._build = build
+        self._lock = threading.RLock()  # re-entrant: a hook may query the loader
+        self._hooks: list[Callable[[], None]] = []
+        self.attempted = False
+        self.loaded = False
+        self.with_cuda = False
+        self.error: str | None = None
+        self.library: Path | None = None
+
+    def load(self) -> bool:
+        """Loads the library on the first call (later calls wait for it); returns whether it is loaded."""
+        if self.attempted:  # fast path, no lock: the state is final once ``attempted`` is set
+            return self.loaded
+        with self._lock:
+            if self.attempted:
+                return self.loaded
+            if os.environ.get(DISABLE_ENV, "0") == "1":
+                self.error = f"disabled by {DISABLE_ENV}=1"
+                log.info("deepep_lightning.ops: C++ extension %s; using the PyTorch references", self.error)
+            else:
+                try:
+                    self.library, with_cuda = self._build()
+                    self.with_cuda = bool(with_cuda)
+                    for hook in self._hooks:
+                        hook()
+                    self.loaded = True
+                except Exception as err:  # noqa: BLE001 - any build failure means: fall back
+                    self.error = f"{type(err).__name__}: {err}"
+                    first_line = self.error.strip().splitlines()[0][:300]
+                    warnings.warn(
+                        "deepep_lightning.ops: could not build/load the C++ extension "
+                        f"({first_line}); falling back to the pure-PyTorch reference ops (same "
+                        f"results up to fp32 rounding, slower, more memory). HINT: {build_hint(err)}; "
+                        "deepep_lightning.ops.extension_error() holds the whole "
+                        f"build log ({VERBOSE_ENV}=1 prints it live); {DISABLE_ENV}=1 uses the "
+                        "references without this warning.",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+            self.attempted = True
+            return self.loaded
+
+    def on_loaded(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once the library is loaded (now, if it already is)."""
+        with self._lock:
+            self._hooks.append(hook)
+            if self.loaded:
+                hook()
+
+
+#: The process's loader: every function below and every op consults it.
+LOADER = ExtensionLoader(build_and_load)
 
 
 # torch.compile runs this once while tracing and bakes in the answer, instead of tracing the
@@ -287,24 +323,24 @@ def extension_available() -> bool:
         >>> extension_available()  # doctest: +SKIP
         True
     """
-    return _load_once()
+    return LOADER.load()
 
 
 @torch.compiler.assume_constant_result
 def cuda_kernels_available() -> bool:
     """Whether the loaded extension also holds the CUDA kernels (builds it on the first call)."""
-    return _load_once() and _with_cuda
+    return LOADER.load() and LOADER.with_cuda
 
 
 def extension_error() -> str | None:
     """Why the extension is not available (``None`` when it is, or was not tried yet)."""
-    return _error
+    return LOADER.error
 
 
 def extension_library() -> Path | None:
     """The library the ops were loaded from: the compiled module or the JIT build (``None`` before or
     without a load)."""
-    return _library
+    return LOADER.library
 
 
 def on_extension_loaded(hook: Callable[[], None]) -> None:
@@ -313,10 +349,7 @@ def on_extension_loaded(hook: Callable[[], None]) -> None:
     Op modules register their ``register_fake`` / ``register_autograd`` this way: those need the
     C++ schema, which exists only after the library is loaded.
     """
-    with _lock:
-        _hooks.append(hook)
-        if _loaded:
-            hook()
+    LOADER.on_loaded(hook)
 
 
 def register_op_python_side(
