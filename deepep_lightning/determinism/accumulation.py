@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture_gradients", "restore_gradients"]
+__all__ = ["capture_gradients", "restore_gradients", "window_gradients"]
 
 
 def capture_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -31,6 +31,19 @@ def capture_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
         for name, parameter in module.named_parameters()
         if parameter.grad is not None
     }
+
+
+def window_gradients(trainer: Any, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The open window's gradients for this process's checkpoint state, or None where they cannot be kept.
+
+    Each rank accumulates its own gradients until the step. Lightning writes rank 0's callback states
+    only, unless the strategy keeps every rank's (``per_rank_checkpoint_keys`` holding ``"callbacks"``,
+    as :class:`~deepep_lightning.strategies.DeterministicDDPStrategy` does): with several processes
+    and such a strategy, or with one process, the gradients are captured; otherwise None.
+    """
+    if trainer.world_size == 1 or "callbacks" in getattr(trainer.strategy, "per_rank_checkpoint_keys", ()):
+        return capture_gradients(module)
+    return None
 
 
 def restore_gradients(module: torch.nn.Module, saved: dict[str, Any]) -> list[str]:

@@ -60,7 +60,7 @@ from typing_extensions import override
 
 from deepep_lightning import _checks, _lightning_compat
 from deepep_lightning._patches import patch_strategy_load_checkpoint, unpatch_strategy_load_checkpoint
-from deepep_lightning.determinism.accumulation import capture_gradients
+from deepep_lightning.determinism.accumulation import window_gradients
 from deepep_lightning.determinism.checkpoint_integrity import (
     gather_shard_digests,
     is_sharded_state,
@@ -311,6 +311,11 @@ class DeterminismCallback(Callback):
         if self.reseed_every_step:
             seed_everything_from(self.seed, "train", self._data_rank, trainer.current_epoch, batch_idx)
 
+    @property
+    def window_open(self) -> bool:
+        """Whether a gradient-accumulation window is open: a backward ran since the last optimizer step."""
+        return self._window_open
+
     @override
     def on_after_backward(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         self._window_open = True
@@ -391,7 +396,18 @@ class DeterminismCallback(Callback):
                 if taken is not None:
                     state["train_loaders"] = taken
             if self._window_open:
-                self._save_window_gradients(trainer, pl_module, state)
+                gradients = window_gradients(trainer, pl_module)
+                if gradients is not None:
+                    state["accumulated_gradients"] = gradients
+                elif not self._warned_window_under_ddp:
+                    self._warned_window_under_ddp = True
+                    rank_zero_warn(
+                        "DeterminismCallback: a checkpoint inside a gradient-accumulation window holds no"
+                        f" gradients with {trainer.world_size} processes (each rank accumulates its own until the"
+                        " step, and this strategy keeps rank 0's callback state only), so a resume from it is not"
+                        " exact. HINT: checkpoint at optimizer steps (ModelCheckpoint's every_n_train_steps does),"
+                        " or use strategy='ddp_deterministic', which keeps every rank's."
+                    )
             if is_sharded_state(checkpoint.get("state_dict")):  # rank 0 alone writes the callback states
                 state["rng_per_rank"] = gather_per_rank(state["rng"])
             stamp_digests(state, checkpoint, gather_shard_digests(checkpoint.get("state_dict")))
@@ -409,27 +425,6 @@ class DeterminismCallback(Callback):
         verify_digests(path, state, checkpoint, pl_module.state_dict(), trainer.global_rank, trainer.world_size)
         if state.get("train_loaders"):  # read by Lightning's loop restore, which runs after this hook
             put_back_loader_states(checkpoint, state["train_loaders"])
-
-    def _save_window_gradients(
-        self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", state: dict[str, Any]
-    ) -> None:
-        """Store the open accumulation window's gradients in ``state``: one process, or one state per rank.
-
-        Each rank accumulates its own gradients until the step; Lightning writes rank 0's callback
-        states only, unless the strategy keeps every rank's (``per_rank_checkpoint_keys`` holding
-        ``"callbacks"``, as :class:`~deepep_lightning.strategies.DeterministicDDPStrategy` does).
-        """
-        if trainer.world_size == 1 or "callbacks" in getattr(trainer.strategy, "per_rank_checkpoint_keys", ()):
-            state["accumulated_gradients"] = capture_gradients(pl_module)
-        elif not self._warned_window_under_ddp:
-            self._warned_window_under_ddp = True
-            rank_zero_warn(
-                "DeterminismCallback: a checkpoint inside a gradient-accumulation window holds no gradients"
-                f" with {trainer.world_size} processes (each rank accumulates its own until the step, and this"
-                " strategy keeps rank 0's callback state only), so a resume from it is not exact. HINT:"
-                " checkpoint at optimizer steps (ModelCheckpoint's every_n_train_steps does), or use"
-                " strategy='ddp_deterministic', which keeps every rank's."
-            )
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -306,7 +306,12 @@ class SnapshotRing:
         self.pinned = None
 
     def steps(self) -> list[int]:
+        """The steps of the snapshots held, oldest first."""
         return [item.step if isinstance(item, Snapshot) else item[0] for item in self._items]
+
+    def files(self) -> list[str]:
+        """The paths of the snapshot files held, oldest first (empty for a ring in host memory)."""
+        return [item[1] for item in self._items if isinstance(item, tuple)]
 
     def load(self, step: int, on_corrupt: Callable[[str, Exception], None] | None = None) -> Snapshot | None:
         """The snapshot of ``step``, or None when there is none or its file is corrupt (then deleted and dropped)."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from deepep_lightning.determinism import DeterminismCallback
-from deepep_lightning.determinism.accumulation import capture_gradients, restore_gradients
+from deepep_lightning.determinism.accumulation import capture_gradients, restore_gradients, window_gradients
 
 
 def _model_with_gradients() -> torch.nn.Module:
@@ -43,26 +44,44 @@ def test_a_gradient_of_another_shape_is_refused_naming_the_parameter() -> None:
         restore_gradients(model, {"weight": torch.zeros(3)})
 
 
-def _checkpoint_state(callback: DeterminismCallback, trainer: SimpleNamespace, model: torch.nn.Module) -> dict:
-    state: dict = {}
-    callback._save_window_gradients(trainer, model, state)  # type: ignore[arg-type]
-    return state
-
-
-def test_window_gradients_are_saved_per_process_and_only_where_every_rank_keeps_its_state() -> None:
+def test_window_gradients_are_kept_per_process_and_only_where_every_rank_keeps_its_state() -> None:
     model = _model_with_gradients()
-    callback = DeterminismCallback(0)
     single = SimpleNamespace(world_size=1, strategy=SimpleNamespace())
-    assert set(_checkpoint_state(callback, single, model)["accumulated_gradients"]) == {
-        "0.weight",
-        "0.bias",
-        "1.weight",
-    }
+    assert set(window_gradients(single, model) or {}) == {"0.weight", "0.bias", "1.weight"}
     per_rank = SimpleNamespace(world_size=2, strategy=SimpleNamespace(per_rank_checkpoint_keys=("callbacks",)))
-    assert "accumulated_gradients" in _checkpoint_state(callback, per_rank, model)
+    assert window_gradients(per_rank, model) is not None
     rank_zero_only = SimpleNamespace(world_size=2, strategy=SimpleNamespace())
+    assert window_gradients(rank_zero_only, model) is None
+
+
+def test_a_checkpoint_in_a_window_that_cannot_keep_gradients_warns_once(
+    boring_module, quiet_trainer, monkeypatch
+) -> None:
+    """The callback's own checkpoint hook, on a trainer that reports 2 processes and keeps rank 0's state only."""
+    import lightning.pytorch as pl
+
+    callback = DeterminismCallback(0, log_fingerprint=False)
+    model = boring_module()
+    trainer = quiet_trainer(max_steps=1, callbacks=[callback])
+    trainer.fit(model)
+
+    def checkpoint() -> dict:
+        state = {"callbacks": {callback.state_key: callback.state_dict()}, "state_dict": model.state_dict()}
+        callback.on_save_checkpoint(trainer, model, state)
+        return state["callbacks"][callback.state_key]
+
+    callback.on_after_backward(trainer, model)  # a window is open
+    assert callback.window_open and "accumulated_gradients" in checkpoint()  # one process: kept
+    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: 2))
     with pytest.warns(UserWarning, match="accumulation window holds no gradients with 2 processes"):
-        assert _checkpoint_state(callback, rank_zero_only, model) == {}
+        assert "accumulated_gradients" not in checkpoint()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint()  # said once
+    assert not [w for w in caught if "accumulation window" in str(w.message)]
+    callback.on_before_optimizer_step(trainer, model, trainer.optimizers[0])
+    assert not callback.window_open
+    checkpoint()  # negative control: no window, nothing to warn about
 
 
 def test_the_window_is_open_between_a_backward_and_the_optimizer_step(boring_module, quiet_trainer) -> None:
@@ -76,7 +95,7 @@ def test_the_window_is_open_between_a_backward_and_the_optimizer_step(boring_mod
             self.open: list[bool] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            self.open.append(callback._window_open)
+            self.open.append(callback.window_open)
 
     record = Record()
     quiet_trainer(max_epochs=1, accumulate_grad_batches=3, callbacks=[callback, record]).fit(boring_module())

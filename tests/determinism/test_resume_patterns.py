@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from test_resume import _differences, _scalars, _start, _wait
 
 from deepep_lightning.determinism import DeterminismCallback
 from deepep_lightning.determinism.data import SeekableDataLoader, put_back_loader_states
+from deepep_lightning.determinism.train_loaders import make_train_loaders_seekable
 
 _HAS_TORCHDATA = importlib.util.find_spec("torchdata") is not None
 _NEEDS_TORCHDATA = pytest.mark.skipif(not _HAS_TORCHDATA, reason="torchdata (StatefulDataLoader) is not installed")
@@ -262,10 +264,13 @@ def test_a_stateful_dataloader_it_cannot_rebuild_keeps_its_own_state_and_says_so
             pass
 
     loader = StatefulDataLoader(DatasetWithState(), batch_size=2, shuffle=True)
-    callback = DeterminismCallback(0)  # strict: a loader it cannot rebuild and that has no state raises
+
+    def make_seekable(loader: StatefulDataLoader) -> object:  # strict, as DeterminismCallback(0) is
+        return make_train_loaders_seekable(loader, seed=0, rank=0, world_size=1, strict=True, made=weakref.WeakSet())
+
     said: list[str] = []
     monkeypatch.setattr("deepep_lightning.determinism.train_loaders.rank_zero_info", said.append)
-    assert callback._make_seekable(loader) is loader
+    assert make_seekable(loader) is loader
     assert len(said) == 1 and "StatefulDataLoader" in said[0] and "checkpoints its own state_dict" in said[0]
-    rebuilt = callback._make_seekable(StatefulDataLoader(list(range(4)), batch_size=2, shuffle=True))
+    rebuilt = make_seekable(StatefulDataLoader(list(range(4)), batch_size=2, shuffle=True))
     assert isinstance(rebuilt, SeekableDataLoader) and len(said) == 1  # negative control: the plain case, silently

@@ -45,7 +45,7 @@ class TruncateNewestSnapshot(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_rank == 1 and trainer.global_step == self.step:
-            path = Path(self.rollback.ring._items[-1][1])
+            path = Path(self.rollback.ring.files()[-1])
             path.write_bytes(path.read_bytes()[:100])
 
 

@@ -139,7 +139,7 @@ def test_a_snapshot_of_another_run_in_the_shared_directory_is_never_restored(tmp
             snapshot = Snapshot.capture(trainer, module, {}, 1.0)
             snapshot.step = step
             ring.push(snapshot)
-    newest_a, newest_b = rings["run-a"]._items[-1][1], rings["run-b"]._items[-1][1]
+    newest_a, newest_b = rings["run-a"].files()[-1], rings["run-b"].files()[-1]
     assert newest_a != newest_b  # the run id is in the name: the runs never overwrite each other
     assert rings["run-a"].latest().step == 20  # negative control: its own newest file loads
     shutil.copy(newest_b, newest_a)  # e.g. copied back from another run's directory

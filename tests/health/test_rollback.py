@@ -126,7 +126,7 @@ def test_disk_snapshots_with_corrupt_latest_fall_back(tmp_path, clean_state):
     class Corrupter(FaultInjectionCallback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == 10:  # the newest snapshot (step 8) gets truncated on disk
-                path = rollback.ring._items[-1][1]
+                path = rollback.ring.files()[-1]
                 data = Path(path).read_bytes()
                 Path(path).write_bytes(data[: len(data) // 2])
 
@@ -380,7 +380,7 @@ def _corrupt_every_snapshot(rollback):
     class CorruptAll(FaultInjectionCallback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == 6:
-                for _, path in rollback.ring._items:
+                for path in rollback.ring.files():
                     Path(path).write_bytes(b"garbage")
 
         def _poison_loss(self, step, output):  # an infinite loss value with finite gradients

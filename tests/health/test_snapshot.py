@@ -111,7 +111,7 @@ def test_ring_keeps_last_n_and_falls_back_past_corrupt(trained, tmp_path):
         snapshot.step = 10 * index
         ring.push(snapshot)
     assert ring.steps() == [10, 20] and len(os.listdir(tmp_path)) == 2
-    newest = ring._items[-1][1]
+    newest = ring.files()[-1]
     Path(newest).write_bytes(Path(newest).read_bytes()[:100])
     seen = []
     assert ring.latest(lambda path, error: seen.append((path, str(error)))).step == 10
@@ -169,7 +169,7 @@ def test_a_snapshot_that_cannot_be_written_keeps_the_previous_one(trained, tmp_p
     with pytest.warns(UserWarning, match=r"snapshot '.*step000000002.pt'.*ENOSPC.*needs \d+ bytes.*free.*step 1"):
         assert _push_steps(ring, trained, [2]) == [False]
     assert ring.steps() == [1] and ring.latest().step == 1
-    assert sorted(os.listdir(tmp_path)) == [os.path.basename(ring._items[0][1])]  # no partial, no temporary file
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(ring.files()[0])]  # no partial, no temporary file
     # negative control: the write itself fails; only the ring turns it into a warning
     with pytest.raises(snapshot_file.SnapshotWriteError, match="step000000002"):
         save_snapshot_file(Snapshot.capture(*trained, {}, 1.0), str(tmp_path / "snapshot-step000000002.pt"))
@@ -252,11 +252,11 @@ def test_corrupt_file_is_deleted_after_the_fallback(trained, tmp_path):
         snapshot = Snapshot.capture(trainer, module, {}, 1.0)
         snapshot.step = step
         ring.push(snapshot)
-    newest = ring._items[-1][1]
+    newest = ring.files()[-1]
     assert "run-a" in os.path.basename(newest)  # the run id is in the name: runs sharing a directory never clash
     Path(newest).write_bytes(b"garbage")
     assert ring.latest().step == 10
-    assert not os.path.exists(newest) and os.listdir(tmp_path) == [os.path.basename(ring._items[-1][1])]
+    assert not os.path.exists(newest) and os.listdir(tmp_path) == [os.path.basename(ring.files()[-1])]
 
 
 def test_a_file_of_another_run_is_refused(trained, tmp_path):

@@ -171,7 +171,7 @@ def main(argv: list[str]) -> None:
     class TruncateNewestSnapshot(pl.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_rank == args.truncate_snapshot_rank and trainer.global_step == args.fault_step:
-                path = rollback.ring._items[-1][1]
+                path = rollback.ring.files()[-1]
                 with open(path, "r+b") as handle:
                     handle.truncate(100)
 
