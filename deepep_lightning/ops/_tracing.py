@@ -5,13 +5,15 @@ Dynamo propagates fake tensors through every op it traces. An op without a Pytho
 ``alert_not_deterministic`` and so raises in deterministic mode while tracing, before any kernel (routed or not)
 could run; inductor would then also decompose the op into the ``index_put`` that refuses it. While a route is
 installed, :func:`install_shape_function` gives the op a shape function instead: fake tensors use it (as a Python
-meta function, and as the op's Meta kernel, which dynamo's Python dispatcher consults), and inductor's
-decomposition of the op is set aside (in its table and in the copy of the table inductor caches after its first
-compile), so the compiled graph calls the aten op itself — whose CUDA kernel the route overrides.
+meta function, and as the op's Meta kernel, which dynamo's Python dispatcher consults), and the op's
+decompositions are set aside — inductor's (in its table and in the copy of the table inductor caches after its
+first compile) and PyTorch's registered one, which inductor checks before it falls back to an aten kernel (with
+``CI`` set in the environment it refuses the fallback while a decomposition is registered) — so the compiled graph
+calls the aten op itself, whose CUDA kernel the route overrides.
 :func:`remove_shape_function` puts everything back.
 
 These are PyTorch internals (``torch._decomp.meta_table``, ``OpOverload.py_kernels``, inductor's decomposition
-table). Where one is missing, the op traces as PyTorch traces it (and raises as before), with one debug line.
+table, ``torch._decomp.decomposition_table``). Where one is missing, the op traces as PyTorch traces it (and raises as before), with one debug line.
 """
 
 from __future__ import annotations
@@ -27,18 +29,20 @@ __all__ = ["install_shape_function", "installed_shape_functions", "remove_shape_
 log = logging.getLogger(__name__)
 
 _MISSING = object()
-# aten op name -> (op overload, previous meta_table entry, previous Meta py-kernel, previous inductor decomposition)
-_saved: dict[str, tuple[Any, Any, Any, Any]] = {}
+# aten op name -> (op overload, previous meta_table entry, previous Meta py-kernel, previous decompositions, one per
+# table of _decomposition_tables())
+_saved: dict[str, tuple[Any, Any, Any, list[Any]]] = {}
 
 
-def _tables() -> tuple[dict, dict | None]:
-    from torch._decomp import meta_table
+def _decomposition_tables() -> list[dict]:
+    """PyTorch's registered decompositions, then inductor's table when inductor is importable."""
+    from torch._decomp import decomposition_table
 
     try:
         from torch._inductor.decomposition import decompositions
     except ImportError:  # inductor unavailable: dynamo's other backends need only the meta entry
-        return meta_table, None
-    return meta_table, decompositions
+        return [decomposition_table]
+    return [decomposition_table, decompositions]
 
 
 def _forget_inductor_copies() -> None:
@@ -63,11 +67,12 @@ def install_shape_function(aten_op: str, shape_function: Callable[..., torch.Ten
     try:
         name, _, overload = aten_op.partition(".")
         op = getattr(getattr(torch.ops.aten, name), overload or "default")
-        meta_table, decompositions = _tables()
+        from torch._decomp import meta_table
+
         meta_key = torch._C.DispatchKey.Meta
         previous_kernel = op.py_kernels.get(meta_key, _MISSING)
         previous_meta = meta_table.get(op, _MISSING)
-        previous_decomposition = _MISSING if decompositions is None else decompositions.pop(op, _MISSING)
+        previous_decompositions = [table.pop(op, _MISSING) for table in _decomposition_tables()]
         meta_table[op] = shape_function
         op.py_kernels[meta_key] = shape_function
         op._dispatch_cache.clear()
@@ -75,7 +80,7 @@ def install_shape_function(aten_op: str, shape_function: Callable[..., torch.Ten
     except (AttributeError, ImportError, TypeError) as error:  # another PyTorch's internals
         log.debug("routes: %s keeps PyTorch's tracing (%s: %s)", aten_op, type(error).__name__, error)
         return False
-    _saved[aten_op] = (op, previous_meta, previous_kernel, previous_decomposition)
+    _saved[aten_op] = (op, previous_meta, previous_kernel, previous_decompositions)
     return True
 
 
@@ -84,16 +89,18 @@ def remove_shape_function(aten_op: str) -> None:
     saved = _saved.pop(aten_op, None)
     if saved is None:
         return
-    op, previous_meta, previous_kernel, previous_decomposition = saved
-    meta_table, decompositions = _tables()
+    op, previous_meta, previous_kernel, previous_decompositions = saved
+    from torch._decomp import meta_table
+
     for table, previous in ((meta_table, previous_meta), (op.py_kernels, previous_kernel)):
         key = op if table is meta_table else torch._C.DispatchKey.Meta
         if previous is _MISSING:
             table.pop(key, None)
         else:
             table[key] = previous
-    if decompositions is not None and previous_decomposition is not _MISSING:
-        decompositions[op] = previous_decomposition
+    for table, previous in zip(_decomposition_tables(), previous_decompositions):
+        if previous is not _MISSING:
+            table[op] = previous
     op._dispatch_cache.clear()
     _forget_inductor_copies()
 
