@@ -85,10 +85,9 @@ _SCRIPT = textwrap.dedent(
             if model_name in ("psroihead", "roipoolhead", "dcnnet"):
                 self.model = PoolingHead(model_name)
                 return
-            kwargs = dict(weights=None, weights_backbone=None, min_size=160, max_size=192)
-            if model_name != "keypointrcnn":
-                kwargs["num_classes"] = 3
-            self.model = BUILDERS[model_name](**kwargs)
+            self.model = BUILDERS[model_name](
+                weights=None, weights_backbone=None, num_classes=3, min_size=160, max_size=192
+            )
 
         def training_step(self, batch, batch_index):
             images, targets = batch

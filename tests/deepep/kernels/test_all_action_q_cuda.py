@@ -12,7 +12,7 @@ from deepep_lightning.ops import cuda_kernels_available, extension_error
 
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NAMES = ["q", "dz", "dE", "dw", "db"]
 
 
