@@ -12,8 +12,9 @@ first compile) and PyTorch's registered one, which inductor checks before it fal
 calls the aten op itself, whose CUDA kernel the route overrides.
 :func:`remove_shape_function` puts everything back.
 
-These are PyTorch internals (``torch._decomp.meta_table``, ``OpOverload.py_kernels``, inductor's decomposition
-table, ``torch._decomp.decomposition_table``). Where one is missing, the op traces as PyTorch traces it (and raises as before), with one debug line.
+These are PyTorch internals (``torch._decomp.meta_table``, ``OpOverload.py_kernels``,
+``torch._decomp.decomposition_table``, inductor's decomposition table). Where one is missing, the op traces as
+PyTorch traces it (and raises as before), with one debug line.
 """
 
 from __future__ import annotations
