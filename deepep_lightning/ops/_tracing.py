@@ -85,6 +85,13 @@ def install_shape_function(aten_op: str, shape_function: Callable[..., torch.Ten
     return True
 
 
+def _restore(table: dict, key: Any, previous: Any) -> None:
+    if previous is _MISSING:
+        table.pop(key, None)
+    else:
+        table[key] = previous
+
+
 def remove_shape_function(aten_op: str) -> None:
     """Undo :func:`install_shape_function` for ``aten_op`` (no-op when it is not installed)."""
     saved = _saved.pop(aten_op, None)
@@ -93,12 +100,8 @@ def remove_shape_function(aten_op: str) -> None:
     op, previous_meta, previous_kernel, previous_decompositions = saved
     from torch._decomp import meta_table
 
-    for table, previous in ((meta_table, previous_meta), (op.py_kernels, previous_kernel)):
-        key = op if table is meta_table else torch._C.DispatchKey.Meta
-        if previous is _MISSING:
-            table.pop(key, None)
-        else:
-            table[key] = previous
+    _restore(meta_table, op, previous_meta)
+    _restore(op.py_kernels, torch._C.DispatchKey.Meta, previous_kernel)
     for table, previous in zip(_decomposition_tables(), previous_decompositions):
         if previous is not _MISSING:
             table[op] = previous
