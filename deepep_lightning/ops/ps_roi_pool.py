@@ -44,11 +44,6 @@ def ps_roi_pool_backward_unsupported_reason(
     """Why :func:`ps_roi_pool_backward` leaves these arguments to torchvision, or ``None``. Metadata only."""
     if not all(isinstance(tensor, Tensor) for tensor in (grad, rois, channel_mapping)):
         return "grad, rois and channel_mapping must be torch.Tensor"
-    if grad.is_cuda:
-        # On the H200 (torchvision 0.26) this gather disagrees with torchvision's own CUDA backward on 13 % of
-        # the elements (tests/ops/test_torchvision_ops_cuda.py): until it agrees, CUDA stays torchvision's,
-        # which refuses deterministic mode (fail closed, never a wrong gradient).
-        return "on CUDA ps_roi_pool's backward is left to torchvision (the gather does not yet match it there)"
     if torch.overrides.has_torch_function_variadic(grad, rois, channel_mapping):
         return "tensor subclasses with __torch_function__ are left to torchvision"
     if grad.dtype not in FLOAT_DTYPES or rois.dtype != grad.dtype:
@@ -83,7 +78,10 @@ def _round_half_away(values: Tensor) -> Tensor:
 
 def _bin_edges(start: Tensor, end: Tensor, pooled: int, size: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """torchvision's ``[start, end)`` of every bin along one axis, ``[K, pooled]`` each."""
-    bin_size = (end - start).clamp(min=1).to(dtype)[:, None] / pooled  # [K, 1]
+    extent = (end - start).clamp(min=1).to(dtype)[:, None]  # [K, 1]
+    # Divided by a tensor: CUDA divides by a Python scalar as a product with its reciprocal, which misses C's
+    # quotient by an ulp (12 * float(1/3) = 4.0000001) and so moves a ceil/floor bin edge by a whole pixel.
+    bin_size = extent / torch.full_like(extent, pooled)
     index = torch.arange(pooled, device=start.device, dtype=dtype)[None, :]
     low = torch.floor(index * bin_size).long() + start[:, None]
     high = torch.ceil((index + 1) * bin_size).long() + start[:, None]

@@ -54,8 +54,7 @@ def test_roi_align_matches_torchvision_cuda_kernel(cuda_kernels, dtype, sampling
     torch.testing.assert_close(routed, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_half_precision_and_ps_roi_pool_are_left_to_torchvision_on_cuda(cuda_kernels):
-    from deepep_lightning.ops.ps_roi_pool import ps_roi_pool_backward_unsupported_reason
+def test_half_precision_roi_align_is_left_to_torchvision_on_cuda(cuda_kernels):
     from deepep_lightning.ops.roi_align import roi_align_backward_unsupported_reason
 
     grad = torch.ones(4, 8, 7, 7, device="cuda", dtype=torch.float16)
@@ -65,10 +64,6 @@ def test_half_precision_and_ps_roi_pool_are_left_to_torchvision_on_cuda(cuda_ker
     )
     assert (
         roi_align_backward_unsupported_reason(grad.float(), rois.float(), 0.125, 7, 7, 1, 8, 50, 84, 2, False) is None
-    )
-    mapping = torch.zeros(4, 8, 7, 7, device="cuda", dtype=torch.int32)
-    assert "left to torchvision" in ps_roi_pool_backward_unsupported_reason(
-        grad.float(), rois.float(), mapping, 0.125, 7, 7, 1, 392, 50, 84
     )
 
 
@@ -159,6 +154,7 @@ def _pool_grads(op, features, rois, **kwargs):
     "name, kwargs",
     [
         ("roi_pool", {"output_size": 7, "spatial_scale": 1 / 8}),
+        ("ps_roi_pool", {"output_size": 3, "spatial_scale": 1 / 8}),
         ("ps_roi_align", {"output_size": 3, "spatial_scale": 1 / 8, "sampling_ratio": 2}),
         ("ps_roi_align", {"output_size": 3, "spatial_scale": 1 / 8, "sampling_ratio": -1}),
     ],
