@@ -80,7 +80,8 @@ def _bin_edges(start: Tensor, end: Tensor, pooled: int, size: int, dtype: torch.
     """torchvision's ``[start, end)`` of every bin along one axis, ``[K, pooled]`` each."""
     extent = (end - start).clamp(min=1).to(dtype)[:, None]  # [K, 1]
     # Divided by a tensor: CUDA divides by a Python scalar as a product with its reciprocal, which misses C's
-    # quotient by an ulp (12 * float(1/3) = 4.0000001) and so moves a ceil/floor bin edge by a whole pixel.
+    # quotient by an ulp (7 * float(1/3) = 2.3333335, not 2.3333333, so the last bin ends at ceil(7.0000005) = 8
+    # instead of 7) and moves a bin edge by a whole pixel.
     bin_size = extent / torch.full_like(extent, pooled)
     index = torch.arange(pooled, device=start.device, dtype=dtype)[None, :]
     low = torch.floor(index * bin_size).long() + start[:, None]

@@ -44,6 +44,23 @@ def _case(dtype=torch.float64):
     return (grad, rois, mapping, 0.5, 2, 3, 2, 18, 12, 14)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_every_box_extent_matches_torchvision_cpu_kernel(device):
+    # torchvision's bins: bin_h = float(extent) / float(pooled), bin p = [floor(p * bin_h), ceil((p + 1) * bin_h)).
+    # On CUDA a division by a Python scalar is a product with its reciprocal, an ulp off for about a third of
+    # the extents at pooled = 3 (7 / 3 -> 2.3333335), which moves a bin edge by a pixel: every extent 1..60.
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    extent = torch.arange(1, 61, dtype=torch.float32)
+    rois = torch.stack([torch.zeros(60), extent % 3, extent % 2, extent % 3 + extent, extent % 2 + extent], dim=1)
+    grad = torch.randn(60, 2, 3, 3, generator=torch.Generator().manual_seed(0))
+    mapping = torch.arange(18, dtype=torch.int32).view(1, 2, 3, 3).repeat(60, 1, 1, 1)
+    args = (grad, rois, mapping, 1.0, 3, 3, 1, 18, 64, 64)
+    expected = torch.ops.torchvision._ps_roi_pool_backward(*args)
+    on_device = [arg.to(device) if isinstance(arg, torch.Tensor) else arg for arg in args]
+    torch.testing.assert_close(ps_roi_pool_backward(*on_device).cpu(), expected, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_equals_torchvision_cpu_kernel(dtype):
     args = _case(dtype)
