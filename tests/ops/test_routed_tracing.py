@@ -54,8 +54,6 @@ def _pooled(dims):
 @pytest.mark.parametrize("dims", [2, 3])
 def test_compiled_max_unpool_calls_the_route_in_deterministic_mode(cpu_unpool_routes, monkeypatch, backend, dims):
     monkeypatch.setenv("CI", "1")  # inductor refuses an aten fallback for an op with a registered decomposition then
-    if backend == "inductor":  # lower the graph afresh: a cached compile skips the lowering
-        monkeypatch.setattr(torch._inductor.config, "force_disable_caches", True)
     unpool = F.max_unpool2d if dims == 2 else F.max_unpool3d
     pooled, indices = _pooled(dims)
     expected = _reference_unpool(pooled, indices, [8] * dims) * 2
@@ -69,9 +67,11 @@ def test_compiled_max_unpool_calls_the_route_in_deterministic_mode(cpu_unpool_ro
     eager_grad = torch.autograd.grad((unpool(leaf, indices, 2) * 2).square().sum(), leaf)[0]
     torch._dynamo.reset()
     compiled = torch.compile(lambda p, i: unpool(p, i, 2) * 2, backend=backend, fullgraph=True)
-    out = compiled(leaf, indices)
+    with torch.compiler.config.patch(force_disable_caches=True):  # lowered afresh: a cached compile skips lowering
+        out = compiled(leaf, indices)
+        grad = torch.autograd.grad(out.square().sum(), leaf)[0]
     assert torch.equal(out.detach(), expected)
-    assert torch.equal(torch.autograd.grad(out.square().sum(), leaf)[0], eager_grad)  # the backward traces too
+    assert torch.equal(grad, eager_grad)  # the backward traces too
     assert cpu_unpool_routes.count(f"max_unpool{dims}d") >= 2  # eager and the compiled graph called the route
 
 
