@@ -103,8 +103,7 @@ def remove_shape_function(aten_op: str) -> None:
     _restore(meta_table, op, previous_meta)
     _restore(op.py_kernels, torch._C.DispatchKey.Meta, previous_kernel)
     for table, previous in zip(_decomposition_tables(), previous_decompositions):
-        if previous is not _MISSING:
-            table[op] = previous
+        _restore(table, op, previous)
     op._dispatch_cache.clear()
     _forget_inductor_copies()
 
