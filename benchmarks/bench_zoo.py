@@ -10,10 +10,12 @@ stages (``--stages``):
    ``trainer_deterministic``, i.e. ``Trainer(deterministic=True)``) of ``--verdict-steps`` steps, each pair
    compared bitwise (losses and ``state_dict`` digest): ``bitwise`` / ``differs`` / ``raises``;
 2. ``timing``, model by model, one process at a time: ``plain`` and ``plugin`` alternated ``--alternations``
-   times (ABBA order), each ``--warmup`` untimed + ``--steps`` timed + ``--profile-steps`` profiled steps; the
-   tax is plugin median / plain median over all timed steps, also given per alternation. The plain runs' own
-   verdict (bitwise without any determinism?) comes from the same runs. Attribution: the ``torch.profiler``
-   tables of these runs, plain against plugin, name the kernels and aten ops whose time per step grew most.
+   times (ABBA order), each ``--warmup`` untimed + ``--steps`` timed steps, then ``--profile-steps`` steps,
+   profiled in the last alternation's runs; the tax is plugin median / plain median over all timed steps, also given
+   per alternation. The next run's process starts while one runs and waits, imported and built, for its turn.
+   The plain runs' own verdict (bitwise without any determinism?) comes from the same runs. Attribution: the
+   ``torch.profiler`` tables of the profiled runs, plain against plugin, name the kernels and aten ops whose time
+   per step grew most.
 
 A model whose package is missing is ``skipped``; any failure is recorded and the next model runs. Past
 ``--budget-s`` no model starts its verdict runs and no model starts its timing runs (listed in ``not_run``).
@@ -57,6 +59,26 @@ class Run:
     report: Path
     started: float
 
+    def release(self) -> None:
+        """Lets a held run (``--hold``) go on to its fit; its time limit counts from now."""
+        if self.process.stdin is not None:
+            try:
+                self.process.stdin.write(b"go\n")
+                self.process.stdin.close()
+            except BrokenPipeError:  # it died while held: collect() reports the crash
+                pass
+        self.started = time.monotonic()
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingJob:
+    """One timing run of a model: its mode, its label and whether it is profiled."""
+
+    model: ZooModel
+    mode: str
+    label: str
+    profile: bool
+
 
 def _worker_env() -> dict[str, str]:
     return {
@@ -65,22 +87,68 @@ def _worker_env() -> dict[str, str]:
     }
 
 
-def start_run(args: argparse.Namespace, model: ZooModel, mode: str, label: str, timing: bool) -> Run:
-    """Starts one fit of ``model`` in ``mode``: a timing run (warm-up, timed and profiled steps) or a verdict run."""
+def start_run(
+    args: argparse.Namespace, model: ZooModel, mode: str, label: str, *, timing: bool, profile: bool, hold: bool
+) -> Run:
+    """Starts one fit of ``model`` in ``mode``: a timing run (warm-up, timed and, when ``profile``, profiled
+    steps) or a verdict run; ``hold``: the process imports and builds, then waits for :meth:`Run.release`."""
     folder = Path(args.runs_dir) / model.name
     folder.mkdir(parents=True, exist_ok=True)
     report = folder / f"{label}.json"
     report.unlink(missing_ok=True)
     steps = ["--warmup", str(args.warmup), "--steps", str(args.steps), "--profile-steps", str(args.profile_steps)]
+    steps += [] if profile else ["--skip-profiler"]
     if not timing:
         steps = ["--warmup", "0", "--steps", str(args.verdict_steps), "--profile-steps", "0"]
     command = [sys.executable, str(_HERE / "zoo_worker.py"), "--model", model.name, "--mode", mode]
     command += ["--out", str(report), "--device", args.device, "--seed", str(args.seed), *steps]
+    command += ["--hold"] if hold else []
     with open(folder / f"{label}.log", "w") as log:
         process = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=_worker_env(), start_new_session=True
+            command,
+            stdin=subprocess.PIPE if hold else subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_worker_env(),
+            start_new_session=True,
         )
     return Run(process, report, time.monotonic())
+
+
+class TimingQueue:
+    """Timing runs one at a time, each in a fresh process; the next run's process is started while one runs.
+
+    The next process imports its packages and builds its model on the CPU, then waits (``--hold``) until the
+    running one has ended: only one process uses the device at a time, and a run's clock starts after
+    start-up, so the queue hides the start-up of all runs but the first.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.held: tuple[TimingJob, Run] | None = None
+
+    def _start(self, job: TimingJob) -> Run:
+        return start_run(self.args, job.model, job.mode, job.label, timing=True, profile=job.profile, hold=True)
+
+    def run(self, job: TimingJob, upcoming: TimingJob | None) -> dict[str, Any]:
+        """Runs ``job`` (the held process, if it is that job's) with ``upcoming`` held behind it; its report."""
+        if self.held is not None and self.held[0] == job:
+            run = self.held[1]
+            self.held = None
+        else:
+            self.discard()
+            run = self._start(job)
+        run.release()
+        if upcoming is not None:
+            self.held = (upcoming, self._start(upcoming))
+        return collect(self.args, run)
+
+    def discard(self) -> None:
+        """Ends the held process, if any (its job will not run)."""
+        if self.held is not None:
+            os.killpg(self.held[1].process.pid, signal.SIGKILL)
+            self.held[1].process.wait()
+            self.held = None
 
 
 def finished(args: argparse.Namespace, run: Run) -> bool:
@@ -127,7 +195,9 @@ def verdict_stage(
                 break
             model, mode, copy = jobs.pop(0)
             begun.setdefault(model.name, time.monotonic())
-            running.append((model, f"{mode}_{copy}", start_run(args, model, mode, f"{mode}_{copy}", timing=False)))
+            label = f"{mode}_{copy}"
+            run = start_run(args, model, mode, label, timing=False, profile=False, hold=False)
+            running.append((model, label, run))
         ready = [item for item in running if finished(args, item[2])]
         if not ready:
             time.sleep(0.1)
@@ -144,18 +214,33 @@ def verdict_stage(
     return not_run
 
 
-def timing_stage(args: argparse.Namespace, model: ZooModel, record: dict[str, Any]) -> dict[str, Any]:
-    """Plain and plugin runs one at a time, alternated ABBA; the tax, its attribution and the plain verdict."""
-    if record.get("plugin", {}).get("verdict") == "raises":
-        return {"tax_note": "not timed: the plugin raises"}
-    started = time.monotonic()
-    pairs = []
+def timing_jobs(args: argparse.Namespace, model: ZooModel) -> list[TimingJob]:
+    """Plain and plugin alternated ABBA (against drift); the last alternation's two runs are profiled."""
+    jobs = []
     for alternation in range(args.alternations):
-        order = ("plain", "plugin") if alternation % 2 == 0 else ("plugin", "plain")  # ABBA against drift
-        reports: dict[str, dict[str, Any]] = {}
-        for mode in order:  # one at a time: each run's clock sees the device alone
-            reports[mode] = collect(args, start_run(args, model, mode, f"time_{mode}_{alternation}", timing=True))
-        pairs.append((reports["plain"], reports["plugin"]))
+        order = ("plain", "plugin") if alternation % 2 == 0 else ("plugin", "plain")
+        profile = alternation == args.alternations - 1
+        jobs += [TimingJob(model, mode, f"time_{mode}_{alternation}", profile) for mode in order]
+    return jobs
+
+
+def timed(record: dict[str, Any]) -> bool:
+    """Whether a model's record lets its timing runs go (the plugin's verdict did not raise)."""
+    return record.get("plugin", {}).get("verdict") != "raises"
+
+
+def timing_stage(
+    args: argparse.Namespace, queue: TimingQueue, model: ZooModel, following: ZooModel | None
+) -> dict[str, Any]:
+    """The model's timing runs through ``queue`` (``following``'s first run held behind the last); the tax,
+    its attribution and the plain verdict."""
+    started = time.monotonic()
+    jobs = timing_jobs(args, model)
+    after = timing_jobs(args, following)[:1] if following is not None else []
+    reports: dict[str, dict[str, Any]] = {}
+    for job, upcoming in zip(jobs, [*jobs[1:], *after, None]):
+        reports[job.label] = queue.run(job, upcoming)
+    pairs = [(reports[f"time_plain_{index}"], reports[f"time_plugin_{index}"]) for index in range(args.alternations)]
     fields: dict[str, Any] = {"timing_wall_s": round(time.monotonic() - started, 1)}
     if len(pairs) > 1:
         if "plain" not in args.verdict_modes:  # the plain pair of --verdict-modes, when run, stands
@@ -169,7 +254,8 @@ def timing_stage(args: argparse.Namespace, model: ZooModel, record: dict[str, An
             "timing_error": failed["error"],
         }
     fields["tax"] = tax(pairs, args.warmup, args.steps)
-    fields["attribution"] = attribution([plain for plain, _ in pairs], [plugin for _, plugin in pairs])
+    profiled = [pair for pair in pairs if "profile" in pair[0] and "profile" in pair[1]]
+    fields["attribution"] = attribution([plain for plain, _ in profiled], [plugin for _, plugin in profiled])
     return fields
 
 
@@ -271,15 +357,20 @@ def main(argv: list[str] | None = None) -> int:
         not_run += verdict_stage(args, runnable, past_budget, update)
     if "timing" in args.stages and args.alternations:
         for model in runnable:
-            if model.name in not_run:
-                continue
+            if model.name not in not_run and not timed(results.get(model.name, {})):
+                update(model, {"tax_note": "not timed: the plugin raises"})
+        queue = TimingQueue(args)
+        to_time = [m for m in runnable if m.name not in not_run and timed(results.get(m.name, {}))]
+        for index, model in enumerate(to_time):
             if past_budget():
-                not_run.append(model.name)
-                continue
+                not_run += [m.name for m in to_time[index:]]
+                break
+            following = to_time[index + 1] if index + 1 < len(to_time) else None
             try:
-                update(model, timing_stage(args, model, results.get(model.name, {})))
+                update(model, timing_stage(args, queue, model, following))
             except Exception as error:  # noqa: BLE001 - a driver failure on one model is that model's result
                 update(model, {"driver_error": f"{type(error).__name__}: {error}"})
+        queue.discard()
     if not_run:
         print(f"--budget-s {args.budget_s} passed; not run: {' '.join(not_run)}", flush=True)
     _write(args, results, not_run, started)

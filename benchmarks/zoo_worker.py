@@ -6,9 +6,11 @@ the time of every step (``on_train_batch_start`` to ``on_train_batch_end``, CUDA
 end on a GPU, wall time on the CPU) and the median of the timed ones; every loss as ``float.hex``; a SHA-256
 digest of the final ``state_dict`` (name, dtype, shape and bytes of every tensor in order) and one per tensor;
 optionally a ``torch.profiler`` table of the last ``--profile-steps`` steps, which are not timed: kernels by
-self device time on a GPU, and aten ops by device time (inclusive) on a GPU or self CPU time on the CPU. An
+device time on a GPU, and aten ops by device time (inclusive) on a GPU or self CPU time on the CPU. An
 exception in build or fit is reported (type, message, last frames) and the process exits 0; the driver
-tells it from a crash by the report.
+tells it from a crash by the report. With ``--hold`` the process imports and builds the model (on the CPU), then
+waits for a line on stdin before the ``Trainer`` touches the device: the driver starts the next timing run
+while the current one runs.
 
     python benchmarks/zoo_worker.py --model resnet18 --mode plugin --out /tmp/run.json
 """
@@ -46,21 +48,30 @@ def tensor_digests(state: dict[str, Any]) -> tuple[str, dict[str, str]]:
 
 
 def profile_table(profiler: Any, steps: int, cuda: bool, top: int = 40) -> dict[str, list[dict[str, Any]]]:
-    """Top kernels (GPU) and ops of a finished ``torch.profiler.profile``, in milliseconds per step."""
-    kernels: list[dict[str, Any]] = []
+    """Top kernels (GPU) and ops of a finished ``torch.profiler.profile``, in milliseconds per step.
+
+    Kernel times are summed from the kernels the profiler links to their launches (each kernel once, by name,
+    from its own time range), not from ``key_averages``' device rows, which count 0 for events it takes as
+    asynchronous.
+    """
+    kernels: dict[str, list[float]] = {}
     ops: list[dict[str, Any]] = []
+    if cuda:
+        for event in profiler.events():
+            for kernel in event.kernels:
+                row = kernels.setdefault(kernel.name[:_NAME_CHARS], [0.0, 0.0])
+                row[0] += kernel.duration / 1e3 / steps
+                row[1] += 1 / steps
     for event in profiler.key_averages():
         calls = event.count / steps
         if cuda:
-            if str(event.device_type).endswith("CUDA"):  # a kernel, memcpy or memset on the device's timeline
-                ms = event.self_device_time_total / 1e3 / steps
-                kernels.append({"name": event.key[:_NAME_CHARS], "ms": ms, "calls": calls})
-            elif event.key.startswith("aten::") and event.device_time_total > 0:
+            if event.key.startswith("aten::") and event.device_time_total > 0:
                 ops.append({"name": event.key, "ms": event.device_time_total / 1e3 / steps, "calls": calls})
         elif event.key.startswith("aten::") and event.self_cpu_time_total > 0:
             ops.append({"name": event.key, "ms": event.self_cpu_time_total / 1e3 / steps, "calls": calls})
+    kernel_rows = [{"name": name, "ms": ms, "calls": calls} for name, (ms, calls) in kernels.items()]
     order = lambda rows: sorted(rows, key=lambda row: -row["ms"])[:top]  # noqa: E731
-    return {"kernels": order(kernels), "ops": order(ops)}
+    return {"kernels": order(kernel_rows), "ops": order(ops)}
 
 
 def _error(error: BaseException) -> dict[str, Any]:
@@ -116,7 +127,7 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
             self.profiler: Any = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if batch_idx == timed_end and args.profile_steps:
+            if batch_idx == timed_end and args.profile_steps and not args.skip_profiler:
                 activities = [torch.profiler.ProfilerActivity.CPU]
                 if pl_module.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -136,7 +147,6 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     started = time.perf_counter()
     pl.seed_everything(args.seed, workers=True)
     task = spec.build(torch.Generator().manual_seed(args.seed))
-    report["build_s"] = round(time.perf_counter() - started, 3)
     module = ZooModule(task)
     clock = StepClock()
     callbacks: list[Any] = [clock]
@@ -147,6 +157,10 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
         callbacks.insert(0, DeterminismCallback())
     elif args.mode == "trainer_deterministic":
         trainer_kwargs["deterministic"] = True
+    report["build_s"] = round(time.perf_counter() - started, 3)
+    if args.hold:  # started early by the driver: wait for its go (a line on stdin) before touching the device
+        sys.stdin.readline()
+        started = time.perf_counter()
     trainer = pl.Trainer(
         accelerator=args.device,
         devices=1,
@@ -184,6 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps before the timed ones")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (their median is the step time)")
     parser.add_argument("--profile-steps", type=int, default=0, help="profiled steps after the timed ones")
+    parser.add_argument(
+        "--skip-profiler",
+        action="store_true",
+        help="run the --profile-steps steps without the profiler (the same steps as a profiled run: they compare)",
+    )
+    parser.add_argument(
+        "--hold", action="store_true", help="after the imports and the model's build, wait for a line on stdin"
+    )
     args = parser.parse_args(argv)
     for name in ("warmup", "profile_steps"):
         if getattr(args, name) < 0:

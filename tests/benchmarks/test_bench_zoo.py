@@ -153,8 +153,8 @@ def test_bad_arguments_are_refused_by_name(argv, message, tmp_path, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_cuda_profile_lists_device_events_as_kernels_and_aten_ops_by_device_time():
-    def event(key, device_type, self_device_us=0.0, device_us=0.0, cpu_us=0.0, count=2):
+def test_a_cuda_profile_lists_launched_kernels_and_aten_ops_by_device_time():
+    def event(key, device_type, self_device_us=0.0, device_us=0.0, cpu_us=0.0, count=2, kernels=()):
         return SimpleNamespace(
             key=key,
             device_type=device_type,
@@ -162,17 +162,27 @@ def test_a_cuda_profile_lists_device_events_as_kernels_and_aten_ops_by_device_ti
             device_time_total=device_us,
             self_cpu_time_total=cpu_us,
             count=count,
+            kernels=[SimpleNamespace(name=name, duration=us) for name, us in kernels],
         )
 
-    events = [
+    indexing = "void at::native::indexing_backward_kernel<float>"
+    averages = [
         event("aten::index_put_", DeviceType.CPU, self_device_us=500, device_us=3000, cpu_us=40),
         event("Optimizer.step#AdamW.step", DeviceType.CPU, self_device_us=100, device_us=900),
-        event("void at::native::indexing_backward_kernel<float>", DeviceType.CUDA, self_device_us=2000),
+        event(indexing, DeviceType.CUDA, self_device_us=0),  # a kernel row key_averages counts as 0
         event("cudaLaunchKernel", DeviceType.CPU, cpu_us=70),
     ]
-    profiler = SimpleNamespace(key_averages=lambda: events)
+    launches = [  # each kernel once, linked to the launch that started it
+        event("cudaLaunchKernel", DeviceType.CPU, kernels=[(indexing, 900.0)]),
+        event("cudaLaunchKernel", DeviceType.CPU, kernels=[(indexing, 1100.0), ("gemm", 200.0)]),
+        event("aten::index_put_", DeviceType.CPU),
+    ]
+    profiler = SimpleNamespace(key_averages=lambda: averages, events=lambda: launches)
     table = zoo_worker.profile_table(profiler, steps=2, cuda=True)
-    assert table["kernels"] == [{"name": "void at::native::indexing_backward_kernel<float>", "ms": 1.0, "calls": 1.0}]
+    assert table["kernels"] == [
+        {"name": indexing, "ms": 1.0, "calls": 1.0},
+        {"name": "gemm", "ms": 0.1, "calls": 0.5},
+    ]
     assert table["ops"] == [{"name": "aten::index_put_", "ms": 1.5, "calls": 1.0}]
     on_cpu = zoo_worker.profile_table(profiler, steps=2, cuda=False)  # self CPU time of aten ops only
     assert on_cpu == {"kernels": [], "ops": [{"name": "aten::index_put_", "ms": 0.02, "calls": 1.0}]}
