@@ -242,6 +242,7 @@ def timing_stage(
         reports[job.label] = queue.run(job, upcoming)
     pairs = [(reports[f"time_plain_{index}"], reports[f"time_plugin_{index}"]) for index in range(args.alternations)]
     fields: dict[str, Any] = {"timing_wall_s": round(time.monotonic() - started, 1)}
+    fields["timing_device"] = pairs[0][0].get("device_name", "")  # the cards of one zoo.json may differ by call
     if len(pairs) > 1:
         if "plain" not in args.verdict_modes:  # the plain pair of --verdict-modes, when run, stands
             fields["plain"] = verdict([plain for plain, _ in pairs])

@@ -186,6 +186,8 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     if clock.profiler is not None:
         report["profile"] = profile_table(clock.profiler, args.profile_steps, module.device.type == "cuda")
     report["fit_s"] = round(time.perf_counter() - started, 3)
+    on_gpu = module.device.type == "cuda"
+    report["device_name"] = torch.cuda.get_device_name(module.device) if on_gpu else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,6 +51,7 @@ def test_a_deterministic_model_is_bitwise_and_its_tax_and_attribution_are_filled
     assert timing["tax"] == pytest.approx(timing["plugin_median_ms"] / timing["plain_median_ms"], rel=1e-3)
     assert {"kernels", "ops"} <= record["attribution"].keys()  # CPU: op times, no kernels
     assert record["timing_wall_s"] > 0 and record["verdict_wall_s"] > 0  # what the integrator plans with
+    assert record["timing_device"] == "cpu"
     assert record["wall_s"] == round(record["verdict_wall_s"] + record["timing_wall_s"], 1)
     assert result["summary"]["timed"] == 1 and result["environment"]["torch"] == torch.__version__
 
