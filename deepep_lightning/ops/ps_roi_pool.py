@@ -3,13 +3,19 @@
 torchvision's CUDA ``_ps_roi_pool_backward`` adds ``grad / bin_area`` into every pixel of each bin's
 rectangle with float ``atomicAdd`` and refuses deterministic mode. The rectangles depend on the RoI
 alone, and bin ``b`` of output channel ``c`` feeds input channel ``c * PH * PW + b`` (the forward's
-``channel_mapping`` always holds that), so the backward is the sparse gather of
-``extensions/csrc/roi_csr_gather.h`` with one entry per (bin, pixel of its rectangle): the entries are
-built here with tensor ops (torchvision's formulas: ``roundf`` of the scaled box, bins ``[floor(ph *
-bin_h), ceil((ph + 1) * bin_h))`` offset and clipped to ``[0, H]``), padded to the largest rectangle,
-and ``torch.ops.deepep_lightning.roi_csr_gather`` sorts them by pixel and sums every ``grad_input`` element in a
-fixed order. The padding size is read on the host (one sync), so inside CUDA-graph capture the op is
-left to torchvision.
+``channel_mapping`` always holds that).
+
+float16, bfloat16 and float32 go through ``torch.ops.deepep_lightning.ps_roi_pool_backward``
+(``extensions/csrc/roi_pool_backward.cpp``): torchvision's kernel, one thread per bin computing its rectangle
+with torchvision's formulas in the gradient's type, with every term added as a 64-bit fixed-point integer,
+so the sums do not depend on the order of the atomics (``fixed_point_sum.h``); no host synchronisation, so
+it runs inside CUDA-graph capture. float64, whose precision a 64-bit fixed-point sum cannot hold, is the
+sparse gather of ``extensions/csrc/roi_csr_gather.h`` with one entry per (bin, pixel of its rectangle): the
+entries are built here with tensor ops (torchvision's formulas: ``roundf`` of the scaled box, bins
+``[floor(ph * bin_h), ceil((ph + 1) * bin_h))`` offset and clipped to ``[0, H]``), padded to the largest
+rectangle, and ``torch.ops.deepep_lightning.roi_csr_gather`` sorts them by pixel and sums every
+``grad_input`` element in a fixed order. Its padding size is read on the host (one sync), so inside
+CUDA-graph capture float64 is left to torchvision.
 
 Covered: float16/bfloat16/float32/float64, empty RoI lists, non-contiguous gradients. Without torchvision
 nothing is registered.
@@ -19,9 +25,8 @@ import torch
 from torch import Tensor
 
 from deepep_lightning.ops import _torchvision_entry
-from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
+from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason, register_fakes
 from deepep_lightning.ops._routes import Route, register_route
-from deepep_lightning.ops.extension_loader import on_extension_loaded
 
 __all__ = ["ps_roi_pool_backward", "ps_roi_pool_backward_unsupported_reason"]
 
@@ -66,8 +71,8 @@ def ps_roi_pool_backward_unsupported_reason(
         return "batch_size * channels * height * width and grad.numel() must be below 2^31 - 1 (int32 keys)"
     if not grad.device == rois.device == channel_mapping.device:
         return "grad, rois and channel_mapping are on different devices"
-    if grad.is_cuda and torch.cuda.is_current_stream_capturing():
-        return "the entries' padding is read on the host, which CUDA-graph capture forbids"
+    if grad.dtype == torch.float64 and grad.is_cuda and torch.cuda.is_current_stream_capturing():
+        return "float64's entry padding is read on the host, which CUDA-graph capture forbids"
     return kernels_reason(grad)
 
 
@@ -92,6 +97,10 @@ def _bin_edges(start: Tensor, end: Tensor, pooled: int, size: int, dtype: torch.
 def _gather(
     grad, rois, channel_mapping, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width
 ):
+    if grad.dtype != torch.float64:
+        return torch.ops.deepep_lightning.ps_roi_pool_backward.default(
+            grad, rois, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width
+        )
     bins = pooled_height * pooled_width
     channels_out = channels // bins
     if rois.shape[0] == 0:
@@ -189,11 +198,16 @@ def _fake_gather(keys, sources, weights, grad, batch, planes, channels, height, 
     return grad.new_empty((batch, channels * planes, height, width))
 
 
-def _register_fake() -> None:
-    torch.library.register_fake("deepep_lightning::roi_csr_gather")(_fake_gather)
+def _fake_ps_roi_pool_backward(grad, rois, spatial_scale, pooled_height, pooled_width, batch, channels, height, width):
+    return grad.new_empty((batch, channels, height, width))
 
 
-on_extension_loaded(_register_fake)
+register_fakes(
+    {
+        "deepep_lightning::roi_csr_gather": _fake_gather,
+        "deepep_lightning::ps_roi_pool_backward": _fake_ps_roi_pool_backward,
+    }
+)
 
 if _torchvision_entry.torchvision_ops_available():
     register_route(

@@ -4,10 +4,15 @@ torchvision's CUDA ``_roi_pool_backward`` adds each bin's gradient into ``grad_i
 argmax with float ``atomicAdd`` and refuses deterministic mode (``roi_pool_backward_kernel does not have a
 deterministic implementation``). ``roi_pool`` is max pooling, so the target pixel of a bin depends on the
 channel (the forward's per-channel ``argmax``): the backward is a scatter-add of ``grad[k, c, ph, pw]``
-into plane ``(batch index of k) * C + c`` at position ``argmax[k, c, ph, pw]``, which is what
-:func:`deepep_lightning.ops.scatter.segment_scatter_add` computes deterministically (stable sort of the
-targets, each element summed once in a fixed order, in double). Bins without a pixel (``argmax == -1``)
-add nothing.
+into plane ``(batch index of k) * C + c`` at position ``argmax[k, c, ph, pw]``. Bins without a pixel
+(``argmax == -1``) add nothing.
+
+float16, bfloat16 and float32 go through ``torch.ops.deepep_lightning.roi_pool_backward``
+(``extensions/csrc/roi_pool_backward.cpp``): the atomic kernel's one pass, with every term added as a 64-bit
+fixed-point integer, so the sums do not depend on the order of the atomics (``fixed_point_sum.h``). float64,
+whose precision a 64-bit fixed-point sum cannot hold, goes through
+:func:`deepep_lightning.ops.scatter.segment_scatter_add` (stable sort of the targets, each element summed
+once in a fixed order, in double).
 
 Covered: float16/bfloat16/float32/float64, empty RoI lists, non-contiguous gradients, any device of the
 extension. Without torchvision nothing is registered.
@@ -17,7 +22,7 @@ import torch
 from torch import Tensor
 
 from deepep_lightning.ops import _torchvision_entry
-from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason
+from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason, register_fakes
 from deepep_lightning.ops._routes import Route, register_route
 from deepep_lightning.ops.scatter import segment_scatter_add
 
@@ -110,6 +115,10 @@ def roi_pool_backward(
 
 
 def _scatter(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width):
+    if grad.dtype != torch.float64:
+        return torch.ops.deepep_lightning.roi_pool_backward.default(
+            grad, rois, argmax.to(torch.int32), batch_size, channels, height, width
+        )
     plane_size = height * width
     # int32 keys: the plane index times H * W fits (checked), and they halve the sort's memory
     planes = rois[:, 0].to(torch.int32)[:, None] * channels + torch.arange(
@@ -121,6 +130,12 @@ def _scatter(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, bat
     out = segment_scatter_add(values.reshape(-1), target.reshape(-1), batch_size * channels * plane_size)
     return out.view(batch_size, channels, height, width)
 
+
+def _fake_roi_pool_backward(grad, rois, argmax, batch_size, channels, height, width):
+    return grad.new_empty((batch_size, channels, height, width))
+
+
+register_fakes({"deepep_lightning::roi_pool_backward": _fake_roi_pool_backward})
 
 if _torchvision_entry.torchvision_ops_available():
     register_route(Route("_roi_pool_backward", _scatter, roi_pool_backward_unsupported_reason, namespace="torchvision"))

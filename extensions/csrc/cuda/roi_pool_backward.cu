@@ -1,0 +1,187 @@
+// CUDA kernels of deepep_lightning::roi_pool_backward and deepep_lightning::ps_roi_pool_backward (schemas, host
+// driver and CPU loops: ../roi_pool_backward.cpp; the per-thread math: ../roi_pool_backward.h and
+// ../fixed_point_sum.h).
+//
+// torchvision's kernels add each bin's gradient into grad_input with float atomicAdd: the order of the
+// additions, and so the last bits, change from run to run, and both refuse deterministic mode. These kernels
+// keep that one pass over the bins, one thread per bin, but add each term as a 64-bit integer (its value in
+// fixed-point quanta) with integer atomicAdd: integer addition is associative, so the sums do not depend on
+// the order the atomics land in. Three launches per chunk of channels: the largest finite |grad| (once, for
+// all chunks: atomicMax on float bits, which order non-negative floats), the atomics, and the pass that
+// writes grad_input and clears the sums. Nothing reads data on the host: CUDA-graph capturable.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include "../roi_pool_backward.h"
+#include "gather_launch.cuh"
+
+namespace deepep_lightning::roi_pool {
+
+namespace {
+
+using gather::grid_blocks;
+using gather::kThreads;
+
+template <typename scalar_t>
+__global__ void max_abs_kernel(int64_t count, const scalar_t* __restrict__ values, unsigned int* __restrict__ bits) {
+  unsigned int largest = 0;  // the bits of a non-negative float order as the float does
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float value = fabsf(static_cast<float>(values[i]));
+    if (isfinite(value)) largest = max(largest, __float_as_uint(value));
+  }
+  largest = __reduce_max_sync(0xffffffffu, largest);
+  if ((threadIdx.x & 31) == 0) atomicMax(bits, largest);
+}
+
+__device__ inline void add_term(unsigned long long* sums, unsigned int* flags, int64_t target, double term, int s) {
+  if (isfinite(term)) {
+    atomicAdd(sums + target, static_cast<unsigned long long>(fixed_point::quantize(term, s)));  // two's complement
+  } else {
+    atomicOr(flags + (target >> 2), fixed_point::flag_of(term) << fixed_point::flag_shift(target));
+  }
+}
+
+template <typename scalar_t>
+__global__ void roi_pool_kernel(int64_t threads, const scalar_t* __restrict__ grad, const scalar_t* __restrict__ rois,
+                                const int32_t* __restrict__ argmax, Shape shape, Chunk chunk,
+                                const unsigned int* __restrict__ max_bits, unsigned long long* __restrict__ sums,
+                                unsigned int* __restrict__ flags) {
+  const int s = fixed_point::scale_exponent(__uint_as_float(*max_bits), shape.terms_bits);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < threads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t target = 0;
+    int64_t source = 0;
+    if (roi_pool_term(i, rois, argmax, shape, chunk, &target, &source)) {
+      add_term(sums, flags, target, static_cast<double>(grad[source]), s);
+    }
+  }
+}
+
+template <typename scalar_t>
+__global__ void ps_roi_pool_kernel(int64_t threads, const scalar_t* __restrict__ grad,
+                                   const scalar_t* __restrict__ rois, scalar_t spatial_scale, Shape shape, Chunk chunk,
+                                   const unsigned int* __restrict__ max_bits, unsigned long long* __restrict__ sums,
+                                   unsigned int* __restrict__ flags) {
+  const int s = fixed_point::scale_exponent(__uint_as_float(*max_bits), shape.terms_bits);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < threads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    int64_t source = 0;
+    const PsBin<scalar_t> bin = ps_roi_pool_bin(i, grad, rois, spatial_scale, shape, chunk, &source);
+    const int64_t plane = (bin.batch * chunk.count + i % chunk.count) * shape.height;
+    const double term = static_cast<double>(bin.value);
+    for (int h = bin.h0; h < bin.h1; ++h) {
+      for (int w = bin.w0; w < bin.w1; ++w) add_term(sums, flags, (plane + h) * shape.width + w, term, s);
+    }
+  }
+}
+
+// One thread per flag word (four outputs): reads, writes grad_input, clears for the next chunk.
+template <typename scalar_t>
+__global__ void finish_kernel(int64_t elements, Shape shape, Chunk chunk, const unsigned int* __restrict__ max_bits,
+                              long long* __restrict__ sums, unsigned int* __restrict__ flags,
+                              scalar_t* __restrict__ out) {
+  const int s = fixed_point::scale_exponent(__uint_as_float(*max_bits), shape.terms_bits);
+  const int64_t plane = shape.height * shape.width;
+  const int64_t words = (elements + 3) / 4;
+  for (int64_t word = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; word < words;
+       word += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const unsigned int word_flags = flags[word];
+    flags[word] = 0;
+    const int64_t end = word * 4 + 4 < elements ? word * 4 + 4 : elements;
+    for (int64_t e = word * 4; e < end; ++e) {
+      const uint32_t flag = (word_flags >> fixed_point::flag_shift(e)) & 0xffu;
+      const int64_t n = e / (chunk.count * plane);
+      const int64_t channel = chunk.first + (e / plane) % chunk.count;
+      const double value = fixed_point::finish(sums[e], flag, s);
+      sums[e] = 0;
+      out[(n * shape.channels + channel) * plane + e % plane] = static_cast<scalar_t>(static_cast<float>(value));
+    }
+  }
+}
+
+void max_abs_cuda(const at::Tensor& grad, at::Tensor& max_bits) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (grad.numel() == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {
+    max_abs_kernel<scalar_t><<<grid_blocks(grad.numel()), kThreads, 0, stream>>>(
+        grad.numel(), grad.const_data_ptr<scalar_t>(), reinterpret_cast<unsigned int*>(max_bits.data_ptr<int32_t>()));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void accumulate_cuda(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+                     double spatial_scale, const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits,
+                     at::Tensor& sums, at::Tensor& flags) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const auto* bits = reinterpret_cast<const unsigned int*>(max_bits.const_data_ptr<int32_t>());
+  auto* sum_data = reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>());
+  auto* flag_data = reinterpret_cast<unsigned int*>(flags.data_ptr<int32_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {
+    if (op == Op::kRoiPool) {
+      const int64_t threads = shape.num_rois * chunk.count * shape.pooled_h * shape.pooled_w;
+      if (threads == 0) return;
+      roi_pool_kernel<scalar_t><<<grid_blocks(threads), kThreads, 0, stream>>>(
+          threads, grad.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(),
+          shape, chunk, bits, sum_data, flag_data);
+    } else {
+      const int64_t threads = shape.num_rois * chunk.count;
+      if (threads == 0) return;
+      ps_roi_pool_kernel<scalar_t><<<grid_blocks(threads), kThreads, 0, stream>>>(
+          threads, grad.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(),
+          static_cast<scalar_t>(spatial_scale), shape, chunk, bits, sum_data, flag_data);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+void finish_cuda(const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits, at::Tensor& sums,
+                 at::Tensor& flags, at::Tensor& out) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t elements = shape.batch * chunk.count * shape.height * shape.width;
+  if (elements == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "roi_pool_backward_cuda", [&] {
+    finish_kernel<scalar_t><<<grid_blocks((elements + 3) / 4), kThreads, 0, stream>>>(
+        elements, shape, chunk, reinterpret_cast<const unsigned int*>(max_bits.const_data_ptr<int32_t>()),
+        reinterpret_cast<long long*>(sums.data_ptr<int64_t>()), reinterpret_cast<unsigned int*>(flags.data_ptr<int32_t>()),
+        out.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+at::Tensor empty_cuda(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
+  return at::Tensor(at::detail::empty_cuda(sizes, dtype, device, std::nullopt));
+}
+
+const Launches kCudaLaunches{&max_abs_cuda, &accumulate_cuda, &finish_cuda, &empty_cuda};
+
+at::Tensor roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+                                  int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+  TORCH_CHECK(grad.is_cuda(), "roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
+  const c10::cuda::CUDAGuard device_guard(grad.device());
+  return backward_with(kCudaLaunches, Op::kRoiPool, grad, rois, argmax, 1.0, pooled_size(grad, 2),
+                       pooled_size(grad, 3), batch_size, channels, height, width);
+}
+
+at::Tensor ps_roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+                                     int64_t pooled_height, int64_t pooled_width, int64_t batch_size,
+                                     int64_t channels, int64_t height, int64_t width) {
+  TORCH_CHECK(grad.is_cuda(), "ps_roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
+  const c10::cuda::CUDAGuard device_guard(grad.device());
+  return backward_with(kCudaLaunches, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
+                       pooled_width, batch_size, channels, height, width);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
+  m.impl("roi_pool_backward", &roi_pool_backward_cuda);
+  m.impl("ps_roi_pool_backward", &ps_roi_pool_backward_cuda);
+}
+
+}  // namespace deepep_lightning::roi_pool

@@ -1,0 +1,224 @@
+// deepep_lightning::roi_pool_backward and deepep_lightning::ps_roi_pool_backward: torchvision's
+// _roi_pool_backward and _ps_roi_pool_backward (their arguments but spatial_scale, which roi_pool's backward
+// does not read, and ps_roi_pool's channel_mapping, which always holds c * PH * PW + b), as fixed-point
+// scatter-adds (roi_pool_backward.h, fixed_point_sum.h): bitwise reproducible, the same bits on the CPU and
+// CUDA, no host synchronisation and no data-dependent allocation (CUDA-graph capturable).
+//
+//   roi_pool_backward(grad [K, C, PH, PW], rois [K, 5], argmax [K, C, PH, PW] int32, batch_size, channels,
+//                     height, width) -> [N, C, H, W]
+//   ps_roi_pool_backward(grad [K, C / (PH * PW), PH, PW], rois [K, 5], spatial_scale, pooled_height,
+//                        pooled_width, batch_size, channels, height, width) -> [N, C, H, W]
+//
+// float16, bfloat16 and float32 (a 64-bit fixed-point sum holds about 46 bits below the largest term, more
+// than float32 and less than float64: float64 stays with the sorted double sums of ops/roi_pool.py and
+// ops/ps_roi_pool.py). The CPU loops run the per-thread functions of the header in order.
+//
+// Arguments are validated in Python before this op runs; the checks here guard direct torch.ops callers.
+#include "roi_pool_backward.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/EmptyTensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace deepep_lightning::roi_pool {
+
+namespace {
+
+constexpr int64_t kMinSumBytes = int64_t{16} << 20;
+constexpr int64_t kSumBytesPerElement = 9;  // an int64 sum and a flag byte
+
+const char* op_name(Op op) { return op == Op::kRoiPool ? "roi_pool_backward" : "ps_roi_pool_backward"; }
+
+void check_args(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+                int64_t pooled_height, int64_t pooled_width, int64_t batch_size, int64_t channels, int64_t height,
+                int64_t width) {
+  const char* name = op_name(op);
+  const int64_t bins = pooled_height * pooled_width;
+  TORCH_CHECK(grad.dim() == 4, name, ": grad must be 4-D [K, C, PH, PW], got shape ", grad.sizes());
+  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kHalf ||
+                  grad.scalar_type() == at::kBFloat16,
+              name, ": grad must be float32, float16 or bfloat16, got ", grad.scalar_type());
+  TORCH_CHECK(rois.dim() == 2 && rois.size(1) == 5 && rois.size(0) == grad.size(0), name,
+              ": rois must be [K, 5] with K = ", grad.size(0), ", got shape ", rois.sizes());
+  TORCH_CHECK(rois.scalar_type() == grad.scalar_type() && rois.device() == grad.device(), name,
+              ": rois must have grad's dtype and device, got ", rois.scalar_type(), " on ", rois.device());
+  TORCH_CHECK(pooled_height > 0 && pooled_width > 0 && grad.size(2) == pooled_height && grad.size(3) == pooled_width,
+              name, ": pooled_height, pooled_width must be positive and match grad's shape ", grad.sizes(), ", got ",
+              pooled_height, ", ", pooled_width);
+  const int64_t expected_channels = op == Op::kRoiPool ? grad.size(1) : grad.size(1) * bins;
+  TORCH_CHECK(batch_size >= 0 && height >= 0 && width >= 0 && channels == expected_channels, name,
+              ": batch_size, height, width must be >= 0 and channels = ", expected_channels, ", got ", batch_size,
+              ", ", channels, ", ", height, ", ", width);
+  TORCH_CHECK(height < INT32_MAX && width < INT32_MAX, name, ": height and width must be below 2^31 - 1");
+  if (op == Op::kRoiPool) {
+    TORCH_CHECK(argmax.sizes() == grad.sizes() && argmax.scalar_type() == at::kInt && argmax.device() == grad.device(),
+                name, ": argmax must be int32 of grad's shape and device, got ", argmax.scalar_type(), " ",
+                argmax.sizes(), " on ", argmax.device());
+  }
+}
+
+// Channels per chunk: the sums and flags of a chunk take at most a fifth of grad_input's bytes, or 16 MiB.
+int64_t chunk_channels(int64_t batch, int64_t channels, int64_t plane, int64_t element_size) {
+  const int64_t per_channel = std::max<int64_t>(batch * plane * kSumBytesPerElement, 1);
+  const int64_t budget = std::max(batch * channels * plane * element_size / 5, kMinSumBytes);
+  return std::clamp<int64_t>(budget / per_channel, 1, std::max<int64_t>(channels, 1));
+}
+
+// ---------------------------------------------------------------- CPU launches
+
+void max_abs_cpu(const at::Tensor& grad, at::Tensor& max_bits) {
+  float largest = 0.0f;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cpu", [&] {
+    const scalar_t* data = grad.const_data_ptr<scalar_t>();
+    for (int64_t i = 0; i < grad.numel(); ++i) {
+      const float value = std::fabs(static_cast<float>(data[i]));
+      if (std::isfinite(value) && value > largest) largest = value;
+    }
+  });
+  int32_t bits = 0;
+  std::memcpy(&bits, &largest, sizeof(bits));
+  max_bits.fill_(bits);
+}
+
+float largest_of(const at::Tensor& max_bits) {
+  const int32_t bits = max_bits.const_data_ptr<int32_t>()[0];
+  float largest = 0.0f;
+  std::memcpy(&largest, &bits, sizeof(largest));
+  return largest;
+}
+
+void add_term(int64_t* sums, uint32_t* flags, int64_t target, double term, int s) {
+  if (std::isfinite(term)) {
+    sums[target] += fixed_point::quantize(term, s);  // wraps like the GPU's atomics; bounded, so never does
+  } else {
+    flags[target >> 2] |= fixed_point::flag_of(term) << fixed_point::flag_shift(target);
+  }
+}
+
+void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+                    double spatial_scale, const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits,
+                    at::Tensor& sums, at::Tensor& flags) {
+  const int s = fixed_point::scale_exponent(largest_of(max_bits), shape.terms_bits);
+  int64_t* sum_data = sums.data_ptr<int64_t>();
+  uint32_t* flag_data = reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cpu", [&] {
+    const scalar_t* grad_data = grad.const_data_ptr<scalar_t>();
+    const scalar_t* roi_data = rois.const_data_ptr<scalar_t>();
+    int64_t target = 0;
+    int64_t source = 0;
+    if (op == Op::kRoiPool) {
+      const int32_t* argmax_data = argmax.const_data_ptr<int32_t>();
+      const int64_t threads = shape.num_rois * chunk.count * shape.pooled_h * shape.pooled_w;
+      for (int64_t i = 0; i < threads; ++i) {
+        if (roi_pool_term(i, roi_data, argmax_data, shape, chunk, &target, &source)) {
+          add_term(sum_data, flag_data, target, static_cast<double>(grad_data[source]), s);
+        }
+      }
+      return;
+    }
+    const scalar_t scale = static_cast<scalar_t>(spatial_scale);
+    for (int64_t i = 0; i < shape.num_rois * chunk.count; ++i) {
+      const PsBin<scalar_t> bin = ps_roi_pool_bin(i, grad_data, roi_data, scale, shape, chunk, &source);
+      const int64_t plane = (bin.batch * chunk.count + i % chunk.count) * shape.height;
+      for (int h = bin.h0; h < bin.h1; ++h) {
+        for (int w = bin.w0; w < bin.w1; ++w) {
+          add_term(sum_data, flag_data, (plane + h) * shape.width + w, static_cast<double>(bin.value), s);
+        }
+      }
+    }
+  });
+}
+
+void finish_cpu(const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits, at::Tensor& sums,
+                at::Tensor& flags, at::Tensor& out) {
+  const int s = fixed_point::scale_exponent(largest_of(max_bits), shape.terms_bits);
+  const int64_t plane = shape.height * shape.width;
+  const int64_t elements = shape.batch * chunk.count * plane;
+  int64_t* sum_data = sums.data_ptr<int64_t>();
+  uint32_t* flag_data = reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "roi_pool_backward_cpu", [&] {
+    scalar_t* out_data = out.data_ptr<scalar_t>();
+    for (int64_t e = 0; e < elements; ++e) {
+      const uint32_t flag = (flag_data[e >> 2] >> fixed_point::flag_shift(e)) & 0xff;
+      const int64_t n = e / (chunk.count * plane);
+      const int64_t channel = chunk.first + (e / plane) % chunk.count;
+      const double value = fixed_point::finish(sum_data[e], flag, s);
+      out_data[(n * shape.channels + channel) * plane + e % plane] = static_cast<scalar_t>(static_cast<float>(value));
+    }
+  });
+  sums.zero_();
+  flags.zero_();
+}
+
+at::Tensor empty_cpu(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
+  return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, std::nullopt);
+}
+
+const Launches kCpuLaunches{&max_abs_cpu, &accumulate_cpu, &finish_cpu, &empty_cpu};
+
+at::Tensor roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+                                 int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+  TORCH_CHECK(grad.is_cpu(), "roi_pool_backward_cpu: grad must be a CPU tensor, got ", grad.device());
+  return backward_with(kCpuLaunches, Op::kRoiPool, grad, rois, argmax, 1.0, pooled_size(grad, 2),
+                       pooled_size(grad, 3), batch_size, channels, height, width);
+}
+
+at::Tensor ps_roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+                                    int64_t pooled_height, int64_t pooled_width, int64_t batch_size, int64_t channels,
+                                    int64_t height, int64_t width) {
+  TORCH_CHECK(grad.is_cpu(), "ps_roi_pool_backward_cpu: grad must be a CPU tensor, got ", grad.device());
+  return backward_with(kCpuLaunches, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
+                       pooled_width, batch_size, channels, height, width);
+}
+
+}  // namespace
+
+at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad, const at::Tensor& rois,
+                         const at::Tensor& argmax, double spatial_scale, int64_t pooled_height, int64_t pooled_width,
+                         int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+  TORCH_CHECK(grad.dim() == 4, op_name(op), ": grad must be 4-D [K, C, PH, PW], got shape ", grad.sizes());
+  check_args(op, grad, rois, argmax, pooled_height, pooled_width, batch_size, channels, height, width);
+  const at::Device device = grad.device();
+  const int64_t num_rois = grad.size(0);
+  const int64_t plane = height * width;
+  at::Tensor out = launches.empty({batch_size, channels, height, width}, grad.scalar_type(), device);
+  if (num_rois == 0 || out.numel() == 0) return out.zero_();
+  const int64_t terms_bound = op == Op::kRoiPool ? num_rois * pooled_height * pooled_width : num_rois;
+  const Shape shape{num_rois, batch_size, channels, height, width, pooled_height, pooled_width,
+                    fixed_point::term_bits(terms_bound)};
+  const at::Tensor grad_c = grad.contiguous();
+  const at::Tensor rois_c = rois.contiguous();
+  const at::Tensor argmax_c = op == Op::kRoiPool ? argmax.contiguous() : argmax;
+  at::Tensor max_bits = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
+  launches.max_abs(grad_c, max_bits);
+  const int64_t per_chunk = chunk_channels(batch_size, channels, plane, static_cast<int64_t>(out.element_size()));
+  const int64_t chunk_elements = batch_size * std::min(per_chunk, channels) * plane;
+  at::Tensor sums = at::zeros({chunk_elements}, at::TensorOptions().dtype(at::kLong).device(device));
+  at::Tensor flags = at::zeros({(chunk_elements + 3) / 4}, at::TensorOptions().dtype(at::kInt).device(device));
+  for (int64_t first = 0; first < channels; first += per_chunk) {
+    const Chunk chunk{first, std::min(per_chunk, channels - first)};
+    launches.accumulate(op, grad_c, rois_c, argmax_c, spatial_scale, shape, chunk, max_bits, sums, flags);
+    launches.finish(shape, chunk, max_bits, sums, flags, out);
+  }
+  return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
+  m.def(
+      "roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, int batch_size, int channels, int height, "
+      "int width) -> Tensor");
+  m.def(
+      "ps_roi_pool_backward(Tensor grad, Tensor rois, float spatial_scale, int pooled_height, int pooled_width, "
+      "int batch_size, int channels, int height, int width) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
+  m.impl("roi_pool_backward", &roi_pool_backward_cpu);
+  m.impl("ps_roi_pool_backward", &ps_roi_pool_backward_cpu);
+}
+
+}  // namespace deepep_lightning::roi_pool

@@ -1,0 +1,156 @@
+"""The fixed-point roi_pool / ps_roi_pool backwards (extensions/csrc/roi_pool_backward.cpp, fixed_point_sum.h).
+
+Each sum is exact in fixed-point quanta, so it cannot depend on the order of its terms: reordering the RoIs
+leaves every bit in place, where torchvision's float sums (its CPU kernel, in RoI order) change — the negative
+control. Against the float64 sum the error stays within float32 rounding; non-finite terms give what a float
+sum gives; the chunks of channels (forced here by a large plane) cover every output; the ops pass opcheck and
+refuse float64 by name. On the GPU (marked): the CUDA kernels give the CPU kernels' bits, repeat bitwise and
+run inside CUDA-graph capture.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("torchvision")
+import torchvision.ops  # noqa: E402, F401 - registers torchvision's ops
+
+from deepep_lightning.ops import extension_available, ps_roi_pool, roi_pool  # noqa: E402, F401 - their fakes
+
+pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
+
+OPS = ("roi_pool", "ps_roi_pool")
+
+
+def _case(op, dtype=torch.float32, device="cpu", rois=400, channels=None, size=(24, 30), seed=0, spread=12):
+    """Many overlapping boxes on a small map (hundreds of terms per pixel) and a gradient of mixed magnitudes."""
+    generator = torch.Generator().manual_seed(seed)
+    height, width = size
+    channels = channels or (4 if op == "roi_pool" else 2 * 9)
+    corner = torch.rand(rois, 2, generator=generator) * torch.tensor([width * 4.0, height * 4.0])
+    extent = torch.rand(rois, 2, generator=generator) * torch.tensor([width * 3.0, height * 3.0]) + 1
+    batch = torch.randint(0, 2, (rois, 1), generator=generator).float()
+    boxes = torch.cat([batch, corner, corner + extent], dim=1)
+    features = torch.randn(2, channels, height, width, generator=generator, dtype=torch.float64)
+    if op == "roi_pool":
+        out, argmax = torch.ops.torchvision.roi_pool(features, boxes.double(), 0.25, 3, 3)
+    else:
+        out, argmax = torch.ops.torchvision.ps_roi_pool(features, boxes.double(), 0.25, 3, 3)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    grad = grad * torch.exp2(torch.randint(-spread, spread, out.shape, generator=generator).double())
+    return {
+        "grad": grad.to(dtype).to(device),
+        "rois": boxes.to(dtype).to(device),
+        "argmax": argmax.to(device),
+        "shape": (2, channels, height, width),
+    }
+
+
+def _ours(op, case, order=None):
+    grad, rois, argmax = case["grad"], case["rois"], case["argmax"]
+    if order is not None:
+        grad, rois, argmax = grad[order], rois[order], argmax[order]
+    if op == "roi_pool":
+        return torch.ops.deepep_lightning.roi_pool_backward(grad, rois, argmax, *case["shape"])
+    return torch.ops.deepep_lightning.ps_roi_pool_backward(grad, rois, 0.25, 3, 3, *case["shape"])
+
+
+def _torchvision(op, case, dtype=None, order=None):
+    grad, rois, argmax = case["grad"], case["rois"], case["argmax"]
+    if order is not None:
+        grad, rois, argmax = grad[order], rois[order], argmax[order]
+    if dtype is not None:
+        grad, rois = grad.to(dtype), rois.to(dtype)
+    backward = getattr(torch.ops.torchvision, f"_{op}_backward")
+    return backward(grad, rois, argmax, 0.25, 3, 3, *case["shape"])
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_reordering_the_rois_leaves_every_bit_where_float_sums_change(op):
+    case = _case(op)
+    order = torch.randperm(case["grad"].shape[0], generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_ours(op, case), _ours(op, case, order))
+    # negative control: torchvision's CPU kernel sums in RoI order, and its float32 bits follow the order
+    assert not torch.equal(_torchvision(op, case), _torchvision(op, case, order=order))
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_equals_the_exact_sum_rounded(op, dtype):
+    case = _case(op, dtype, spread=12 if dtype == torch.float32 else 3)
+    exact = _torchvision(op, case, dtype=torch.float64)  # the dtype's terms summed in float64
+    ours = _ours(op, case)
+    assert ours.dtype == dtype and exact.abs().max() > 0
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny * torch.finfo(dtype).eps
+    if op == "roi_pool":  # the terms are the gradient's values: one rounding of the exact sum (two for 16 bits)
+        error = (ours.double() - exact).abs()
+        assert (error <= eps * exact.abs() + tiny + exact.abs().max() * 2**-40).all(), error.max()
+    else:  # each term is grad / area rounded to dtype first, as torchvision's kernel computes it
+        torch.testing.assert_close(ours.double(), exact, rtol=8 * eps, atol=8 * eps * exact.abs().max())
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_non_finite_terms_give_what_a_float_sum_gives(op):
+    case = _case(op, rois=60)
+    grad = case["grad"].clone()
+    flat = grad.view(-1)
+    flat[0], flat[1], flat[7], flat[flat.numel() // 2] = float("nan"), float("inf"), float("-inf"), float("inf")
+    case["grad"] = grad
+    ours, theirs = _ours(op, case), _torchvision(op, case)
+    assert ours.isnan().any() and ours.isinf().any()
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    assert torch.equal(ours.isposinf(), theirs.isposinf()) and torch.equal(ours.isneginf(), theirs.isneginf())
+    finite = ours.isfinite()
+    torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-5, atol=1e-5)
+
+
+# a 512 x 512 plane: its sums take 2.4 MB a channel, so 16 channels go in 3 chunks
+def test_channel_chunks_cover_every_output():
+    case = _case("roi_pool", rois=300, channels=16, size=(512, 512))
+    exact = _torchvision("roi_pool", case, dtype=torch.float64)
+    torch.testing.assert_close(_ours("roi_pool", case).double(), exact, rtol=2e-7, atol=1e-9)
+
+
+def test_empty_rois_opcheck_and_a_float64_gradient_refused_by_name():
+    for op in OPS:
+        case = _case(op, rois=8)
+        empty = {**case, "grad": case["grad"][:0], "rois": case["rois"][:0], "argmax": case["argmax"][:0]}
+        assert torch.equal(_ours(op, empty), torch.zeros(case["shape"]))
+        if op == "roi_pool":
+            args = (case["grad"], case["rois"], case["argmax"], *case["shape"])
+        else:
+            args = (case["grad"], case["rois"], 0.25, 3, 3, *case["shape"])
+        torch.library.opcheck(getattr(torch.ops.deepep_lightning, f"{op}_backward").default, args)
+        with pytest.raises(RuntimeError, match=f"{op}_backward: grad must be float32, float16 or bfloat16"):
+            _ours(op, {**case, "grad": case["grad"].double(), "rois": case["rois"].double()})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_cuda_gives_the_cpu_bits_and_repeats_them(op, dtype):
+    case = _case(op, dtype, rois=2000, channels=64 if op == "roi_pool" else 9 * 16, size=(50, 84))
+    on_cpu = _ours(op, case)
+    on_cuda = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in case.items()}
+    first = _ours(op, on_cuda)
+    assert torch.equal(first.cpu(), on_cpu)
+    for _ in range(19):
+        assert torch.equal(_ours(op, on_cuda), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("op", OPS)
+def test_gpu_runs_inside_cuda_graph_capture(op):
+    case = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in _case(op).items()}
+    eager = _ours(op, case)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _ours(op, case)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _ours(op, case)
+    graph.replay()
+    assert torch.equal(captured, eager)
