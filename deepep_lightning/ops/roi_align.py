@@ -47,10 +47,14 @@ def roi_align_backward_unsupported_reason(
     width: int,
     sampling_ratio: int,
     aligned: bool,
+    *,
+    gathered: bool = True,
 ) -> str | None:
     """Why :func:`roi_align_backward` leaves these arguments to torchvision, or ``None`` when it covers them.
 
     Metadata only (no tensor values, no host sync), so the route may ask it inside CUDA-graph capture.
+    ``gathered=False``: the caller's kernel is a fixed-point scatter (``ps_roi_align`` in 16/32 bits), which
+    neither shares the gather's half-precision CUDA path nor reads a sample count on the host.
     """
     if not isinstance(grad, Tensor) or not isinstance(rois, Tensor):
         return "grad and rois must be torch.Tensor"
@@ -58,7 +62,7 @@ def roi_align_backward_unsupported_reason(
         return "tensor subclasses with __torch_function__ are left to torchvision"
     if grad.dtype not in FLOAT_DTYPES or rois.dtype != grad.dtype:
         return f"dtype {grad.dtype} (rois {rois.dtype}) is not one of {list(FLOAT_DTYPES)} for both"
-    if grad.is_cuda and grad.dtype in (torch.float16, torch.bfloat16):
+    if gathered and grad.is_cuda and grad.dtype in (torch.float16, torch.bfloat16):
         # The CUDA gather's half-precision path gives NaNs on the H200 (tests/ops/test_torchvision_ops_cuda.py);
         # float16/bfloat16 stay torchvision's: the Python roi_align entry keeps its pure-PyTorch path for them
         # (ops/_torchvision_entry.py), and a direct call of the backward op meets torchvision's refusal.
@@ -79,7 +83,7 @@ def roi_align_backward_unsupported_reason(
         return "batch_size * height * width and K * PH * PW must be below 2^31 - 1 (int32 keys)"
     if grad.device != rois.device:
         return f"grad and rois are on different devices ({grad.device}, {rois.device})"
-    if sampling_ratio <= 0 and grad.is_cuda and torch.cuda.is_current_stream_capturing():
+    if gathered and sampling_ratio <= 0 and grad.is_cuda and torch.cuda.is_current_stream_capturing():
         return "adaptive sampling (sampling_ratio <= 0) reads its sample count on the host, which capture forbids"
     return kernels_reason(grad)
 

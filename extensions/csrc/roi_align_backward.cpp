@@ -15,7 +15,9 @@
 // ps_roi_align samples its bins as roi_align with aligned=True does (torchvision's kernels share the
 // formulas) and sends bin b of output channel c to input channel c * PH * PW + b, which is what its
 // forward's channel_mapping always holds; the mapping is therefore not read (it is in the schema so that
-// the route can pass torchvision's arguments through).
+// the route can pass torchvision's arguments through). float16, bfloat16 and float32 ps_roi_align gradients go
+// to the fixed-point scatter of roi_fixed_point.h (torchvision's one pass over the bins, integer atomics);
+// float64 ones, and roi_align, to the sparse map below.
 //
 // torchvision's CUDA kernel adds grad * w / count into grad_input with float atomicAdd (run-to-run
 // different last bits; it refuses deterministic mode). Here the sparse map from samples to pixels is built
@@ -30,6 +32,7 @@
 // Arguments are validated in Python before this op runs (DESIGN.md section 7); the checks here guard
 // direct torch.ops callers.
 #include "roi_align_backward.h"
+#include "roi_fixed_point.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -219,6 +222,10 @@ at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& r
                                      int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height,
                                      int64_t width) {
   TORCH_CHECK(grad.is_cpu(), "ps_roi_align_backward_cpu: grad must be a CPU tensor, got ", grad.device());
+  if (grad.scalar_type() != at::kDouble) {  // fixed-point sums (roi_fixed_point.h); float64 keeps the gather
+    return roi_fixed_point::ps_roi_align_backward_cpu(grad, rois, spatial_scale, pooled_height, pooled_width,
+                                                      sampling_ratio, batch_size, channels, height, width);
+  }
   static const RoiAlignLaunches launches{&sample_counts_cpu, &entries_cpu, &csr_gather_cpu, &empty_cpu};
   return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
                                  channels, height, width, sampling_ratio, /*aligned=*/true,

@@ -122,6 +122,16 @@ C10_HOST_DEVICE inline bool bilinear_corners(int64_t height, int64_t width, T y,
   return true;
 }
 
+// Sample (iy, ix) of bin (ph, pw): torchvision's y = start + ph * bin + (iy + .5) * bin / grid, and x alike.
+template <typename T>
+C10_HOST_DEVICE inline void sample_point(const RoiBox<T>& box, int64_t ph, int64_t pw, int64_t iy, int64_t ix, T* y,
+                                         T* x) {
+  *y = box.start_h + static_cast<T>(ph) * box.bin_h +
+       static_cast<T>(static_cast<float>(iy) + .5f) * box.bin_h / static_cast<T>(box.grid_h);
+  *x = box.start_w + static_cast<T>(pw) * box.bin_w +
+       static_cast<T>(static_cast<float>(ix) + .5f) * box.bin_w / static_cast<T>(box.grid_w);
+}
+
 // Index of the RoI that holds global sample s: sample_offsets is the exclusive prefix sum [R + 1] of the
 // samples per RoI (adaptive sampling); with a fixed sampling ratio every RoI has samples_per_roi.
 C10_HOST_DEVICE inline int64_t roi_of_sample(int64_t s, const int64_t* sample_offsets, int64_t num_rois,
@@ -165,10 +175,9 @@ C10_HOST_DEVICE inline void roi_align_sample_entries(int64_t s, int64_t e0, cons
   const int64_t ix = within - iy * box.grid_w;
   const int64_t ph = bin / a.pooled_w;
   const int64_t pw = bin - ph * a.pooled_w;
-  const T y = box.start_h + static_cast<T>(ph) * box.bin_h +
-              static_cast<T>(static_cast<float>(iy) + .5f) * box.bin_h / static_cast<T>(box.grid_h);
-  const T x = box.start_w + static_cast<T>(pw) * box.bin_w +
-              static_cast<T>(static_cast<float>(ix) + .5f) * box.bin_w / static_cast<T>(box.grid_w);
+  T y;
+  T x;
+  sample_point(box, ph, pw, iy, ix, &y, &x);
   T w[kCorners];
   int64_t pixel[kCorners];
   const bool inside = bilinear_corners<T>(a.height, a.width, y, x, w, pixel);

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "../roi_align_backward.h"
+#include "../roi_fixed_point.h"
 #include "gather_launch.cuh"
 
 namespace deepep_lightning::roi {
@@ -105,6 +106,10 @@ at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& 
                                       int64_t channels, int64_t height, int64_t width) {
   TORCH_CHECK(grad.is_cuda(), "ps_roi_align_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
   const c10::cuda::CUDAGuard device_guard(grad.device());
+  if (grad.scalar_type() != at::kDouble) {  // fixed-point sums (roi_fixed_point.h); float64 keeps the gather
+    return roi_fixed_point::ps_roi_align_backward_cuda(grad, rois, spatial_scale, pooled_height, pooled_width,
+                                                       sampling_ratio, batch_size, channels, height, width);
+  }
   static const RoiAlignLaunches launches{&sample_counts_cuda, &entries_cuda, &csr_gather_cuda, &empty_cuda};
   return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
                                  channels, height, width, sampling_ratio, /*aligned=*/true,

@@ -1,8 +1,8 @@
-// deepep_lightning::roi_pool_backward and deepep_lightning::ps_roi_pool_backward: torchvision's
-// _roi_pool_backward and _ps_roi_pool_backward as fixed-point scatter-adds (fixed_point_sum.h): the atomic
-// kernels' one pass over the gradient, with integer additions, so the result is bitwise reproducible and the
-// same on the CPU and on CUDA. The per-thread math is here; roi_pool_backward.cpp holds the schemas, the host
-// driver and the CPU loops, cuda/roi_pool_backward.cu the kernels.
+// deepep_lightning::roi_pool_backward, deepep_lightning::ps_roi_pool_backward and the 16/32-bit
+// deepep_lightning::ps_roi_align_backward: torchvision's backwards as fixed-point scatter-adds
+// (fixed_point_sum.h): the atomic kernels' one pass over the gradient, with integer additions, so the result
+// is bitwise reproducible and the same on the CPU and on CUDA. The per-thread math is here; roi_fixed_point.cpp
+// holds the schemas, the host driver and the CPU loops, cuda/roi_fixed_point.cu the kernels.
 //
 // roi_pool: bin (k, c, ph, pw) adds grad[k, c, ph, pw] at the forward's argmax (its flat position in the
 // H x W plane; -1: an empty bin adds nothing) of plane (batch of RoI k, c). A pixel receives at most K * PH * PW
@@ -12,6 +12,11 @@
 // area, torchvision's formulas (roundf of the scaled box, bins [floor(ph * bin_h), ceil((ph + 1) * bin_h)),
 // offset and clipped to [0, H]) in the gradient's own type, as its CUDA kernel computes them. A pixel receives
 // at most K terms.
+// ps_roi_align: bin b of output channel c feeds input channel c * PH * PW + b at the 4 bilinear corners of each
+// of its samples (torchvision's aligned roi_align geometry, roi_csr_gather.h), each corner grad * w / count. A
+// bin's samples are at least half a pixel apart once a bin is a pixel wide (adaptive sampling: grid =
+// ceil(bin)), so at most 5 x 5 of them reach a pixel (all sampling_ratio^2 with a fixed ratio), each with up to
+// 4 corners there (clamped at the border): a pixel receives at most 4 * K * 25 (or 4 * K * ratio^2) terms.
 //
 // The sums live in an int64 array beside grad_input with a flag byte per element: to hold the extra memory to
 // a fifth of grad_input's (or 16 MiB when that is more), grad_input's channels are done in chunks, each chunk
@@ -26,13 +31,14 @@
 #include <cstdint>
 
 #include "fixed_point_sum.h"
+#include "roi_csr_gather.h"
 
-namespace deepep_lightning::roi_pool {
+namespace deepep_lightning::roi_fixed_point {
 
-enum class Op { kRoiPool, kPsRoiPool };
+enum class Op { kRoiPool, kPsRoiPool, kPsRoiAlign };
 
 struct Shape {
-  int64_t num_rois, batch, channels, height, width, pooled_h, pooled_w;
+  int64_t num_rois, batch, channels, height, width, pooled_h, pooled_w, sampling_ratio;
   int terms_bits;  // fixed_point::term_bits of the op's bound on the terms per pixel
 };
 
@@ -105,6 +111,33 @@ C10_HOST_DEVICE inline PsBin<scalar_t> ps_roi_pool_bin(int64_t i, const scalar_t
   return bin;
 }
 
+// A ps_roi_align bin of chunk-local thread i ([K, count] order over the chunk's input channels): its box
+// (no samples for a box of no image of the batch), position, chunk-local plane offset and gradient.
+template <typename T>
+struct PsAlignBin {
+  roi::RoiBox<T> box;
+  int64_t ph, pw, plane;
+  T grad;
+};
+
+template <typename scalar_t, typename T>
+C10_HOST_DEVICE inline PsAlignBin<T> ps_roi_align_bin(int64_t i, const scalar_t* grad, const scalar_t* rois,
+                                                      T spatial_scale, const Shape& shape, const Chunk& chunk) {
+  const int64_t k = i / chunk.count;
+  const int64_t local_channel = i % chunk.count;
+  const int64_t channel = chunk.first + local_channel;
+  const int64_t b = channel % (shape.pooled_h * shape.pooled_w);
+  PsAlignBin<T> bin;
+  bin.box = roi::roi_align_box<scalar_t, T>(rois + k * 5, spatial_scale, shape.pooled_h, shape.pooled_w,
+                                            shape.sampling_ratio, /*aligned=*/true);
+  if (bin.box.batch < 0 || bin.box.batch >= shape.batch) bin.box.grid_h = 0;
+  bin.ph = b / shape.pooled_w;
+  bin.pw = b % shape.pooled_w;
+  bin.plane = (bin.box.batch * chunk.count + local_channel) * shape.height * shape.width;
+  bin.grad = static_cast<T>(grad[k * shape.channels + channel]);  // grad [K, C / (PH * PW), PH, PW] is [K, C]
+  return bin;
+}
+
 // The device-specific steps of backward_with.
 struct Launches {
   // max_bits[0] = the float bits of the largest finite |grad| (0 when there is none); max_bits is zeroed.
@@ -126,6 +159,15 @@ inline int64_t pooled_size(const at::Tensor& grad, int64_t dim) { return grad.di
 // The whole op on one device: checks, the chunks, the passes.
 at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad, const at::Tensor& rois,
                          const at::Tensor& argmax, double spatial_scale, int64_t pooled_height, int64_t pooled_width,
-                         int64_t batch_size, int64_t channels, int64_t height, int64_t width);
+                         int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height, int64_t width);
 
-}  // namespace deepep_lightning::roi_pool
+// ps_roi_align_backward for float16/bfloat16/float32 grads on each device (roi_align_backward.cpp and
+// cuda/roi_align_backward.cu send those dtypes here; float64 keeps the sorted gather).
+at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+                                     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
+                                     int64_t batch_size, int64_t channels, int64_t height, int64_t width);
+at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+                                      int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
+                                      int64_t batch_size, int64_t channels, int64_t height, int64_t width);
+
+}  // namespace deepep_lightning::roi_fixed_point

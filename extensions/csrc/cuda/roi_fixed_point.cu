@@ -1,6 +1,6 @@
-// CUDA kernels of deepep_lightning::roi_pool_backward and deepep_lightning::ps_roi_pool_backward (schemas, host
-// driver and CPU loops: ../roi_pool_backward.cpp; the per-thread math: ../roi_pool_backward.h and
-// ../fixed_point_sum.h).
+// CUDA kernels of deepep_lightning::roi_pool_backward, deepep_lightning::ps_roi_pool_backward and the 16/32-bit
+// deepep_lightning::ps_roi_align_backward (schemas, host driver and CPU loops: ../roi_fixed_point.cpp; the
+// per-thread math: ../roi_fixed_point.h and ../fixed_point_sum.h).
 //
 // torchvision's kernels add each bin's gradient into grad_input with float atomicAdd: the order of the
 // additions, and so the last bits, change from run to run, and both refuse deterministic mode. These kernels
@@ -11,16 +11,17 @@
 // writes grad_input and clears the sums. Nothing reads data on the host: CUDA-graph capturable.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "../roi_pool_backward.h"
+#include "../roi_fixed_point.h"
 #include "gather_launch.cuh"
 
-namespace deepep_lightning::roi_pool {
+namespace deepep_lightning::roi_fixed_point {
 
 namespace {
 
@@ -81,6 +82,32 @@ __global__ void ps_roi_pool_kernel(int64_t threads, const scalar_t* __restrict__
   }
 }
 
+template <typename scalar_t, typename T>
+__global__ void ps_roi_align_kernel(int64_t threads, const scalar_t* __restrict__ grad,
+                                    const scalar_t* __restrict__ rois, T spatial_scale, Shape shape, Chunk chunk,
+                                    const unsigned int* __restrict__ max_bits, unsigned long long* __restrict__ sums,
+                                    unsigned int* __restrict__ flags) {
+  const int s = fixed_point::scale_exponent(__uint_as_float(*max_bits), shape.terms_bits);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < threads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const PsAlignBin<T> bin = ps_roi_align_bin(i, grad, rois, spatial_scale, shape, chunk);
+    for (int64_t iy = 0; iy < bin.box.grid_h; ++iy) {
+      for (int64_t ix = 0; ix < bin.box.grid_w; ++ix) {
+        T y;
+        T x;
+        roi::sample_point(bin.box, bin.ph, bin.pw, iy, ix, &y, &x);
+        T w[roi::kCorners];
+        int64_t pixel[roi::kCorners];
+        if (!roi::bilinear_corners<T>(shape.height, shape.width, y, x, w, pixel)) continue;
+#pragma unroll
+        for (int c = 0; c < roi::kCorners; ++c) {
+          add_term(sums, flags, bin.plane + pixel[c], static_cast<double>(bin.grad * w[c] / bin.box.count), s);
+        }
+      }
+    }
+  }
+}
+
 // One thread per flag word (four outputs): reads, writes grad_input, clears for the next chunk.
 template <typename scalar_t>
 __global__ void finish_kernel(int64_t elements, Shape shape, Chunk chunk, const unsigned int* __restrict__ max_bits,
@@ -129,6 +156,13 @@ void accumulate_cuda(Op op, const at::Tensor& grad, const at::Tensor& rois, cons
       roi_pool_kernel<scalar_t><<<grid_blocks(threads), kThreads, 0, stream>>>(
           threads, grad.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(),
           shape, chunk, bits, sum_data, flag_data);
+    } else if (op == Op::kPsRoiAlign) {
+      using T = at::opmath_type<scalar_t>;
+      const int64_t threads = shape.num_rois * chunk.count;
+      if (threads == 0) return;
+      ps_roi_align_kernel<scalar_t, T><<<grid_blocks(threads), kThreads, 0, stream>>>(
+          threads, grad.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), static_cast<T>(spatial_scale),
+          shape, chunk, bits, sum_data, flag_data);
     } else {
       const int64_t threads = shape.num_rois * chunk.count;
       if (threads == 0) return;
@@ -165,7 +199,7 @@ at::Tensor roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois
   TORCH_CHECK(grad.is_cuda(), "roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
   const c10::cuda::CUDAGuard device_guard(grad.device());
   return backward_with(kCudaLaunches, Op::kRoiPool, grad, rois, argmax, 1.0, pooled_size(grad, 2),
-                       pooled_size(grad, 3), batch_size, channels, height, width);
+                       pooled_size(grad, 3), 0, batch_size, channels, height, width);
 }
 
 at::Tensor ps_roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
@@ -174,14 +208,22 @@ at::Tensor ps_roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& r
   TORCH_CHECK(grad.is_cuda(), "ps_roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
   const c10::cuda::CUDAGuard device_guard(grad.device());
   return backward_with(kCudaLaunches, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
-                       pooled_width, batch_size, channels, height, width);
+                       pooled_width, 0, batch_size, channels, height, width);
 }
 
 }  // namespace
+
+at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+                                      int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
+                                      int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+  const c10::cuda::CUDAGuard device_guard(grad.device());
+  return backward_with(kCudaLaunches, Op::kPsRoiAlign, grad, rois, at::Tensor(), spatial_scale, pooled_height,
+                       pooled_width, sampling_ratio, batch_size, channels, height, width);
+}
 
 TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("roi_pool_backward", &roi_pool_backward_cuda);
   m.impl("ps_roi_pool_backward", &ps_roi_pool_backward_cuda);
 }
 
-}  // namespace deepep_lightning::roi_pool
+}  // namespace deepep_lightning::roi_fixed_point

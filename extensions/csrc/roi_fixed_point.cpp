@@ -1,7 +1,7 @@
 // deepep_lightning::roi_pool_backward and deepep_lightning::ps_roi_pool_backward: torchvision's
 // _roi_pool_backward and _ps_roi_pool_backward (their arguments but spatial_scale, which roi_pool's backward
 // does not read, and ps_roi_pool's channel_mapping, which always holds c * PH * PW + b), as fixed-point
-// scatter-adds (roi_pool_backward.h, fixed_point_sum.h): bitwise reproducible, the same bits on the CPU and
+// scatter-adds (roi_fixed_point.h, fixed_point_sum.h): bitwise reproducible, the same bits on the CPU and
 // CUDA, no host synchronisation and no data-dependent allocation (CUDA-graph capturable).
 //
 //   roi_pool_backward(grad [K, C, PH, PW], rois [K, 5], argmax [K, C, PH, PW] int32, batch_size, channels,
@@ -14,24 +14,27 @@
 // ops/ps_roi_pool.py). The CPU loops run the per-thread functions of the header in order.
 //
 // Arguments are validated in Python before this op runs; the checks here guard direct torch.ops callers.
-#include "roi_pool_backward.h"
+#include "roi_fixed_point.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/EmptyTensor.h>
+#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
-namespace deepep_lightning::roi_pool {
+namespace deepep_lightning::roi_fixed_point {
 
 namespace {
 
 constexpr int64_t kMinSumBytes = int64_t{16} << 20;
 constexpr int64_t kSumBytesPerElement = 9;  // an int64 sum and a flag byte
 
-const char* op_name(Op op) { return op == Op::kRoiPool ? "roi_pool_backward" : "ps_roi_pool_backward"; }
+const char* op_name(Op op) {
+  return op == Op::kRoiPool ? "roi_pool_backward" : (op == Op::kPsRoiPool ? "ps_roi_pool_backward" : "ps_roi_align_backward");
+}
 
 void check_args(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                 int64_t pooled_height, int64_t pooled_width, int64_t batch_size, int64_t channels, int64_t height,
@@ -120,6 +123,26 @@ void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const
       }
       return;
     }
+    if (op == Op::kPsRoiAlign) {
+      using T = at::opmath_type<scalar_t>;
+      for (int64_t i = 0; i < shape.num_rois * chunk.count; ++i) {
+        const PsAlignBin<T> bin = ps_roi_align_bin(i, grad_data, roi_data, static_cast<T>(spatial_scale), shape, chunk);
+        for (int64_t iy = 0; iy < bin.box.grid_h; ++iy) {
+          for (int64_t ix = 0; ix < bin.box.grid_w; ++ix) {
+            T y;
+            T x;
+            roi::sample_point(bin.box, bin.ph, bin.pw, iy, ix, &y, &x);
+            T w[roi::kCorners];
+            int64_t pixel[roi::kCorners];
+            if (!roi::bilinear_corners<T>(shape.height, shape.width, y, x, w, pixel)) continue;
+            for (int c = 0; c < roi::kCorners; ++c) {
+              add_term(sum_data, flag_data, bin.plane + pixel[c], static_cast<double>(bin.grad * w[c] / bin.box.count), s);
+            }
+          }
+        }
+      }
+      return;
+    }
     const scalar_t scale = static_cast<scalar_t>(spatial_scale);
     for (int64_t i = 0; i < shape.num_rois * chunk.count; ++i) {
       const PsBin<scalar_t> bin = ps_roi_pool_bin(i, grad_data, roi_data, scale, shape, chunk, &source);
@@ -164,7 +187,7 @@ at::Tensor roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& rois,
                                  int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
   TORCH_CHECK(grad.is_cpu(), "roi_pool_backward_cpu: grad must be a CPU tensor, got ", grad.device());
   return backward_with(kCpuLaunches, Op::kRoiPool, grad, rois, argmax, 1.0, pooled_size(grad, 2),
-                       pooled_size(grad, 3), batch_size, channels, height, width);
+                       pooled_size(grad, 3), 0, batch_size, channels, height, width);
 }
 
 at::Tensor ps_roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
@@ -172,14 +195,21 @@ at::Tensor ps_roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& ro
                                     int64_t height, int64_t width) {
   TORCH_CHECK(grad.is_cpu(), "ps_roi_pool_backward_cpu: grad must be a CPU tensor, got ", grad.device());
   return backward_with(kCpuLaunches, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
-                       pooled_width, batch_size, channels, height, width);
+                       pooled_width, 0, batch_size, channels, height, width);
 }
 
 }  // namespace
 
+at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+                                     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
+                                     int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+  return backward_with(kCpuLaunches, Op::kPsRoiAlign, grad, rois, at::Tensor(), spatial_scale, pooled_height,
+                       pooled_width, sampling_ratio, batch_size, channels, height, width);
+}
+
 at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad, const at::Tensor& rois,
                          const at::Tensor& argmax, double spatial_scale, int64_t pooled_height, int64_t pooled_width,
-                         int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+                         int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
   TORCH_CHECK(grad.dim() == 4, op_name(op), ": grad must be 4-D [K, C, PH, PW], got shape ", grad.sizes());
   check_args(op, grad, rois, argmax, pooled_height, pooled_width, batch_size, channels, height, width);
   const at::Device device = grad.device();
@@ -187,8 +217,12 @@ at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad
   const int64_t plane = height * width;
   at::Tensor out = launches.empty({batch_size, channels, height, width}, grad.scalar_type(), device);
   if (num_rois == 0 || out.numel() == 0) return out.zero_();
-  const int64_t terms_bound = op == Op::kRoiPool ? num_rois * pooled_height * pooled_width : num_rois;
-  const Shape shape{num_rois, batch_size, channels, height, width, pooled_height, pooled_width,
+  const int64_t samples_near_a_pixel = sampling_ratio > 0 ? sampling_ratio * sampling_ratio : 25;
+  const int64_t terms_bound = op == Op::kRoiPool     ? num_rois * pooled_height * pooled_width
+                              : op == Op::kPsRoiPool ? num_rois
+                                                     : 4 * num_rois * samples_near_a_pixel;
+  const Shape shape{num_rois,     batch_size,   channels,       height,
+                    width,        pooled_height, pooled_width,  sampling_ratio,
                     fixed_point::term_bits(terms_bound)};
   const at::Tensor grad_c = grad.contiguous();
   const at::Tensor rois_c = rois.contiguous();
@@ -221,4 +255,4 @@ TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("ps_roi_pool_backward", &ps_roi_pool_backward_cpu);
 }
 
-}  // namespace deepep_lightning::roi_pool
+}  // namespace deepep_lightning::roi_fixed_point
