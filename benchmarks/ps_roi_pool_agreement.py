@@ -1,9 +1,10 @@
-"""Where ps_roi_pool's backward agrees: torchvision's kernel and the routed gather, each on the CPU and on CUDA.
+"""Where ps_roi_pool's backward agrees: torchvision's kernel and the routed backward, each on the CPU and on CUDA.
 
 Inputs of an R-FCN head at FPN level P4 (2 images of 50 x 84, 63 channels = 7 x 3 x 3 bins, 2 x 256 RoIs of
-4-304 px at scale 1/8), float32 and float64. For each pair of backwards (torchvision CPU/CUDA, gather CPU/CUDA,
-torchvision/gather on each device) the largest difference and the share of elements differing by more than
-1e-4. The gather is called as ``ps_roi_pool_backward``, the function the route serves.
+4-304 px at scale 1/8), float32 and float64. For each pair of backwards (torchvision CPU/CUDA, routed CPU/CUDA,
+torchvision/routed on each device) the largest difference and the share of elements differing by more than
+1e-4. The routed backward is called as ``ps_roi_pool_backward``, the function the route serves: the
+fixed-point scatter in float32, the sorted gather in float64.
 Writes JSON::
 
     PYTHONPATH=$PWD python benchmarks/ps_roi_pool_agreement.py \
@@ -21,9 +22,9 @@ from _timing import write_json  # noqa: E402
 
 PAIRS = [
     ("torchvision_cpu", "torchvision_cuda"),
-    ("gather_cpu", "gather_cuda"),
-    ("torchvision_cpu", "gather_cpu"),
-    ("torchvision_cuda", "gather_cuda"),
+    ("routed_cpu", "routed_cuda"),
+    ("torchvision_cpu", "routed_cpu"),
+    ("torchvision_cuda", "routed_cuda"),
 ]
 
 
@@ -46,7 +47,7 @@ def backwards(dtype):
         grad = torch.linspace(-1, 1, out.numel(), dtype=dtype).view_as(out).to(device)
         args = (grad, rois.to(device), mapping, 1 / 8, 3, 3, 2, 63, 50, 84)
         grads[f"torchvision_{device}"] = torch.ops.torchvision._ps_roi_pool_backward(*args).cpu()
-        grads[f"gather_{device}"] = ps_roi_pool_backward(*args).cpu()
+        grads[f"routed_{device}"] = ps_roi_pool_backward(*args).cpu()
     return grads
 
 
