@@ -175,6 +175,8 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
         **trainer_kwargs,
     )
     loader = torch.utils.data.DataLoader(Batches(task.batches), batch_size=None, shuffle=False)
+    # the device the steps run on (after fit, Lightning's teardown has moved the module back to the CPU)
+    device = trainer.strategy.root_device
     try:
         trainer.fit(module, loader)
     finally:
@@ -184,10 +186,9 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     report["median_ms"] = statistics.median(clock.step_ms[args.warmup : timed_end])
     report["digest"], report["tensor_digests"] = tensor_digests(module.model.state_dict())
     if clock.profiler is not None:
-        report["profile"] = profile_table(clock.profiler, args.profile_steps, module.device.type == "cuda")
+        report["profile"] = profile_table(clock.profiler, args.profile_steps, device.type == "cuda")
     report["fit_s"] = round(time.perf_counter() - started, 3)
-    on_gpu = module.device.type == "cuda"
-    report["device_name"] = torch.cuda.get_device_name(module.device) if on_gpu else "cpu"
+    report["device_name"] = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:

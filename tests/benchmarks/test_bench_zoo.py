@@ -205,3 +205,16 @@ def test_gpu_a_real_cuda_profile_has_kernel_rows():
     ]
     assert table["kernels"] and all(row["ms"] > 0 for row in table["kernels"]), seen
     assert any(row["name"] == "aten::mm" for row in table["ops"]), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_a_worker_on_cuda_names_its_card_and_profiles_kernels(tmp_path):
+    """After fit Lightning has moved the module back to the CPU: the card and the kernel table come from the
+    device the steps ran on."""
+    out = tmp_path / "run.json"
+    zoo_worker.main(["--model", "tiny_mlp", "--mode", "plugin", "--out", str(out), "--device", "cuda", *FAST[2:8]])
+    report = json.loads(out.read_text())
+    assert "error" not in report, report.get("error")
+    assert report["device_name"] == torch.cuda.get_device_name(0)
+    assert report["profile"]["kernels"], report["profile"]
