@@ -94,11 +94,11 @@ float largest_of(const at::Tensor& max_bits) {
   return largest;
 }
 
-void add_term(int64_t* sums, uint32_t* flags, int64_t target, double term, int s) {
+void add_term(int64_t* sums, uint32_t* flags, const Shape& shape, const Slot& slot, double term, int s) {
   if (std::isfinite(term)) {
-    sums[target] += fixed_point::quantize(term, s);  // wraps like the GPU's atomics; bounded, so never does
+    sums[sum_index(shape, slot)] += fixed_point::quantize(term, s);  // bounded: never wraps
   } else {
-    flags[target >> 2] |= fixed_point::flag_of(term) << fixed_point::flag_shift(target);
+    flags[flag_word(shape, slot)] |= fixed_point::flag_of(term) << fixed_point::flag_shift(slot.position);
   }
 }
 
@@ -111,14 +111,14 @@ void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cpu", [&] {
     const scalar_t* grad_data = grad.const_data_ptr<scalar_t>();
     const scalar_t* roi_data = rois.const_data_ptr<scalar_t>();
-    int64_t target = 0;
+    Slot slot{0, 0};
     int64_t source = 0;
     if (op == Op::kRoiPool) {
       const int32_t* argmax_data = argmax.const_data_ptr<int32_t>();
       const int64_t threads = shape.num_rois * chunk.count * shape.pooled_h * shape.pooled_w;
       for (int64_t i = 0; i < threads; ++i) {
-        if (roi_pool_term(i, roi_data, argmax_data, shape, chunk, &target, &source)) {
-          add_term(sum_data, flag_data, target, static_cast<double>(grad_data[source]), s);
+        if (roi_pool_term(i, roi_data, argmax_data, shape, chunk, &slot, &source)) {
+          add_term(sum_data, flag_data, shape, slot, static_cast<double>(grad_data[source]), s);
         }
       }
       return;
@@ -136,7 +136,8 @@ void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const
             int64_t pixel[roi::kCorners];
             if (!roi::bilinear_corners<T>(shape.height, shape.width, y, x, w, pixel)) continue;
             for (int c = 0; c < roi::kCorners; ++c) {
-              add_term(sum_data, flag_data, bin.plane + pixel[c], static_cast<double>(bin.grad * w[c] / bin.box.count), s);
+              const double term = static_cast<double>(bin.grad * w[c] / bin.box.count);
+              add_term(sum_data, flag_data, shape, Slot{bin.plane, pixel[c]}, term, s);
             }
           }
         }
@@ -146,10 +147,10 @@ void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const
     const scalar_t scale = static_cast<scalar_t>(spatial_scale);
     for (int64_t i = 0; i < shape.num_rois * chunk.count; ++i) {
       const PsBin<scalar_t> bin = ps_roi_pool_bin(i, grad_data, roi_data, scale, shape, chunk, &source);
-      const int64_t plane = (bin.batch * chunk.count + i % chunk.count) * shape.height;
+      const int64_t plane = bin.batch * chunk.count + i % chunk.count;
       for (int h = bin.h0; h < bin.h1; ++h) {
         for (int w = bin.w0; w < bin.w1; ++w) {
-          add_term(sum_data, flag_data, (plane + h) * shape.width + w, static_cast<double>(bin.value), s);
+          add_term(sum_data, flag_data, shape, Slot{plane, h * shape.width + w}, static_cast<double>(bin.value), s);
         }
       }
     }
@@ -159,18 +160,20 @@ void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const
 void finish_cpu(const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits, at::Tensor& sums,
                 at::Tensor& flags, at::Tensor& out) {
   const int s = fixed_point::scale_exponent(largest_of(max_bits), shape.terms_bits);
-  const int64_t plane = shape.height * shape.width;
-  const int64_t elements = shape.batch * chunk.count * plane;
-  int64_t* sum_data = sums.data_ptr<int64_t>();
-  uint32_t* flag_data = reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>());
+  const int64_t plane_size = shape.height * shape.width;
+  const int64_t* sum_data = sums.const_data_ptr<int64_t>();
+  const uint32_t* flag_data = reinterpret_cast<const uint32_t*>(flags.const_data_ptr<int32_t>());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "roi_pool_backward_cpu", [&] {
     scalar_t* out_data = out.data_ptr<scalar_t>();
-    for (int64_t e = 0; e < elements; ++e) {
-      const uint32_t flag = (flag_data[e >> 2] >> fixed_point::flag_shift(e)) & 0xff;
-      const int64_t n = e / (chunk.count * plane);
-      const int64_t channel = chunk.first + (e / plane) % chunk.count;
-      const double value = fixed_point::finish(sum_data[e], flag, s);
-      out_data[(n * shape.channels + channel) * plane + e % plane] = static_cast<scalar_t>(static_cast<float>(value));
+    for (int64_t plane = 0; plane < shape.batch * chunk.count; ++plane) {
+      const int64_t n = plane / chunk.count;
+      scalar_t* destination = out_data + (n * shape.channels + chunk.first + plane % chunk.count) * plane_size;
+      for (int64_t p = 0; p < plane_size; ++p) {
+        const Slot slot{plane, p};
+        const uint32_t flag = (flag_data[flag_word(shape, slot)] >> fixed_point::flag_shift(p)) & 0xff;
+        const double value = fixed_point::finish(sum_data[sum_index(shape, slot)], flag, s);
+        destination[p] = static_cast<scalar_t>(static_cast<float>(value));
+      }
     }
   });
   sums.zero_();
@@ -230,9 +233,10 @@ at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad
   at::Tensor max_bits = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
   launches.max_abs(grad_c, max_bits);
   const int64_t per_chunk = chunk_channels(batch_size, channels, plane, static_cast<int64_t>(out.element_size()));
-  const int64_t chunk_elements = batch_size * std::min(per_chunk, channels) * plane;
-  at::Tensor sums = at::zeros({chunk_elements}, at::TensorOptions().dtype(at::kLong).device(device));
-  at::Tensor flags = at::zeros({(chunk_elements + 3) / 4}, at::TensorOptions().dtype(at::kInt).device(device));
+  const int64_t chunk_planes = batch_size * std::min(per_chunk, channels);
+  at::Tensor sums = at::zeros({chunk_planes * plane}, at::TensorOptions().dtype(at::kLong).device(device));
+  at::Tensor flags =
+      at::zeros({chunk_planes * words_per_plane(shape)}, at::TensorOptions().dtype(at::kInt).device(device));
   for (int64_t first = 0; first < channels; first += per_chunk) {
     const Chunk chunk{first, std::min(per_chunk, channels - first)};
     launches.accumulate(op, grad_c, rois_c, argmax_c, spatial_scale, shape, chunk, max_bits, sums, flags);

@@ -18,7 +18,7 @@
 // ceil(bin)), so at most 5 x 5 of them reach a pixel (all sampling_ratio^2 with a fixed ratio), each with up to
 // 4 corners there (clamped at the border): a pixel receives at most 4 * K * 25 (or 4 * K * ratio^2) terms.
 //
-// The sums live in an int64 array beside grad_input with a flag byte per element: to hold the extra memory to
+// The sums live in an int64 array beside grad_input with a flag byte per element (Slot): to hold the extra memory to
 // a fifth of grad_input's (or 16 MiB when that is more), grad_input's channels are done in chunks, each chunk
 // one pass over its channels' bins and one pass that writes its outputs and clears the sums for the next.
 #pragma once
@@ -47,11 +47,26 @@ struct Chunk {
   int64_t first, count;
 };
 
+// Where a term lands: the chunk-local plane q ([N, count] order) and the position p in its H x W plane. The
+// sums are [N * count, H * W]; the flags keep a byte per element in 32-bit words, each plane padded to whole words
+// (words_per_plane = ceil(H * W / 4)), so the pass that finishes a plane reads its flags without division.
+struct Slot {
+  int64_t plane, position;
+};
+
+C10_HOST_DEVICE inline int64_t words_per_plane(const Shape& shape) { return (shape.height * shape.width + 3) / 4; }
+C10_HOST_DEVICE inline int64_t sum_index(const Shape& shape, const Slot& slot) {
+  return slot.plane * shape.height * shape.width + slot.position;
+}
+C10_HOST_DEVICE inline int64_t flag_word(const Shape& shape, const Slot& slot) {
+  return slot.plane * words_per_plane(shape) + (slot.position >> 2);
+}
+
 // roi_pool's term of chunk-local thread i (bins of the chunk's channels, [K, count, PH, PW] order): false for
-// an empty bin, else its sum index (chunk-local [N, count, H, W]) and its source index in grad.
+// an empty bin, else where it lands and its source index in grad.
 template <typename scalar_t, typename index_t>
 C10_HOST_DEVICE inline bool roi_pool_term(int64_t i, const scalar_t* rois, const index_t* argmax, const Shape& shape,
-                                          const Chunk& chunk, int64_t* target, int64_t* source) {
+                                          const Chunk& chunk, Slot* slot, int64_t* source) {
   const int64_t bins = shape.pooled_h * shape.pooled_w;
   const int64_t bin = i % bins;
   const int64_t local_channel = (i / bins) % chunk.count;
@@ -61,7 +76,8 @@ C10_HOST_DEVICE inline bool roi_pool_term(int64_t i, const scalar_t* rois, const
   if (position < 0) return false;
   const int64_t n = static_cast<int64_t>(static_cast<int>(rois[k * 5]));  // torchvision: int roi_batch_ind
   if (n < 0 || n >= shape.batch) return false;  // a box of no image of the batch adds nothing
-  *target = (n * chunk.count + local_channel) * shape.height * shape.width + position;
+  slot->plane = n * chunk.count + local_channel;
+  slot->position = position;
   return true;
 }
 
@@ -112,7 +128,7 @@ C10_HOST_DEVICE inline PsBin<scalar_t> ps_roi_pool_bin(int64_t i, const scalar_t
 }
 
 // A ps_roi_align bin of chunk-local thread i ([K, count] order over the chunk's input channels): its box
-// (no samples for a box of no image of the batch), position, chunk-local plane offset and gradient.
+// (no samples for a box of no image of the batch), position, chunk-local plane and gradient.
 template <typename T>
 struct PsAlignBin {
   roi::RoiBox<T> box;
@@ -133,7 +149,7 @@ C10_HOST_DEVICE inline PsAlignBin<T> ps_roi_align_bin(int64_t i, const scalar_t*
   if (bin.box.batch < 0 || bin.box.batch >= shape.batch) bin.box.grid_h = 0;
   bin.ph = b / shape.pooled_w;
   bin.pw = b % shape.pooled_w;
-  bin.plane = (bin.box.batch * chunk.count + local_channel) * shape.height * shape.width;
+  bin.plane = bin.box.batch * chunk.count + local_channel;
   bin.grad = static_cast<T>(grad[k * shape.channels + channel]);  // grad [K, C / (PH * PW), PH, PW] is [K, C]
   return bin;
 }
@@ -142,7 +158,7 @@ C10_HOST_DEVICE inline PsAlignBin<T> ps_roi_align_bin(int64_t i, const scalar_t*
 struct Launches {
   // max_bits[0] = the float bits of the largest finite |grad| (0 when there is none); max_bits is zeroed.
   void (*max_abs)(const at::Tensor& grad, at::Tensor& max_bits);
-  // Adds the chunk's terms into sums (chunk-local [N, count, H, W], int64) and flags (a byte per element).
+  // Adds the chunk's terms into sums (chunk-local [N * count, H * W], int64) and flags (Slot's layout).
   void (*accumulate)(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                      double spatial_scale, const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits,
                      at::Tensor& sums, at::Tensor& flags);

@@ -21,6 +21,8 @@
 #include "../roi_fixed_point.h"
 #include "gather_launch.cuh"
 
+#include <algorithm>
+
 namespace deepep_lightning::roi_fixed_point {
 
 namespace {
@@ -40,11 +42,12 @@ __global__ void max_abs_kernel(int64_t count, const scalar_t* __restrict__ value
   if ((threadIdx.x & 31) == 0) atomicMax(bits, largest);
 }
 
-__device__ inline void add_term(unsigned long long* sums, unsigned int* flags, int64_t target, double term, int s) {
-  if (isfinite(term)) {
-    atomicAdd(sums + target, static_cast<unsigned long long>(fixed_point::quantize(term, s)));  // two's complement
+__device__ inline void add_term(unsigned long long* sums, unsigned int* flags, const Shape& shape, const Slot& slot,
+                                double term, int s) {
+  if (isfinite(term)) {  // two's complement: adding the unsigned bits adds the signed values
+    atomicAdd(sums + sum_index(shape, slot), static_cast<unsigned long long>(fixed_point::quantize(term, s)));
   } else {
-    atomicOr(flags + (target >> 2), fixed_point::flag_of(term) << fixed_point::flag_shift(target));
+    atomicOr(flags + flag_word(shape, slot), fixed_point::flag_of(term) << fixed_point::flag_shift(slot.position));
   }
 }
 
@@ -56,10 +59,10 @@ __global__ void roi_pool_kernel(int64_t threads, const scalar_t* __restrict__ gr
   const int s = fixed_point::scale_exponent(__uint_as_float(*max_bits), shape.terms_bits);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < threads;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t target = 0;
+    Slot slot{0, 0};
     int64_t source = 0;
-    if (roi_pool_term(i, rois, argmax, shape, chunk, &target, &source)) {
-      add_term(sums, flags, target, static_cast<double>(grad[source]), s);
+    if (roi_pool_term(i, rois, argmax, shape, chunk, &slot, &source)) {
+      add_term(sums, flags, shape, slot, static_cast<double>(grad[source]), s);
     }
   }
 }
@@ -74,10 +77,10 @@ __global__ void ps_roi_pool_kernel(int64_t threads, const scalar_t* __restrict__
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     int64_t source = 0;
     const PsBin<scalar_t> bin = ps_roi_pool_bin(i, grad, rois, spatial_scale, shape, chunk, &source);
-    const int64_t plane = (bin.batch * chunk.count + i % chunk.count) * shape.height;
+    const int64_t plane = bin.batch * chunk.count + i % chunk.count;
     const double term = static_cast<double>(bin.value);
     for (int h = bin.h0; h < bin.h1; ++h) {
-      for (int w = bin.w0; w < bin.w1; ++w) add_term(sums, flags, (plane + h) * shape.width + w, term, s);
+      for (int w = bin.w0; w < bin.w1; ++w) add_term(sums, flags, shape, Slot{plane, h * shape.width + w}, term, s);
     }
   }
 }
@@ -101,33 +104,41 @@ __global__ void ps_roi_align_kernel(int64_t threads, const scalar_t* __restrict_
         if (!roi::bilinear_corners<T>(shape.height, shape.width, y, x, w, pixel)) continue;
 #pragma unroll
         for (int c = 0; c < roi::kCorners; ++c) {
-          add_term(sums, flags, bin.plane + pixel[c], static_cast<double>(bin.grad * w[c] / bin.box.count), s);
+          add_term(sums, flags, shape, Slot{bin.plane, pixel[c]}, static_cast<double>(bin.grad * w[c] / bin.box.count),
+                   s);
         }
       }
     }
   }
 }
 
-// One thread per flag word (four outputs): reads, writes grad_input, clears for the next chunk.
+// One thread per output (blockIdx.y walks the chunk's planes, so a thread divides once per plane; consecutive
+// threads read and write consecutive sums and outputs): reads its sum and its byte of the flag word it shares
+// with three neighbours in its warp, writes grad_input, and clears the sum and, once the warp has read it, the
+// word for the next chunk.
 template <typename scalar_t>
-__global__ void finish_kernel(int64_t elements, Shape shape, Chunk chunk, const unsigned int* __restrict__ max_bits,
+__global__ void finish_kernel(Shape shape, Chunk chunk, const unsigned int* __restrict__ max_bits,
                               long long* __restrict__ sums, unsigned int* __restrict__ flags,
                               scalar_t* __restrict__ out) {
   const int s = fixed_point::scale_exponent(__uint_as_float(*max_bits), shape.terms_bits);
-  const int64_t plane = shape.height * shape.width;
-  const int64_t words = (elements + 3) / 4;
-  for (int64_t word = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; word < words;
-       word += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const unsigned int word_flags = flags[word];
-    flags[word] = 0;
-    const int64_t end = word * 4 + 4 < elements ? word * 4 + 4 : elements;
-    for (int64_t e = word * 4; e < end; ++e) {
-      const uint32_t flag = (word_flags >> fixed_point::flag_shift(e)) & 0xffu;
-      const int64_t n = e / (chunk.count * plane);
-      const int64_t channel = chunk.first + (e / plane) % chunk.count;
-      const double value = fixed_point::finish(sums[e], flag, s);
-      sums[e] = 0;
-      out[(n * shape.channels + channel) * plane + e % plane] = static_cast<scalar_t>(static_cast<float>(value));
+  const int64_t plane_size = shape.height * shape.width;
+  const int64_t padded = (plane_size + 31) / 32 * 32;  // whole warps: every lane reaches __syncwarp
+  for (int64_t plane = blockIdx.y; plane < shape.batch * chunk.count; plane += gridDim.y) {
+    const int64_t n = plane / chunk.count;
+    scalar_t* destination = out + (n * shape.channels + chunk.first + plane % chunk.count) * plane_size;
+    for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < padded;
+         p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const bool active = p < plane_size;
+      const Slot slot{plane, p};
+      const unsigned int word_flags = active ? flags[flag_word(shape, slot)] : 0u;
+      __syncwarp();  // the word's four lanes have read it before the first clears it
+      if (!active) continue;
+      const int64_t index = sum_index(shape, slot);
+      const uint32_t flag = (word_flags >> fixed_point::flag_shift(p)) & 0xffu;
+      const double value = fixed_point::finish(sums[index], flag, s);
+      sums[index] = 0;
+      if ((p & 3) == 0) flags[flag_word(shape, slot)] = 0;
+      destination[p] = static_cast<scalar_t>(static_cast<float>(value));
     }
   }
 }
@@ -177,11 +188,14 @@ void accumulate_cuda(Op op, const at::Tensor& grad, const at::Tensor& rois, cons
 void finish_cuda(const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits, at::Tensor& sums,
                  at::Tensor& flags, at::Tensor& out) {
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t elements = shape.batch * chunk.count * shape.height * shape.width;
-  if (elements == 0) return;
+  const int64_t planes = shape.batch * chunk.count;
+  const int64_t plane_size = shape.height * shape.width;
+  if (planes == 0 || plane_size == 0) return;
+  const dim3 grid(static_cast<unsigned int>(std::min<int64_t>((plane_size + kThreads - 1) / kThreads, 64)),
+                  static_cast<unsigned int>(std::min<int64_t>(planes, 65535)));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "roi_pool_backward_cuda", [&] {
-    finish_kernel<scalar_t><<<grid_blocks((elements + 3) / 4), kThreads, 0, stream>>>(
-        elements, shape, chunk, reinterpret_cast<const unsigned int*>(max_bits.const_data_ptr<int32_t>()),
+    finish_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+        shape, chunk, reinterpret_cast<const unsigned int*>(max_bits.const_data_ptr<int32_t>()),
         reinterpret_cast<long long*>(sums.data_ptr<int64_t>()), reinterpret_cast<unsigned int*>(flags.data_ptr<int32_t>()),
         out.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
