@@ -327,7 +327,8 @@ def _index_put(self, indices, values, accumulate=False, unsafe=False):
     flat = None
     for j, index in enumerate(indices):
         size = self.shape[j]
-        torch._assert_async(((index >= -size) & (index < size)).all(), "index_put_: index out of range")
+        if k > 1:  # one index: a wrapped index out of range lands outside [0, rows), which the kernel asserts
+            torch._assert_async(((index >= -size) & (index < size)).all(), "index_put_: index out of range")
         wrapped = torch.where(index < 0, index + size, index).to(torch.int64)
         flat = wrapped if flat is None else flat * size + wrapped
     flat = flat.expand(index_shape).reshape(-1)

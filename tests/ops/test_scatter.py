@@ -153,6 +153,17 @@ def test_index_put_route_arithmetic_matches_pytorch():
     torch.testing.assert_close(scatter_module._index_put(self.clone(), [rows, cols], values, True), expected)
 
 
+@needs_extension
+@pytest.mark.parametrize("index", [[0, 5], [0, -6]], ids=["past_the_end", "below_minus_size"])
+def test_an_index_put_index_out_of_range_still_raises(index):
+    # one index tensor: no bounds check of its own (its wrapped row lands outside [0, rows), which the kernel
+    # refuses); two: each is checked, since a row out of range could land inside the flat range
+    with pytest.raises(RuntimeError, match="out of bounds|out of range"):
+        scatter_module._index_put(torch.zeros(5, 3), [torch.tensor(index)], torch.ones(2, 3), True)
+    with pytest.raises(RuntimeError, match="index_put_: index out of range"):
+        scatter_module._index_put(torch.zeros(5, 3), [torch.tensor([0, 0]), torch.tensor(index)], torch.ones(2), True)
+
+
 def test_routes_are_registered_and_refuse_cpu_and_integers():
     routes = registered_routes()
     for name in ("index_add", "index_add_", "index_add.out", "scatter_add", "scatter_add_", "scatter_add.out"):
