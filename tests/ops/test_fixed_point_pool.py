@@ -114,13 +114,6 @@ def test_non_finite_terms_give_what_a_float_sum_gives(op):
     torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-5, atol=1e-5)
 
 
-# a 512 x 512 plane: its sums take 2.4 MB a channel, so 16 channels go in 3 chunks
-def test_channel_chunks_cover_every_output():
-    case = _case("roi_pool", rois=300, channels=16, size=(512, 512))
-    exact = _torchvision("roi_pool", case, dtype=torch.float64)
-    torch.testing.assert_close(_ours("roi_pool", case).double(), exact, rtol=2e-7, atol=1e-9)
-
-
 def test_empty_rois_opcheck_and_a_float64_gradient_refused_by_name():
     for op in ("roi_pool", "ps_roi_pool"):
         case = _case(op, rois=8)
@@ -142,6 +135,33 @@ def test_ps_roi_align_takes_float64_through_the_gather_and_the_rest_through_fixe
     torch.testing.assert_close(as_float64, exact, rtol=1e-12, atol=1e-12)  # float64 precision: the gather
     order = torch.randperm(60, generator=torch.Generator().manual_seed(2))
     assert torch.equal(_ours("ps_roi_align", case), _ours("ps_roi_align", case, order))  # float32: fixed point
+
+
+# plane sizes that are not whole flag words or warps, one pixel, more planes than a grid's y extent (65535), and
+# a 512 x 512 plane whose sums take 4.7 MB a channel, so its 16 channels go in chunks of 3
+EDGE_SHAPES = {
+    "chunked": {"rois": 300, "channels": 16, "size": (512, 512)},
+    "one_pixel": {"rois": 30, "channels": 4, "size": (1, 1)},
+    "odd_plane": {"rois": 30, "channels": 5, "size": (3, 11)},
+    "plane_of_33": {"rois": 30, "channels": 3, "size": (1, 33)},
+    "many_planes": {"rois": 4, "channels": 33000, "size": (2, 3)},
+}
+
+
+@pytest.mark.parametrize("shape", EDGE_SHAPES)
+def test_edge_shapes_equal_the_exact_sum(shape):
+    case = _case("roi_pool", **EDGE_SHAPES[shape])
+    exact = _torchvision("roi_pool", case, dtype=torch.float64)
+    torch.testing.assert_close(_ours("roi_pool", case).double(), exact, rtol=2e-7, atol=1e-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", EDGE_SHAPES)
+def test_gpu_edge_shapes_give_the_cpu_bits(shape):
+    case = _case("roi_pool", **EDGE_SHAPES[shape])
+    on_cuda = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in case.items()}
+    assert torch.equal(_ours("roi_pool", on_cuda).cpu(), _ours("roi_pool", case))
 
 
 @pytest.mark.gpu
