@@ -15,6 +15,7 @@
 // else the infinity that did.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <c10/macros/Macros.h>
 
 #include <math.h>
@@ -67,5 +68,14 @@ C10_HOST_DEVICE inline double finish(int64_t sum, uint32_t flags, int s) {
   }
   return ldexp(static_cast<double>(sum), -s);
 }
+
+// max_bits (int32 [1], zeroed) = the float bits of the largest finite |value| of values (contiguous), 0 when there
+// is none: M of the header, on the CPU (fixed_point_sum.cpp) and CUDA (cuda/fixed_point_sum.cu, atomicMax on the
+// bits, which order non-negative floats as the floats do).
+void max_finite_abs_cpu(const at::Tensor& values, at::Tensor& max_bits);
+void max_finite_abs_cuda(const at::Tensor& values, at::Tensor& max_bits);
+
+// The float a CPU max_bits holds.
+float max_finite_abs_of(const at::Tensor& max_bits);
 
 }  // namespace deepep_lightning::fixed_point

@@ -73,27 +73,6 @@ int64_t chunk_channels(int64_t batch, int64_t channels, int64_t plane, int64_t e
 
 // ---------------------------------------------------------------- CPU launches
 
-void max_abs_cpu(const at::Tensor& grad, at::Tensor& max_bits) {
-  float largest = 0.0f;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cpu", [&] {
-    const scalar_t* data = grad.const_data_ptr<scalar_t>();
-    for (int64_t i = 0; i < grad.numel(); ++i) {
-      const float value = std::fabs(static_cast<float>(data[i]));
-      if (std::isfinite(value) && value > largest) largest = value;
-    }
-  });
-  int32_t bits = 0;
-  std::memcpy(&bits, &largest, sizeof(bits));
-  max_bits.fill_(bits);
-}
-
-float largest_of(const at::Tensor& max_bits) {
-  const int32_t bits = max_bits.const_data_ptr<int32_t>()[0];
-  float largest = 0.0f;
-  std::memcpy(&largest, &bits, sizeof(largest));
-  return largest;
-}
-
 void add_term(int64_t* sums, uint32_t* flags, const Shape& shape, const Slot& slot, double term, int s) {
   if (std::isfinite(term)) {
     sums[sum_index(shape, slot)] += fixed_point::quantize(term, s);  // bounded: never wraps
@@ -105,7 +84,7 @@ void add_term(int64_t* sums, uint32_t* flags, const Shape& shape, const Slot& sl
 void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                     double spatial_scale, const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits,
                     at::Tensor& sums, at::Tensor& flags) {
-  const int s = fixed_point::scale_exponent(largest_of(max_bits), shape.terms_bits);
+  const int s = fixed_point::scale_exponent(fixed_point::max_finite_abs_of(max_bits), shape.terms_bits);
   int64_t* sum_data = sums.data_ptr<int64_t>();
   uint32_t* flag_data = reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cpu", [&] {
@@ -159,7 +138,7 @@ void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const
 
 void finish_cpu(const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits, at::Tensor& sums,
                 at::Tensor& flags, at::Tensor& out) {
-  const int s = fixed_point::scale_exponent(largest_of(max_bits), shape.terms_bits);
+  const int s = fixed_point::scale_exponent(fixed_point::max_finite_abs_of(max_bits), shape.terms_bits);
   const int64_t plane_size = shape.height * shape.width;
   const int64_t* sum_data = sums.const_data_ptr<int64_t>();
   const uint32_t* flag_data = reinterpret_cast<const uint32_t*>(flags.const_data_ptr<int32_t>());
@@ -184,7 +163,7 @@ at::Tensor empty_cpu(at::IntArrayRef sizes, at::ScalarType dtype, at::Device dev
   return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, std::nullopt);
 }
 
-const Launches kCpuLaunches{&max_abs_cpu, &accumulate_cpu, &finish_cpu, &empty_cpu};
+const Launches kCpuLaunches{&fixed_point::max_finite_abs_cpu, &accumulate_cpu, &finish_cpu, &empty_cpu};
 
 at::Tensor roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                                  int64_t batch_size, int64_t channels, int64_t height, int64_t width) {

@@ -6,9 +6,8 @@
 // additions, and so the last bits, change from run to run, and both refuse deterministic mode. These kernels
 // keep that one pass over the bins, one thread per bin, but add each term as a 64-bit integer (its value in
 // fixed-point quanta) with integer atomicAdd: integer addition is associative, so the sums do not depend on
-// the order the atomics land in. Three launches per chunk of channels: the largest finite |grad| (once, for
-// all chunks: atomicMax on float bits, which order non-negative floats), the atomics, and the pass that
-// writes grad_input and clears the sums. Nothing reads data on the host: CUDA-graph capturable.
+// the order the atomics land in. The largest finite |grad| (fixed_point_sum.cu) once, then per chunk of
+// channels the atomics and the pass that writes grad_input and clears the sums. Nothing reads data on the host: CUDA-graph capturable.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -29,18 +28,6 @@ namespace {
 
 using gather::grid_blocks;
 using gather::kThreads;
-
-template <typename scalar_t>
-__global__ void max_abs_kernel(int64_t count, const scalar_t* __restrict__ values, unsigned int* __restrict__ bits) {
-  unsigned int largest = 0;  // the bits of a non-negative float order as the float does
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const float value = fabsf(static_cast<float>(values[i]));
-    if (isfinite(value)) largest = max(largest, __float_as_uint(value));
-  }
-  largest = __reduce_max_sync(0xffffffffu, largest);
-  if ((threadIdx.x & 31) == 0) atomicMax(bits, largest);
-}
 
 __device__ inline void add_term(unsigned long long* sums, unsigned int* flags, const Shape& shape, const Slot& slot,
                                 double term, int s) {
@@ -143,16 +130,6 @@ __global__ void finish_kernel(Shape shape, Chunk chunk, const unsigned int* __re
   }
 }
 
-void max_abs_cuda(const at::Tensor& grad, at::Tensor& max_bits) {
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (grad.numel() == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {
-    max_abs_kernel<scalar_t><<<grid_blocks(grad.numel()), kThreads, 0, stream>>>(
-        grad.numel(), grad.const_data_ptr<scalar_t>(), reinterpret_cast<unsigned int*>(max_bits.data_ptr<int32_t>()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
-
 void accumulate_cuda(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                      double spatial_scale, const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits,
                      at::Tensor& sums, at::Tensor& flags) {
@@ -206,7 +183,7 @@ at::Tensor empty_cuda(at::IntArrayRef sizes, at::ScalarType dtype, at::Device de
   return at::Tensor(at::detail::empty_cuda(sizes, dtype, device, std::nullopt));
 }
 
-const Launches kCudaLaunches{&max_abs_cuda, &accumulate_cuda, &finish_cuda, &empty_cuda};
+const Launches kCudaLaunches{&fixed_point::max_finite_abs_cuda, &accumulate_cuda, &finish_cuda, &empty_cuda};
 
 at::Tensor roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                                   int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
