@@ -6,7 +6,7 @@ alone, and bin ``b`` of output channel ``c`` feeds input channel ``c * PH * PW +
 ``channel_mapping`` always holds that).
 
 float16, bfloat16 and float32 go through ``torch.ops.deepep_lightning.ps_roi_pool_backward``
-(``extensions/csrc/roi_pool_backward.cpp``): torchvision's kernel, one thread per bin computing its rectangle
+(``extensions/csrc/roi_fixed_point.cpp``): torchvision's kernel, one thread per bin computing its rectangle
 with torchvision's formulas in the gradient's type, with every term added as a 64-bit fixed-point integer,
 so the sums do not depend on the order of the atomics (``fixed_point_sum.h``); no host synchronisation, so
 it runs inside CUDA-graph capture. float64, whose precision a 64-bit fixed-point sum cannot hold, is the

@@ -8,7 +8,7 @@ into plane ``(batch index of k) * C + c`` at position ``argmax[k, c, ph, pw]``. 
 (``argmax == -1``) add nothing.
 
 float16, bfloat16 and float32 go through ``torch.ops.deepep_lightning.roi_pool_backward``
-(``extensions/csrc/roi_pool_backward.cpp``): the atomic kernel's one pass, with every term added as a 64-bit
+(``extensions/csrc/roi_fixed_point.cpp``): the atomic kernel's one pass, with every term added as a 64-bit
 fixed-point integer, so the sums do not depend on the order of the atomics (``fixed_point_sum.h``). float64,
 whose precision a 64-bit fixed-point sum cannot hold, goes through
 :func:`deepep_lightning.ops.scatter.segment_scatter_add` (stable sort of the targets, each element summed
