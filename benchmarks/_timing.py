@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Stopwatch", "elapsed_ms", "environment", "median_ms", "sample_ms", "write_json"]
+__all__ = ["Stopwatch", "elapsed_ms", "environment", "median_ms", "peak_extra_mib", "sample_ms", "write_json"]
 
 
 def _uses_cuda(device: torch.device | str | None) -> bool:
@@ -97,6 +97,21 @@ def median_ms(
     """Median milliseconds of ``repeats`` calls after warm-up, and the samples (see :func:`sample_ms`)."""
     samples = sample_ms(fn, repeats, warmup, device)
     return statistics.median(samples), samples
+
+
+def peak_extra_mib(fn: Callable[[], Any], device: torch.device | str | None = None) -> float | None:
+    """MiB of device memory one call of ``fn`` held at its peak beyond what was allocated before it, its output
+    included; ``None`` off CUDA."""
+    if not _uses_cuda(device):
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak / 2**20
 
 
 def environment() -> dict[str, Any]:

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _timing import median_ms, write_json  # noqa: E402
+from _timing import median_ms, peak_extra_mib, write_json  # noqa: E402
 
 # name: (entries, inner, size, dtype)
 CASES = {
@@ -73,19 +73,6 @@ def _methods(src, index, base):
     }
 
 
-def _peak_extra_mib(fn, device: str) -> float | None:
-    if device != "cuda":
-        return None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del out
-    return peak / 2**20
-
-
 def run_case(name: str, spec: tuple, device: str, repeats: int, warmup: int) -> dict:
     src, index, base = _case(*spec, device=device)
     exact = base.double().index_add(0, index, src.double())
@@ -94,7 +81,7 @@ def run_case(name: str, spec: tuple, device: str, repeats: int, warmup: int) -> 
         first, second = fn(), fn()
         row[method] = {
             "median_ms": median_ms(fn, repeats, warmup, device)[0],
-            "peak_extra_mib": _peak_extra_mib(fn, device),
+            "peak_extra_mib": peak_extra_mib(fn, device),
             "bitwise_repeat": bool(torch.equal(first, second)),
             "max_abs_difference_from_float64": float((first.double() - exact).abs().max()),
         }

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import median_ms, write_json  # noqa: E402
+from _timing import median_ms, peak_extra_mib, write_json  # noqa: E402
 
 LEVELS = {
     "P2": (200, 336, 4, (16, 112)),
@@ -154,17 +154,6 @@ def _as_tuple(result):
 
 def _first(result):
     return result[0] if isinstance(result, tuple) else result
-
-
-def peak_extra_mib(fn):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del out
-    return peak / 2**20
 
 
 def main(argv=None):
