@@ -33,9 +33,6 @@ namespace fixed_point_scatter {
 
 namespace {
 
-constexpr int64_t kMinSumBytes = int64_t{16} << 20;
-constexpr int64_t kSumBytesPerElement = 9;  // an int64 sum and a flag byte
-
 template <typename index_t>
 void accumulate_rows(const at::Tensor& src, const index_t* index, const Layout& layout, const Rows& rows, int s,
                      int64_t* sums, uint32_t* flags) {
@@ -43,9 +40,9 @@ void accumulate_rows(const at::Tensor& src, const index_t* index, const Layout& 
     const scalar_t* data = src.const_data_ptr<scalar_t>();
     const int64_t words = words_per_row(layout);
     for (int64_t t = 0; t < layout.outer * layout.entries * layout.inner; ++t) {
-      int64_t column = 0;
-      const int64_t row = chunk_row(t, index, layout, rows, &column);
+      const int64_t row = chunk_row(t, static_cast<int64_t>(index[entry_of(t, layout)]), layout, rows);
       if (row < 0) continue;
+      const int64_t column = t % layout.inner;
       const double term = static_cast<double>(data[t]) * layout.alpha;
       if (std::isfinite(term)) {
         sums[row * layout.inner + column] += fixed_point::quantize(term, s);  // bounded: never wraps
@@ -120,10 +117,8 @@ at::Tensor scatter_add_with(const Launches& launches, const at::Tensor& src, con
   const at::Tensor index_c = index.contiguous();
   at::Tensor max_bits = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(src.device()));
   launches.max_abs(src_c, max_bits);
-  const int64_t out_bytes = out.numel() * static_cast<int64_t>(out.element_size());
-  const int64_t budget = std::max(out_bytes / 5, kMinSumBytes);
-  const int64_t per_row = std::max<int64_t>(outer * inner * kSumBytesPerElement, 1);
-  const int64_t rows_per_chunk = std::clamp<int64_t>(budget / per_row, 1, size);
+  const int64_t rows_per_chunk =
+      fixed_point::rows_per_chunk(size, outer * inner, out.numel() * static_cast<int64_t>(out.element_size()));
   at::Tensor sums = at::zeros({outer * rows_per_chunk, inner}, at::TensorOptions().dtype(at::kLong).device(src.device()));
   at::Tensor flags =
       at::zeros({outer * rows_per_chunk, words_per_row(layout)}, at::TensorOptions().dtype(at::kInt).device(src.device()));

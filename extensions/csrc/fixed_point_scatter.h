@@ -36,18 +36,15 @@ struct Rows {
   int64_t first, count;
 };
 
-C10_HOST_DEVICE inline int64_t words_per_row(const Layout& layout) { return (layout.inner + 3) / 4; }
+C10_HOST_DEVICE inline int64_t words_per_row(const Layout& layout) { return fixed_point::flag_words(layout.inner); }
 
-// Chunk-local row q = o * count + (r - first) of term t ([outer, entries, inner] order), or -1 when index[i] = r
-// is not a row of the chunk; *column = c.
-template <typename index_t>
-C10_HOST_DEVICE inline int64_t chunk_row(int64_t t, const index_t* index, const Layout& layout, const Rows& rows,
-                                         int64_t* column) {
-  *column = t % layout.inner;
-  const int64_t oi = t / layout.inner;
-  const int64_t row = static_cast<int64_t>(index[oi % layout.entries]);
+// Term t ([outer, entries, inner] order) goes to output row index[i] of block o, column c: its entry i, and
+// (chunk_row) its chunk-local row q = o * count + (row - first), or -1 when that row is not in the chunk.
+C10_HOST_DEVICE inline int64_t entry_of(int64_t t, const Layout& layout) { return (t / layout.inner) % layout.entries; }
+
+C10_HOST_DEVICE inline int64_t chunk_row(int64_t t, int64_t row, const Layout& layout, const Rows& rows) {
   if (row < rows.first || row >= rows.first + rows.count) return -1;
-  return (oi / layout.entries) * rows.count + (row - rows.first);
+  return (t / (layout.inner * layout.entries)) * rows.count + (row - rows.first);
 }
 
 // out's value at an element whose base is `base`, from its sum in quanta and its flags.

@@ -29,9 +29,6 @@ namespace deepep_lightning::roi_fixed_point {
 
 namespace {
 
-constexpr int64_t kMinSumBytes = int64_t{16} << 20;
-constexpr int64_t kSumBytesPerElement = 9;  // an int64 sum and a flag byte
-
 const char* op_name(Op op) {
   return op == Op::kRoiPool ? "roi_pool_backward" : (op == Op::kPsRoiPool ? "ps_roi_pool_backward" : "ps_roi_align_backward");
 }
@@ -62,13 +59,6 @@ void check_args(Op op, const at::Tensor& grad, const at::Tensor& rois, const at:
                 name, ": argmax must be int32 of grad's shape and device, got ", argmax.scalar_type(), " ",
                 argmax.sizes(), " on ", argmax.device());
   }
-}
-
-// Channels per chunk: the sums and flags of a chunk take at most a fifth of grad_input's bytes, or 16 MiB.
-int64_t chunk_channels(int64_t batch, int64_t channels, int64_t plane, int64_t element_size) {
-  const int64_t per_channel = std::max<int64_t>(batch * plane * kSumBytesPerElement, 1);
-  const int64_t budget = std::max(batch * channels * plane * element_size / 5, kMinSumBytes);
-  return std::clamp<int64_t>(budget / per_channel, 1, std::max<int64_t>(channels, 1));
 }
 
 // ---------------------------------------------------------------- CPU launches
@@ -192,7 +182,6 @@ at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& r
 at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad, const at::Tensor& rois,
                          const at::Tensor& argmax, double spatial_scale, int64_t pooled_height, int64_t pooled_width,
                          int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
-  TORCH_CHECK(grad.dim() == 4, op_name(op), ": grad must be 4-D [K, C, PH, PW], got shape ", grad.sizes());
   check_args(op, grad, rois, argmax, pooled_height, pooled_width, batch_size, channels, height, width);
   const at::Device device = grad.device();
   const int64_t num_rois = grad.size(0);
@@ -211,7 +200,8 @@ at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad
   const at::Tensor argmax_c = op == Op::kRoiPool ? argmax.contiguous() : argmax;
   at::Tensor max_bits = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
   launches.max_abs(grad_c, max_bits);
-  const int64_t per_chunk = chunk_channels(batch_size, channels, plane, static_cast<int64_t>(out.element_size()));
+  const int64_t per_chunk = fixed_point::rows_per_chunk(channels, batch_size * plane,
+                                                        out.numel() * static_cast<int64_t>(out.element_size()));
   const int64_t chunk_planes = batch_size * std::min(per_chunk, channels);
   at::Tensor sums = at::zeros({chunk_planes * plane}, at::TensorOptions().dtype(at::kLong).device(device));
   at::Tensor flags =

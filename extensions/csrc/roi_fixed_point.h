@@ -54,7 +54,9 @@ struct Slot {
   int64_t plane, position;
 };
 
-C10_HOST_DEVICE inline int64_t words_per_plane(const Shape& shape) { return (shape.height * shape.width + 3) / 4; }
+C10_HOST_DEVICE inline int64_t words_per_plane(const Shape& shape) {
+  return fixed_point::flag_words(shape.height * shape.width);
+}
 C10_HOST_DEVICE inline int64_t sum_index(const Shape& shape, const Slot& slot) {
   return slot.plane * shape.height * shape.width + slot.position;
 }

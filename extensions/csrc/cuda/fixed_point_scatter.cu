@@ -39,12 +39,11 @@ __global__ void accumulate_kernel(int64_t terms, const scalar_t* __restrict__ sr
   const int64_t words = words_per_row(layout);
   for (int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; t < terms;
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    CUDA_KERNEL_ASSERT(index[(t / layout.inner) % layout.entries] >= 0 &&
-                       index[(t / layout.inner) % layout.entries] < layout.size &&
-                       "fixed_point_scatter_add: index out of range");
-    int64_t column = 0;
-    const int64_t row = chunk_row(t, index, layout, rows, &column);
+    const int64_t entry_row = static_cast<int64_t>(index[entry_of(t, layout)]);
+    CUDA_KERNEL_ASSERT(entry_row >= 0 && entry_row < layout.size && "fixed_point_scatter_add: index out of range");
+    const int64_t row = chunk_row(t, entry_row, layout, rows);
     if (row < 0) continue;
+    const int64_t column = t % layout.inner;
     const double term = static_cast<double>(src[t]) * layout.alpha;
     if (isfinite(term)) {  // two's complement: adding the unsigned bits adds the signed values
       atomicAdd(sums + row * layout.inner + column, static_cast<unsigned long long>(fixed_point::quantize(term, s)));
