@@ -10,6 +10,7 @@ table, skipped packages, the budget and bad input.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -211,9 +212,11 @@ def test_gpu_a_real_cuda_profile_has_kernel_rows():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_gpu_a_worker_on_cuda_names_its_card_and_profiles_kernels(tmp_path):
     """After fit Lightning has moved the module back to the CPU: the card and the kernel table come from the
-    device the steps ran on."""
+    device the steps ran on. The worker runs in its own process, as the driver starts it: the plugin refuses a
+    process whose CUDA is already in use, as this test process's may be."""
     out = tmp_path / "run.json"
-    zoo_worker.main(["--model", "tiny_mlp", "--mode", "plugin", "--out", str(out), "--device", "cuda", *FAST[2:8]])
+    command = [sys.executable, zoo_worker.__file__, "--model", "tiny_mlp", "--mode", "plugin", "--out", str(out)]
+    subprocess.run([*command, "--device", "cuda", *FAST[2:8]], check=True, timeout=300, env=bench_zoo._worker_env())
     report = json.loads(out.read_text())
     assert "error" not in report, report.get("error")
     assert report["device_name"] == torch.cuda.get_device_name(0)
