@@ -13,7 +13,6 @@
 #   audit             audit_gpu.py                refused_ops       bench_refused_ops.py, twice
 #   refused_ops_list  list_refused_ops.py         ddp, ddp_ablation bench_ddp.py, ddp_ablation.py (2 GPUs)
 #   torchvision_ops   ps_roi_pool_agreement.py, then bench_torchvision_ops.py (20 repeats)
-#   fixed_point_scatter  bench_fixed_point_scatter.py: the fixed-point scatter-add against the sorted one and PyTorch's
 #   silent_ops        sweep_silent_ops.py: OpInfo, ModuleInfo, large/cuDNN/SDPA/compile cases, bitwise x3
 #   zoo               bench_zoo.py: models ZOO_MODELS (default all), stages ZOO_STAGES (default verdict timing),
 #                     ZOO_PARALLEL verdict processes (8), nothing started past ZOO_BUDGET_S (420); it continues
@@ -28,7 +27,7 @@
 # time limit still returns every run that finished.
 set -u
 SECTIONS="setup train_step all_action_q sanitize determinism_tax determinism_tax_graph learning collapse_recovery health_overhead audit refused_ops"
-SECTIONS+=" refused_ops_list torchvision_ops fixed_point_scatter silent_ops ddp ddp_ablation zoo gpu-tests gpu-tests-multi"
+SECTIONS+=" refused_ops_list torchvision_ops silent_ops ddp ddp_ablation zoo gpu-tests gpu-tests-multi"
 for section in "$@"; do
   case " $SECTIONS " in
     *" $section "*) ;;
@@ -296,9 +295,6 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
         --out "$RESULTS/torchvision_ops/ps_roi_pool_agreement.json"
       run bench_torchvision_ops 300 python3 benchmarks/bench_torchvision_ops.py --repeats 20 \
         --out "$RESULTS/torchvision_ops/torchvision_ops.json" ;;
-    fixed_point_scatter)
-      run bench_fixed_point_scatter 240 python3 benchmarks/bench_fixed_point_scatter.py \
-        --out "$RESULTS/refused_ops/fixed_point_scatter.json" ;;
     silent_ops)
       run sweep_silent_ops 560 python3 benchmarks/sweep_silent_ops.py --out "$LOGS/silent_ops" --device cuda \
         --shards ${SILENT_OPS_SHARDS:-6} --budget-s ${SILENT_OPS_BUDGET_S:-420}

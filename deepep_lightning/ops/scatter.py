@@ -167,11 +167,8 @@ def _backward(ctx, grad_output):
 
 
 def _register() -> None:
-    # fixed_point_scatter_add (extensions/csrc/fixed_point_scatter.h) takes the same arguments and gives the same
-    # result, its sums exact in fixed point (float16/bfloat16/float32); no route calls it yet
-    for op in ("deepep_lightning::segment_scatter_add", "deepep_lightning::fixed_point_scatter_add"):
-        torch.library.register_fake(op)(_fake)
-        torch.library.register_autograd(op, _backward, setup_context=_setup_context)
+    torch.library.register_fake("deepep_lightning::segment_scatter_add")(_fake)
+    torch.library.register_autograd("deepep_lightning::segment_scatter_add", _backward, setup_context=_setup_context)
 
 
 on_extension_loaded(_register)
