@@ -109,3 +109,38 @@ def test_bad_arguments_raise_pytorch_errors():
             interpolate(x, mode="bilinear", **bad)
     with pytest.raises(RuntimeError, match="sizes should be greater than 0"):
         interpolate(x[:, :, :0], size=(2, 4), mode="bilinear")
+
+
+def test_f_interpolate_is_replaced_while_routed_and_restored():
+    """While the bilinear backward route is installed, ``F.interpolate`` (and every module global holding it)
+    is the entry that reaches the native kernel; removing the route restores PyTorch's function."""
+    import sys
+    import types
+
+    from deepep_lightning.ops import _routes
+
+    entry = sys.modules["deepep_lightning.ops.interpolate"]._interpolate_entry
+    original = F.interpolate
+    user_module = types.ModuleType("user_segmentation_head")
+    user_module.resize = original  # imported by name
+    sys.modules[user_module.__name__] = user_module
+    try:
+        _routes.enable_routes("CPU")
+        assert F.interpolate is entry
+        assert user_module.resize is entry
+        x = torch.randn(1, 2, 5, 6)
+        # CPU tensors (and CUDA ones outside deterministic mode) get PyTorch's function, bit for bit
+        for kwargs in (dict(scale_factor=2.0, mode="bilinear"), dict(size=(3, 4), mode="nearest")):
+            assert torch.equal(F.interpolate(x, **kwargs), original(x, **kwargs))
+        with pytest.raises(ValueError, match="only one of size or scale_factor"):
+            F.interpolate(x, size=3, scale_factor=2.0, mode="bilinear")
+        # TorchScript compiles the entry with F.interpolate's overloads: scripted upsampling keeps working
+        scripted = torch.jit.script(torch.nn.Upsample(scale_factor=2.0, mode="bilinear"))
+        assert torch.equal(scripted(x), original(x, scale_factor=2.0, mode="bilinear"))
+        compiled = torch.compile(lambda t: F.interpolate(t, size=(9, 9), mode="bilinear"), backend="eager")
+        assert torch.equal(compiled(x), original(x, size=(9, 9), mode="bilinear"))
+    finally:
+        _routes.disable_routes()
+        del sys.modules[user_module.__name__]
+    assert F.interpolate is original
+    assert user_module.resize is original

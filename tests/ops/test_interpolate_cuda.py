@@ -82,3 +82,27 @@ def test_interpolate_other_dtypes(dtype):
         F.interpolate(x64, scale_factor=2.3, mode="bilinear", align_corners=False), x64, grad_output.double()
     )[0]
     _assert_close_relative(ours, oracle, rtol=1e-12 if dtype == torch.float64 else 2e-2)
+
+
+def test_f_interpolate_takes_the_gather_backward_while_routed(deterministic_routing):
+    """``F.interpolate`` / ``nn.Upsample`` in deterministic mode: PyTorch's own choice is its index-based
+    decomposition (backward a sorted ``index_put_``); while routed they reach the native forward and the
+    gather backward, bit for bit what :func:`interpolate` gives, and repeat bitwise."""
+    from deepep_lightning.ops import interpolate, refused_ops_routing
+
+    x = torch.randn(4, 16, 33, 41, device="cuda", requires_grad=True)
+    kwargs = dict(size=(129, 161), mode="bilinear", align_corners=False)
+    out = F.interpolate(x, **kwargs)
+    assert "deepep_lightning" in out.grad_fn.name()
+    upsampled = torch.nn.Upsample(**kwargs)(x)
+    assert "deepep_lightning" in upsampled.grad_fn.name()
+    grad_output = torch.randn_like(out)
+    (routed,) = torch.autograd.grad(out, x, grad_output)
+    (direct,) = torch.autograd.grad(interpolate(x, **kwargs), x, grad_output)
+    assert torch.equal(routed, direct)
+    for _ in range(5):
+        assert torch.equal(torch.autograd.grad(F.interpolate(x, **kwargs), x, grad_output)[0], routed)
+    with refused_ops_routing(False):  # negative control: PyTorch's decomposition, same math
+        plain = F.interpolate(x, **kwargs)
+        assert "deepep_lightning" not in plain.grad_fn.name()
+        _assert_close_relative(torch.autograd.grad(plain, x, grad_output)[0], routed)
