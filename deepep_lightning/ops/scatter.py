@@ -10,7 +10,9 @@ a fixed order (chunked, so one hot index does not serialise it). Routed at the d
 
 * ``index_add`` / ``index_add_`` / ``index_add.out``: 1-D int32/int64 index, ``source`` of ``self``'s
   dtype, any ``dim``;
-* ``scatter_add`` / ``scatter_add_`` / ``scatter_add.out``: int64 index of ``self``'s rank;
+* ``scatter_add`` / ``scatter_add_`` / ``scatter_add.out``: int64 index of ``self``'s rank (an index that
+  repeats one row index across the other dims, ``index.view(-1, 1).expand_as(src)``, sorts one key per row,
+  any other one key per element);
 * ``_index_put_impl_`` with ``accumulate=True``: integer index tensors for the leading dims (no ``None``,
   no boolean masks, which need a host sync), ``values`` broadcastable.
 
@@ -260,14 +262,28 @@ def _scatter_add_covers(self, dim, index, src, *, out=None) -> str | None:
     return None
 
 
+def _row_index(self: Tensor, dim: int, index: Tensor) -> Tensor | None:
+    """The 1-D index along ``dim`` of an ``index`` that repeats it across every other dim of ``self``, or None.
+
+    ``index.view(-1, 1).expand_as(src)`` (PyG's message passing, ``gather``/``scatter`` idioms) has stride 0
+    outside ``dim`` and ``self``'s extent there: ``scatter_add`` is then an ``index_add`` of whole rows, which
+    sorts ``index.shape[dim]`` keys instead of one per element.
+    """
+    for d in range(self.dim()):
+        if d != dim and (index.shape[d] != self.shape[d] or (index.shape[d] > 1 and index.stride(d) != 0)):
+            return None
+    return index[tuple(slice(None) if d == dim else 0 for d in range(self.dim()))]
+
+
 def _scatter_add(self, dim, index, src):
     dim %= self.dim()
     base = self.contiguous()
     if index.numel() == 0:
         return base.clone()
-    if self.dim() == 1:  # the index is the key: the kernel asserts it lies in [0, size)
-        values = src if src.shape[0] == index.shape[0] else src[: index.shape[0]]
-        return torch.ops.deepep_lightning.segment_scatter_add.default(values, index, base.shape[0], 0, base, 1.0)
+    rows = _row_index(self, dim, index)
+    if rows is not None:  # the index is the key: the kernel asserts it lies in [0, size)
+        values = src[tuple(slice(0, n) for n in index.shape)]
+        return torch.ops.deepep_lightning.segment_scatter_add.default(values, rows, base.shape[dim], dim, base, 1.0)
     torch._assert_async(((index >= 0) & (index < self.shape[dim])).all(), "scatter_add: index out of range")
     strides = base.stride()
     # Flat position in self of each index entry: index * stride[dim] + coordinate * stride[d], d != dim.
@@ -292,6 +308,22 @@ def _scatter_add_out(self, dim, index, src, *, out):
     return _write_out(out, _scatter_add(self, dim, index, src))
 
 
+def _broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:
+    """The shapes broadcast together (NumPy rules), or None where they do not broadcast.
+
+    ``torch.broadcast_shapes`` costs ~10 us a call (it serves symbolic shapes); a route pays this per op call.
+    """
+    result = [1] * max(len(shape) for shape in shapes)
+    for shape in shapes:
+        offset = len(result) - len(shape)
+        for position, size in enumerate(shape, offset):
+            if result[position] == 1:
+                result[position] = size
+            elif size != 1 and size != result[position]:
+                return None
+    return tuple(result)
+
+
 def _index_put_covers(self, indices, values, accumulate=False, unsafe=False) -> str | None:
     if not accumulate:
         return "accumulate=False is a plain (last-writer) put"
@@ -304,23 +336,21 @@ def _index_put_covers(self, indices, values, accumulate=False, unsafe=False) -> 
         return reason
     if len(indices) > self.dim() or values.dtype != self.dtype:
         return "too many indices, or values not of self's dtype"
-    try:
-        index_shape = torch.broadcast_shapes(*(i.shape for i in indices))
-        torch.broadcast_shapes(values.shape, tuple(index_shape) + tuple(self.shape[len(indices) :]))
-    except RuntimeError:
-        return "indices/values do not broadcast (PyTorch raises its own error)"
+    index_shape = _broadcast_shape(*(i.shape for i in indices))
+    if index_shape is None:
+        return "the index tensors do not broadcast (PyTorch raises its own error)"
+    target = index_shape + tuple(self.shape[len(indices) :])
+    if _broadcast_shape(values.shape, target) != target:
+        return "values do not broadcast to the indexed shape (PyTorch raises its own error or broadcasts further)"
     if math.prod(index_shape) > _MAX_ENTRIES:
         return "too many index entries for the kernel's 32-bit ids"
-    if torch.broadcast_shapes(values.shape, tuple(index_shape) + tuple(self.shape[len(indices) :])) != (
-        tuple(index_shape) + tuple(self.shape[len(indices) :])
-    ):
-        return "values would broadcast beyond the indexed shape"
     return None
 
 
 def _index_put(self, indices, values, accumulate=False, unsafe=False):
     k = len(indices)
-    index_shape = tuple(torch.broadcast_shapes(*(i.shape for i in indices)))
+    index_shape = _broadcast_shape(*(i.shape for i in indices))
+    assert index_shape is not None  # _index_put_covers checked it
     rows = math.prod(self.shape[:k])
     inner = tuple(self.shape[k:])
     # Row-major flat row of each index tuple, negative indices wrapped as PyTorch does.

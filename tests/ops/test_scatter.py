@@ -174,3 +174,30 @@ def test_routes_are_registered_and_refuse_cpu_and_integers():
     meta = torch.zeros(4, device="meta", dtype=torch.int64)
     assert routes["index_add"].covers(meta, 0, index, meta) is not None  # integer self
     assert routes["_index_put_impl_"].covers(torch.zeros(4), [index], torch.ones(3), False) is not None
+
+
+@needs_extension
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_scatter_add_with_an_expanded_index_is_an_index_add_of_rows(dim):
+    """An index repeating one row index across the other dims (PyG's ``index.view(-1, 1).expand_as(src)``)
+    takes the row path (one sort key per row); a materialised copy of it, or one narrower than ``self``,
+    takes the element path; all equal PyTorch's ``scatter_add``."""
+    generator = torch.Generator().manual_seed(4)
+    self = torch.randn(4, 5, 3, dtype=torch.float64, generator=generator)
+    entries = 7
+    shape = list(self.shape)
+    shape[dim] = entries
+    src = torch.randn(shape, dtype=torch.float64, generator=generator)
+    row = torch.randint(0, self.shape[dim], (entries,), generator=generator)
+    view = [1, 1, 1]
+    view[dim] = entries
+    expanded = row.view(view).expand(shape)
+    assert torch.equal(scatter_module._row_index(self, dim, expanded), row)
+    assert scatter_module._row_index(self, dim, expanded.contiguous()) is None  # materialised: element path
+    narrow = [slice(None)] * 3
+    narrow[(dim + 1) % 3] = slice(0, 1)
+    assert scatter_module._row_index(self, dim, expanded[tuple(narrow)]) is None  # fewer columns than self
+    for index in (expanded, expanded.contiguous(), expanded[tuple(narrow)]):
+        torch.testing.assert_close(
+            scatter_module._scatter_add(self, dim, index, src), self.scatter_add(dim, index, src), rtol=0, atol=1e-12
+        )
