@@ -118,7 +118,12 @@ ROUTED_SHAPES = {
     ],
     # PyTorch has a deterministic path for these (slower); pytorch_deterministic is timed too
     "index_add": [((1000,), 8 * 2**20), ((10000, 64), 2**20), ((100000,), 2**20)],  # (self shape, entries)
-    "scatter_add": [((1000,), 8 * 2**20), ((100000,), 2**20), ((10, 1000), 2**20)],
+    "scatter_add": [
+        ((1000,), 8 * 2**20),
+        ((100000,), 2**20),
+        ((10, 1000), 2**20),
+        ((10_000, 64), ("expanded", 200_000)),  # PyG message passing: a row index expanded over features
+    ],
     "_index_put_impl_": [((100000, 128), 2**20), ((1000, 64), 2**20), ((1000000,), 8 * 2**20)],
     # (self shape, (entries, reduce, include_self)): graph-neural-net message aggregation, edges into nodes
     "index_reduce": [
@@ -314,6 +319,10 @@ def _routed_args(op, shape, arguments, device):
         nll, log_alpha = torch.ops.aten._ctc_loss(log_probs, targets, input_lengths, target_lengths, 0, False)
         grad = torch.ones_like(nll)
         return (grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, 0, False), {}
+    if op == "scatter_add" and isinstance(arguments, tuple):  # ("expanded", entries)
+        entries = arguments[1]
+        index = torch.randint(0, shape[0], (entries, 1), generator=generator).to(device).expand(-1, shape[1])
+        return (torch.zeros(shape, device=device), 0, index, randn(entries, shape[1])), {}
     if op in HAS_PYTORCH_DETERMINISTIC:
         entries = arguments
         rows = shape[0]

@@ -53,12 +53,18 @@ def _verdict(record: dict[str, Any], key: str) -> str:
 
 
 def _grown(record: dict[str, Any]) -> str:
+    """The two kernels (ops where no kernel rows) and the host event whose time per step grew most."""
     attribution = record.get("attribution") or {}
+    shown = []
     for table in ("kernels", "ops"):
         rows = attribution.get(table) or []
         if rows:
-            return "; ".join(f"`{row['name'][:60]}` +{row['grown_ms']:.2f}".replace("|", "/") for row in rows[:2])
-    return ""
+            shown = [f"`{row['name'][:60]}` +{row['grown_ms']:.2f}" for row in rows[:2]]
+            break
+    host = attribution.get("host") or []
+    if host:
+        shown.append(f"host `{host[0]['name'][:40]}` +{host[0]['grown_ms']:.2f}")
+    return "; ".join(shown).replace("|", "/")
 
 
 def markdown_table(results: dict[str, dict[str, Any]]) -> str:

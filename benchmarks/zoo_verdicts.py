@@ -92,13 +92,14 @@ def _mean_profile(reports: Sequence[dict[str, Any]], table: str) -> dict[str, fl
 def attribution(
     plain_reports: Sequence[dict[str, Any]], plugin_reports: Sequence[dict[str, Any]], top: int = 8
 ) -> dict[str, Any]:
-    """The ``top`` kernels and ops whose time per step grew most from plain to plugin (ms per step, both sides).
+    """The ``top`` kernels, ops and host events whose time per step grew most from plain to plugin (ms per step,
+    both sides), with the kernel and host totals.
 
     A name in only one run's table counts as 0 ms in the other (tables keep each run's top entries, so a small
     entry may be missing from one side).
     """
     result: dict[str, Any] = {}
-    for table in ("kernels", "ops"):
+    for table in ("kernels", "ops", "host"):
         plain, plugin = _mean_profile(plain_reports, table), _mean_profile(plugin_reports, table)
         rows = [
             {
@@ -111,8 +112,8 @@ def attribution(
         ]
         rows.sort(key=lambda row: -row["grown_ms"])
         result[table] = [row for row in rows[:top] if row["grown_ms"] > 0]
-        if table == "kernels":  # op times are inclusive on a GPU (nested ops count twice): no total
-            result["kernels_total_ms"] = {
+        if table != "ops":  # op times are inclusive on a GPU (nested ops count twice): no total
+            result[f"{table}_total_ms"] = {
                 "plain": round(sum(plain.values()), 4),
                 "plugin": round(sum(plugin.values()), 4),
             }

@@ -49,14 +49,17 @@ def tensor_digests(state: dict[str, Any]) -> tuple[str, dict[str, str]]:
 
 
 def profile_table(profiler: Any, steps: int, cuda: bool, top: int = 40) -> dict[str, list[dict[str, Any]]]:
-    """Top kernels (GPU) and ops of a finished ``torch.profiler.profile``, in milliseconds per step.
+    """Top kernels (GPU), ops and host events of a finished ``torch.profiler.profile``, in milliseconds per step.
 
-    Kernel times are summed from the kernels the profiler links to their launches (each kernel once, by name,
+    ``ops``: aten ops by device time (inclusive) on a GPU, by self CPU time on the CPU. ``host``: every profiled
+    event (aten op, launch call, optimizer step) by self CPU time: where a host-bound step's time goes (a Python
+    route's work shows as the self time of the aten op it serves). Kernel times are summed from the kernels the profiler links to their launches (each kernel once, by name,
     from its own time range), not from ``key_averages``' device rows, which count 0 for events it takes as
     asynchronous.
     """
     kernels: dict[str, list[float]] = {}
     ops: list[dict[str, Any]] = []
+    host: list[dict[str, Any]] = []
     if cuda:
         for event in profiler.events():
             for kernel in event.kernels:
@@ -65,6 +68,8 @@ def profile_table(profiler: Any, steps: int, cuda: bool, top: int = 40) -> dict[
                 row[1] += 1 / steps
     for event in profiler.key_averages():
         calls = event.count / steps
+        if event.self_cpu_time_total > 0:
+            host.append({"name": event.key[:_NAME_CHARS], "ms": event.self_cpu_time_total / 1e3 / steps, "calls": calls})
         if cuda:
             if event.key.startswith("aten::") and event.device_time_total > 0:
                 ops.append({"name": event.key, "ms": event.device_time_total / 1e3 / steps, "calls": calls})
@@ -72,7 +77,7 @@ def profile_table(profiler: Any, steps: int, cuda: bool, top: int = 40) -> dict[
             ops.append({"name": event.key, "ms": event.self_cpu_time_total / 1e3 / steps, "calls": calls})
     kernel_rows = [{"name": name, "ms": ms, "calls": calls} for name, (ms, calls) in kernels.items()]
     order = lambda rows: sorted(rows, key=lambda row: -row["ms"])[:top]  # noqa: E731
-    return {"kernels": order(kernel_rows), "ops": order(ops)}
+    return {"kernels": order(kernel_rows), "ops": order(ops), "host": order(host)}
 
 
 def _error(error: BaseException) -> dict[str, Any]:

@@ -119,6 +119,7 @@ def test_the_tax_is_the_ratio_of_medians_and_attribution_names_the_kernel_that_g
     grown = zoo_verdicts.attribution([plain for plain, _ in pairs], [plugin for _, plugin in pairs])
     assert grown["kernels"] == [{"name": "radix_sort", "plain_ms": 0.0, "plugin_ms": 0.9, "grown_ms": 0.9}]
     assert grown["kernels_total_ms"] == {"plain": 2.0, "plugin": 2.9}
+    assert grown["host"] == [] and grown["host_total_ms"] == {"plain": 0.0, "plugin": 0.0}  # no host rows given
 
 
 def test_a_model_whose_package_is_missing_is_skipped_without_a_process(tmp_path, monkeypatch):
@@ -186,8 +187,13 @@ def test_a_cuda_profile_lists_launched_kernels_and_aten_ops_by_device_time():
         {"name": "gemm", "ms": 0.1, "calls": 0.5},
     ]
     assert table["ops"] == [{"name": "aten::index_put_", "ms": 1.5, "calls": 1.0}]
-    on_cpu = zoo_worker.profile_table(profiler, steps=2, cuda=False)  # self CPU time of aten ops only
-    assert on_cpu == {"kernels": [], "ops": [{"name": "aten::index_put_", "ms": 0.02, "calls": 1.0}]}
+    host = [  # self CPU time of every event: the launches too
+        {"name": "cudaLaunchKernel", "ms": 0.035, "calls": 1.0},
+        {"name": "aten::index_put_", "ms": 0.02, "calls": 1.0},
+    ]
+    assert table["host"] == host
+    on_cpu = zoo_worker.profile_table(profiler, steps=2, cuda=False)  # ops: self CPU time of aten ops only
+    assert on_cpu == {"kernels": [], "ops": [{"name": "aten::index_put_", "ms": 0.02, "calls": 1.0}], "host": host}
 
 
 @pytest.mark.gpu
