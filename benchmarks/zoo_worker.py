@@ -53,9 +53,9 @@ def profile_table(profiler: Any, steps: int, cuda: bool, top: int = 40) -> dict[
 
     ``ops``: aten ops by device time (inclusive) on a GPU, by self CPU time on the CPU. ``host``: every profiled
     event (aten op, launch call, optimizer step) by self CPU time: where a host-bound step's time goes (a Python
-    route's work shows as the self time of the aten op it serves). Kernel times are summed from the kernels the profiler links to their launches (each kernel once, by name,
-    from its own time range), not from ``key_averages``' device rows, which count 0 for events it takes as
-    asynchronous.
+    route's work shows as the self time of the aten op it serves). Kernel times are summed from the kernels the
+    profiler links to their launches (each kernel once, by name, from its own time range), not from
+    ``key_averages``' device rows, which count 0 for events it takes as asynchronous.
     """
     kernels: dict[str, list[float]] = {}
     ops: list[dict[str, Any]] = []
@@ -69,7 +69,8 @@ def profile_table(profiler: Any, steps: int, cuda: bool, top: int = 40) -> dict[
     for event in profiler.key_averages():
         calls = event.count / steps
         if event.self_cpu_time_total > 0:
-            host.append({"name": event.key[:_NAME_CHARS], "ms": event.self_cpu_time_total / 1e3 / steps, "calls": calls})
+            ms = event.self_cpu_time_total / 1e3 / steps
+            host.append({"name": event.key[:_NAME_CHARS], "ms": ms, "calls": calls})
         if cuda:
             if event.key.startswith("aten::") and event.device_time_total > 0:
                 ops.append({"name": event.key, "ms": event.device_time_total / 1e3 / steps, "calls": calls})
