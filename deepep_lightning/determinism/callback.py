@@ -264,6 +264,16 @@ class DeterminismCallback(Callback):
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        self._undo_setup(trainer)
+
+    @override
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        # Lightning skips ``teardown`` when a stage raises: the routes, the loader source and the checkpoint
+        # loader would stay patched in a process that goes on (a notebook, a sweep, the next test).
+        self._undo_setup(trainer)
+
+    def _undo_setup(self, trainer: "pl.Trainer") -> None:
+        """Put back what :meth:`setup` changed in the process and the trainer (idempotent)."""
         if self._routing_was_on is not None:
             patch_refused_ops(self._routing_was_on)
             self._routing_was_on = None

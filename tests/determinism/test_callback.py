@@ -95,6 +95,29 @@ def test_fingerprint_mismatch_is_detected_on_a_real_resume(tmp_path, boring_modu
         resumed.fit(boring_module(dropout=0.5), ckpt_path=path)
 
 
+def test_a_fit_that_raises_leaves_the_process_as_it_found_it(boring_module, quiet_trainer) -> None:
+    """Lightning skips ``teardown`` when fit raises; the callback's ``on_exception`` undoes its setup there."""
+    import torch.nn.functional as F
+
+    from deepep_lightning.ops import refused_ops_patched
+
+    interpolate = F.interpolate
+    seen: list[bool] = []
+
+    class Failing(boring_module):
+        def training_step(self, batch, batch_idx):
+            seen.append(refused_ops_patched())
+            raise RuntimeError("planted failure")
+
+    assert not refused_ops_patched()
+    trainer = quiet_trainer(max_steps=2, limit_val_batches=0, callbacks=[DeterminismCallback(3)])
+    with pytest.raises(RuntimeError, match="planted failure"):
+        trainer.fit(Failing(dropout=0.5))
+    assert seen == [True]  # the routes were on while fit ran
+    assert not refused_ops_patched()
+    assert F.interpolate is interpolate  # the Python entry a route replaces is back too
+
+
 def test_same_stack_has_no_differences_and_old_checkpoints_load() -> None:
     assert diff_fingerprints(collect_fingerprint(), collect_fingerprint()) == {}
     callback = DeterminismCallback(3)

@@ -119,8 +119,10 @@ def test_f_interpolate_is_replaced_while_routed_and_restored():
 
     from deepep_lightning.ops import _routes
 
-    entry = sys.modules["deepep_lightning.ops.interpolate"]._interpolate_entry
-    original = F.interpolate
+    module = sys.modules["deepep_lightning.ops.interpolate"]
+    entry, original = module._interpolate_entry, module._ENTRY.original  # PyTorch's, whatever state tests left
+    _routes.disable_routes()
+    assert F.interpolate is original
     user_module = types.ModuleType("user_segmentation_head")
     user_module.resize = original  # imported by name
     sys.modules[user_module.__name__] = user_module
