@@ -14,6 +14,8 @@
 #   refused_ops_list  list_refused_ops.py         ddp, ddp_ablation bench_ddp.py, ddp_ablation.py (2 GPUs)
 #   torchvision_ops   ps_roi_pool_agreement.py, then bench_torchvision_ops.py (20 repeats)
 #   silent_ops        sweep_silent_ops.py: OpInfo, ModuleInfo, large/cuDNN/SDPA/compile cases, bitwise x3
+#   tax_ablation      bench_tax_ablation.py for TAX_ABLATION_MODELS (default mixtral_moe swin_t): the plugin's
+#                     settings one at a time in one process
 #   zoo               bench_zoo.py: models ZOO_MODELS (default all), stages ZOO_STAGES (default verdict timing),
 #                     ZOO_PARALLEL verdict processes (8), nothing started past ZOO_BUDGET_S (420); it continues
 #                     benchmarks/results/zoo/zoo.json (earlier calls' records are kept), so calls can split the zoo
@@ -27,7 +29,7 @@
 # time limit still returns every run that finished.
 set -u
 SECTIONS="setup train_step all_action_q sanitize determinism_tax determinism_tax_graph learning collapse_recovery health_overhead audit refused_ops"
-SECTIONS+=" refused_ops_list torchvision_ops silent_ops ddp ddp_ablation zoo gpu-tests gpu-tests-multi"
+SECTIONS+=" refused_ops_list torchvision_ops silent_ops ddp ddp_ablation tax_ablation zoo gpu-tests gpu-tests-multi"
 for section in "$@"; do
   case " $SECTIONS " in
     *" $section "*) ;;
@@ -306,6 +308,11 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
     ddp_ablation)
       run ddp_ablation 540 python3 benchmarks/ddp_ablation.py --out "$LOGS/ddp_ablation" --gpus 2 --budget-s 350
       keep "$LOGS/ddp_ablation/ddp_ablation.json" "$RESULTS/ddp_ablation" ;;
+    tax_ablation)
+      for model in ${TAX_ABLATION_MODELS:-mixtral_moe swin_t}; do
+        run tax_ablation_$model 240 python3 benchmarks/bench_tax_ablation.py --model "$model" \
+          --out "$RESULTS/tax_ablation"
+      done ;;
     zoo)
       # a fresh machine has no /tmp/r: continue the result in the tree (the previous calls' records)
       mkdir -p "$RESULTS/zoo"
