@@ -7,6 +7,7 @@ from deepep_lightning.ops import extension_available
 from deepep_lightning.ops import scatter as scatter_module
 from deepep_lightning.ops._routes import registered_routes
 from deepep_lightning.ops.scatter import segment_scatter_add, segment_scatter_add_reference
+from tests.ops._index_put_cases import index_put_cases
 
 needs_extension = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep_lightning extension")
 
@@ -156,11 +157,10 @@ def test_index_put_route_arithmetic_matches_pytorch():
 @needs_extension
 @pytest.mark.parametrize("index", [[0, 5], [0, -6]], ids=["past_the_end", "below_minus_size"])
 def test_an_index_put_index_out_of_range_still_raises(index):
-    # one index tensor: no bounds check of its own (its wrapped row lands outside [0, rows), which the kernel
-    # refuses); two: each is checked, since a row out of range could land inside the flat range
-    with pytest.raises(RuntimeError, match="out of bounds|out of range"):
+    # each index tensor is checked: with two, a component out of range could give a flat row inside the range
+    with pytest.raises(RuntimeError, match="index out of range"):
         scatter_module._index_put(torch.zeros(5, 3), [torch.tensor(index)], torch.ones(2, 3), True)
-    with pytest.raises(RuntimeError, match="index_put_: index out of range"):
+    with pytest.raises(RuntimeError, match="index out of range"):
         scatter_module._index_put(torch.zeros(5, 3), [torch.tensor([0, 0]), torch.tensor(index)], torch.ones(2), True)
 
 
@@ -201,3 +201,48 @@ def test_scatter_add_with_an_expanded_index_is_an_index_add_of_rows(dim):
         torch.testing.assert_close(
             scatter_module._scatter_add(self, dim, index, src), self.scatter_add(dim, index, src), rtol=0, atol=1e-12
         )
+
+
+@needs_extension
+@pytest.mark.parametrize("case", list(index_put_cases()), ids=lambda case: case[0])
+def test_index_put_accumulate_adds_in_place_as_pytorch(case):
+    _, self, indices, values = case
+    expected = self.clone().index_put_(tuple(indices), values, accumulate=True)
+    target = self.clone()
+    pointer = target.data_ptr()
+    torch.ops.deepep_lightning.index_put_accumulate_.default(target, indices, values)
+    assert target.data_ptr() == pointer  # in place, as the aten op it serves
+    torch.testing.assert_close(target, expected, rtol=0, atol=1e-12)
+
+
+@needs_extension
+def test_index_put_accumulate_takes_a_non_contiguous_self():
+    strided = torch.randn(6, 8, dtype=torch.float64).t()  # [8, 6], not contiguous
+    index = torch.tensor([0, 2, 2, 5, 0, 1])
+    values = torch.randn(6, 6, dtype=torch.float64)
+    expected = strided.clone().index_put_((index,), values, accumulate=True)
+    torch.ops.deepep_lightning.index_put_accumulate_.default(strided, [index], values)
+    torch.testing.assert_close(strided, expected, rtol=0, atol=1e-12)
+
+
+@needs_extension
+def test_index_put_accumulate_passes_opcheck():
+    _, self, indices, values = next(iter(index_put_cases(dtype=torch.float32)))
+    torch.library.opcheck(torch.ops.deepep_lightning.index_put_accumulate_.default, (self, indices, values))
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    ("self", "indices", "values", "message"),
+    [
+        (torch.zeros(4, dtype=torch.int64), [torch.tensor([0])], torch.ones(1, dtype=torch.int64), "floating point"),
+        (torch.zeros(4), [torch.tensor([0.0])], torch.ones(1), r"indices\[0\] must be int64 or int32"),
+        (torch.zeros(4), [torch.tensor([0])], torch.ones(1, dtype=torch.float64), "values must be Float"),
+        (torch.zeros(4), [torch.tensor([0]), torch.tensor([0])], torch.ones(1), "indices must hold 1 to 1"),
+        (torch.zeros(4, 3), [torch.tensor([0, 1])], torch.ones(3, 3), "must match the size"),
+    ],
+    ids=["integer self", "float index", "values dtype", "too many indices", "values shape"],
+)
+def test_index_put_accumulate_names_a_bad_argument(self, indices, values, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.deepep_lightning.index_put_accumulate_.default(self, indices, values)

@@ -238,3 +238,29 @@ def test_routed_op_in_a_cuda_graph(name, deterministic_routing):
     source.mul_(2)  # the replay reads the new values
     graph.replay()
     assert torch.equal(captured, fn(self, index, source))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_index_put_accumulate_cases_match_the_cpu_kernel_and_repeat_bitwise(dtype):
+    """Negative and int32 indices, broadcast indices and values, three index tensors, no entries, a
+    non-contiguous self: the CUDA kernel's row of every entry is the CPU kernel's (float64 sums agree to
+    rounding), repeated runs are bitwise equal, and a contiguous self is written in place."""
+    from tests.ops._index_put_cases import index_put_cases
+
+    op = torch.ops.deepep_lightning.index_put_accumulate_.default
+    for name, self, indices, values in index_put_cases("cuda", dtype):
+        expected = self.double().cpu()
+        op(expected, [index.cpu() for index in indices], values.double().cpu())
+        target = self.clone()
+        pointer = target.data_ptr()
+        op(target, indices, values)
+        assert target.data_ptr() == pointer, name
+        _assert_near_oracle(target, expected, dtype)
+        for _ in range(5):
+            again = self.clone()
+            op(again, indices, values)
+            assert torch.equal(again, target), name
+        strided = self.clone().t().contiguous().t() if self.dim() == 2 else None
+        if strided is not None and not strided.is_contiguous():
+            op(strided, indices, values)
+            assert torch.equal(strided, target), name

@@ -23,6 +23,7 @@
 // stream; nothing synchronises, no allocation size depends on data (CUDA-graph capturable).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
@@ -31,6 +32,8 @@
 #include <torch/library.h>
 
 #include <cub/device/device_radix_sort.cuh>
+
+#include "../index_put_accumulate.h"
 
 #include <climits>
 #include <cmath>
@@ -124,9 +127,9 @@ __global__ void segment_row_kernel(const int64_t num_items, const int64_t size, 
                                    const int32_t* __restrict__ order,          // [n]
                                    const scalar_t* __restrict__ src,           // [outer, n, inner]
                                    const double* __restrict__ partials,        // [n / K, outer, inner]
-                                   const scalar_t* __restrict__ base,          // [outer, size, inner] or nullptr
+                                   const scalar_t* base,  // [outer, size, inner] or nullptr; may be out
                                    const double alpha, const int64_t outer_inner,
-                                   scalar_t* __restrict__ out) {               // [outer, size, inner]
+                                   scalar_t* out) {       // [outer, size, inner]
   const int64_t item = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (item >= num_items) return;
   const int64_t size_inner = size * inner;
@@ -187,27 +190,29 @@ int32_t chunk_size_for(int64_t num_entries, int64_t size) {
   return chunk;
 }
 
-at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& index, int64_t size, int64_t dim,
-                                    const std::optional<at::Tensor>& base, double alpha) {
-  const std::vector<int64_t> shape = segment_scatter_output_shape(src, index, size, dim, base);
-  TORCH_CHECK(src.is_cuda(), "segment_scatter_add: src must be a CUDA tensor, got ", src.device());
+// out = base + alpha * (the sums of src's entries by index), out contiguous of the output shape. base is
+// undefined (zeros) or contiguous of that shape; it may be out itself (each output element reads its own base
+// element, then writes it) but src must not overlap out. Checked by the callers.
+void segment_scatter_add_into(const at::Tensor& src, const at::Tensor& index, int64_t size, int64_t dim,
+                              const at::Tensor& base_c, double alpha, at::Tensor& out) {
   const int64_t num_entries = src.size(dim);
   TORCH_CHECK(num_entries < INT_MAX && size < static_cast<int64_t>(UINT32_MAX),
               "segment_scatter_add: src.size(dim) must be below 2^31 - 1 and size below 2^32 - 1, got ",
               num_entries, " and ", size);
-  const c10::cuda::CUDAGuard device_guard(src.device());
-  at::Tensor out = empty_unfilled(shape, src.scalar_type(), src.device());
-  if (out.numel() == 0) return out;
+  if (out.numel() == 0) return;
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < dim; ++d) outer *= src.size(d);
   for (int64_t d = dim + 1; d < src.dim(); ++d) inner *= src.size(d);
   if (num_entries == 0) {  // nothing to add: out = base
-    if (base.has_value()) return out.copy_(*base);
-    return out.zero_();
+    if (!base_c.defined()) {
+      out.zero_();
+    } else if (!base_c.is_same(out)) {
+      out.copy_(base_c);
+    }
+    return;
   }
   const at::Tensor src_c = src.contiguous();
   const at::Tensor index_c = index.contiguous();
-  const at::Tensor base_c = base.has_value() ? base->contiguous() : at::Tensor();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int32_t entries = static_cast<int32_t>(num_entries);
   const int32_t chunk_size = chunk_size_for(num_entries, size);
@@ -263,11 +268,97 @@ at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& ind
         base_c.defined() ? base_c.data_ptr<scalar_t>() : nullptr, alpha, outer_inner, out.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& index, int64_t size, int64_t dim,
+                                    const std::optional<at::Tensor>& base, double alpha) {
+  const std::vector<int64_t> shape = segment_scatter_output_shape(src, index, size, dim, base);
+  TORCH_CHECK(src.is_cuda(), "segment_scatter_add: src must be a CUDA tensor, got ", src.device());
+  const c10::cuda::CUDAGuard device_guard(src.device());
+  at::Tensor out = empty_unfilled(shape, src.scalar_type(), src.device());
+  segment_scatter_add_into(src, index, size, dim, base.has_value() ? base->contiguous() : at::Tensor(), alpha, out);
   return out;
+}
+
+// ---- index_put_accumulate_ ------------------------------------------------------------------------------------
+
+struct FlatIndexArgs {
+  const int64_t* data[kMaxIndexTensors];
+  int64_t strides[kMaxIndexTensors][kMaxIndexDims];  // element strides over the broadcast shape, 0 where broadcast
+  int64_t extent[kMaxIndexTensors];                  // the size of the dimension each tensor indexes
+  int64_t shape[kMaxIndexDims];                      // the broadcast index shape
+  int32_t tensors;
+  int32_t dims;
+};
+
+// flat[e] = the row, in self viewed as [rows, *inner], of entry e of the broadcast index shape: the index
+// tuple's components wrapped (negative ones count from the end) and asserted in range, combined row-major.
+__global__ void flat_index_kernel(const int64_t entries, const FlatIndexArgs args, int64_t* __restrict__ flat) {
+  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (e >= entries) return;
+  int64_t coordinate[kMaxIndexDims];
+  int64_t rest = e;
+  for (int d = args.dims - 1; d >= 0; --d) {
+    coordinate[d] = rest % args.shape[d];
+    rest /= args.shape[d];
+  }
+  int64_t row = 0;
+  for (int j = 0; j < args.tensors; ++j) {
+    int64_t offset = 0;
+    for (int d = 0; d < args.dims; ++d) offset += coordinate[d] * args.strides[j][d];
+    int64_t value = args.data[j][offset];
+    const int64_t extent = args.extent[j];
+    CUDA_KERNEL_ASSERT(value >= -extent && value < extent && "index_put_: index out of range");
+    if (value < 0) value += extent;
+    row = row * extent + value;
+  }
+  flat[e] = row;
+}
+
+void index_put_accumulate_cuda_(const at::Tensor& self, at::TensorList indices, const at::Tensor& values) {
+  const IndexPutShape shape = index_put_shape(self, indices, values);
+  TORCH_CHECK(self.is_cuda(), "index_put_accumulate_: self must be a CUDA tensor, got ", self.device());
+  if (shape.entries == 0 || self.numel() == 0) return;
+  TORCH_CHECK(shape.entries < INT_MAX, "index_put_accumulate_: the indices hold ", shape.entries,
+              " entries, at most 2^31 - 2 are taken");
+  const c10::cuda::CUDAGuard device_guard(self.device());
+  FlatIndexArgs args{};
+  args.tensors = static_cast<int32_t>(indices.size());
+  args.dims = static_cast<int32_t>(shape.index_shape.size());
+  std::vector<at::Tensor> longs;  // keeps int32 indices' int64 copies alive until the launch
+  longs.reserve(indices.size());
+  for (size_t j = 0; j < indices.size(); ++j) {
+    longs.push_back(indices[j].scalar_type() == at::kLong ? indices[j] : indices[j].to(at::kLong));
+    const at::Tensor& index = longs.back();
+    args.data[j] = index.data_ptr<int64_t>();
+    args.extent[j] = self.size(static_cast<int64_t>(j));
+    const int64_t skip = args.dims - index.dim();  // broadcasting aligns the trailing dimensions
+    for (int64_t d = 0; d < args.dims; ++d) {
+      args.strides[j][d] = d < skip || index.size(d - skip) == 1 ? 0 : index.stride(d - skip);
+    }
+  }
+  for (int64_t d = 0; d < args.dims; ++d) args.shape[d] = shape.index_shape[d];
+  at::Tensor flat = empty_unfilled({shape.entries}, at::kLong, self.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  flat_index_kernel<<<blocks_for(shape.entries), kThreads, 0, stream>>>(shape.entries, args, flat.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  const at::Tensor rows = index_put_rows(shape, values);
+  const bool in_place = self.is_contiguous() && at::get_overlap_status(self, rows) == at::MemOverlapStatus::No;
+  const at::Tensor out = in_place ? self : empty_unfilled(self.sizes(), self.scalar_type(), self.device());
+  const at::Tensor base = in_place ? self : self.contiguous();
+  std::vector<int64_t> row_view = {shape.rows};
+  row_view.insert(row_view.end(), shape.inner.begin(), shape.inner.end());
+  at::Tensor out_rows = out.view(row_view);
+  segment_scatter_add_into(rows, flat, shape.rows, 0, base.view(row_view), 1.0, out_rows);
+  if (!in_place) self.copy_(out);
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) { m.impl("segment_scatter_add", &segment_scatter_add_cuda); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
+  m.impl("segment_scatter_add", &segment_scatter_add_cuda);
+  m.impl("index_put_accumulate_", &index_put_accumulate_cuda_);
+}
 
 }  // namespace deepep_lightning
