@@ -174,9 +174,14 @@ def _index_put_accumulate_fake(self: Tensor, indices: list[Tensor], values: Tens
     return None
 
 
+def _segment_scatter_add_inplace_fake(self: Tensor, src: Tensor, index: Tensor, dim: int = 0, alpha: float = 1.0):
+    return None
+
+
 def _register() -> None:
     torch.library.register_fake("deepep_lightning::segment_scatter_add")(_fake)
     torch.library.register_fake("deepep_lightning::index_put_accumulate_")(_index_put_accumulate_fake)
+    torch.library.register_fake("deepep_lightning::segment_scatter_add_")(_segment_scatter_add_inplace_fake)
     torch.library.register_autograd("deepep_lightning::segment_scatter_add", _backward, setup_context=_setup_context)
 
 
@@ -234,7 +239,8 @@ def _index_add(self, dim, index, source, *, alpha=1):
 
 
 def _index_add_inplace(self, dim, index, source, *, alpha=1):
-    return self.copy_(_index_add(self, dim, index, source, alpha=alpha))
+    torch.ops.deepep_lightning.segment_scatter_add_.default(self, source, index, dim % self.dim(), float(alpha))
+    return self
 
 
 def _write_out(out: Tensor, result: Tensor) -> Tensor:

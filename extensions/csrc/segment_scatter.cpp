@@ -60,14 +60,27 @@ at::Tensor segment_scatter_add_cpu(const at::Tensor& src, const at::Tensor& inde
   return out.index_add_(dim, index, src, alpha);
 }
 
+void segment_scatter_add_inplace_cpu(const at::Tensor& self, const at::Tensor& src, const at::Tensor& index,
+                                     int64_t dim, double alpha) {
+  segment_scatter_output_shape(src, index, self.dim() > dim ? self.size(dim) : 0, dim, self);
+  at::Tensor(self).index_add_(dim, index, src, alpha);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "segment_scatter_add(Tensor src, Tensor index, int size, int dim=0, Tensor? base=None, float alpha=1.0) "
       "-> Tensor");
+  // self.index_add_(dim, index, src, alpha=alpha), deterministic: the sums written into self (in place where
+  // self is contiguous and src does not overlap it, on CUDA). No output: torch.compile functionalizes a custom
+  // op's mutation only without an alias-annotated one.
+  m.def("segment_scatter_add_(Tensor(a!) self, Tensor src, Tensor index, int dim=0, float alpha=1.0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) { m.impl("segment_scatter_add", &segment_scatter_add_cpu); }
+TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
+  m.impl("segment_scatter_add", &segment_scatter_add_cpu);
+  m.impl("segment_scatter_add_", &segment_scatter_add_inplace_cpu);
+}
 
 }  // namespace deepep_lightning

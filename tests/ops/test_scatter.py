@@ -226,6 +226,13 @@ def test_index_put_accumulate_takes_a_non_contiguous_self():
 
 
 @needs_extension
+def test_segment_scatter_add_inplace_passes_opcheck():
+    self, source = torch.randn(4, 6, 3), torch.randn(4, 5, 3)
+    index = torch.tensor([0, 5, 5, 2, 0])
+    torch.library.opcheck(torch.ops.deepep_lightning.segment_scatter_add_.default, (self, source, index, 1, 0.5))
+
+
+@needs_extension
 def test_index_put_accumulate_passes_opcheck():
     _, self, indices, values = next(iter(index_put_cases(dtype=torch.float32)))
     torch.library.opcheck(torch.ops.deepep_lightning.index_put_accumulate_.default, (self, indices, values))

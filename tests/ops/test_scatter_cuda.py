@@ -264,3 +264,25 @@ def test_index_put_accumulate_cases_match_the_cpu_kernel_and_repeat_bitwise(dtyp
         if strided is not None and not strided.is_contiguous():
             op(strided, indices, values)
             assert torch.equal(strided, target), name
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_inplace_index_add_writes_into_self_and_matches_the_functional_op(dim):
+    """segment_scatter_add_ (the index_add_ route) sums into a contiguous self in place, into a non-contiguous
+    one through a copy, and gives segment_scatter_add's bits either way."""
+    from deepep_lightning.ops.scatter import segment_scatter_add
+
+    generator = torch.Generator(device="cuda").manual_seed(dim)
+    self = torch.randn(6, 300, 5, device="cuda", generator=generator)
+    source_shape = [6, 300, 5]
+    source_shape[dim] = 4000
+    source = torch.randn(source_shape, device="cuda", generator=generator)
+    index = torch.randint(0, self.shape[dim], (4000,), device="cuda", generator=generator)
+    expected = segment_scatter_add(source, index, self.shape[dim], dim, self, 0.5)
+    target = self.clone()
+    pointer = target.data_ptr()
+    torch.ops.deepep_lightning.segment_scatter_add_.default(target, source, index, dim, 0.5)
+    assert target.data_ptr() == pointer and torch.equal(target, expected)
+    strided = self.clone().transpose(0, 2).contiguous().transpose(0, 2)
+    torch.ops.deepep_lightning.segment_scatter_add_.default(strided, source, index, dim, 0.5)
+    assert torch.equal(strided, expected)

@@ -280,6 +280,21 @@ at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& ind
   return out;
 }
 
+void segment_scatter_add_inplace_cuda(const at::Tensor& self, const at::Tensor& src, const at::Tensor& index,
+                                      int64_t dim, double alpha) {
+  segment_scatter_output_shape(src, index, self.dim() > dim ? self.size(dim) : 0, dim, self);
+  TORCH_CHECK(src.is_cuda(), "segment_scatter_add_: src must be a CUDA tensor, got ", src.device());
+  const c10::cuda::CUDAGuard device_guard(src.device());
+  if (self.is_contiguous() && at::get_overlap_status(self, src) == at::MemOverlapStatus::No) {
+    at::Tensor out = self;
+    segment_scatter_add_into(src, index, self.size(dim), dim, self, alpha, out);
+    return;
+  }
+  at::Tensor out = empty_unfilled(self.sizes(), self.scalar_type(), self.device());
+  segment_scatter_add_into(src, index, self.size(dim), dim, self.contiguous(), alpha, out);
+  at::Tensor(self).copy_(out);
+}
+
 // ---- index_put_accumulate_ ------------------------------------------------------------------------------------
 
 struct FlatIndexArgs {
@@ -358,6 +373,7 @@ void index_put_accumulate_cuda_(const at::Tensor& self, at::TensorList indices, 
 
 TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("segment_scatter_add", &segment_scatter_add_cuda);
+  m.impl("segment_scatter_add_", &segment_scatter_add_inplace_cuda);
   m.impl("index_put_accumulate_", &index_put_accumulate_cuda_);
 }
 
