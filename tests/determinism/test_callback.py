@@ -99,9 +99,8 @@ def test_a_fit_that_raises_leaves_the_process_as_it_found_it(boring_module, quie
     """Lightning skips ``teardown`` when fit raises; the callback's ``on_exception`` undoes its setup there."""
     import torch.nn.functional as F
 
-    from deepep_lightning.ops import refused_ops_patched
+    from deepep_lightning.ops import patch_refused_ops, refused_ops_patched
 
-    interpolate = F.interpolate
     seen: list[bool] = []
 
     class Failing(boring_module):
@@ -109,13 +108,17 @@ def test_a_fit_that_raises_leaves_the_process_as_it_found_it(boring_module, quie
             seen.append(refused_ops_patched())
             raise RuntimeError("planted failure")
 
-    assert not refused_ops_patched()
-    trainer = quiet_trainer(max_steps=2, limit_val_batches=0, callbacks=[DeterminismCallback(3)])
-    with pytest.raises(RuntimeError, match="planted failure"):
-        trainer.fit(Failing(dropout=0.5))
-    assert seen == [True]  # the routes were on while fit ran
-    assert not refused_ops_patched()
-    assert F.interpolate is interpolate  # the Python entry a route replaces is back too
+    was_on = patch_refused_ops(False)  # configure() (other tests) installs the routes for the process's life
+    interpolate = F.interpolate
+    try:
+        trainer = quiet_trainer(max_steps=2, limit_val_batches=0, callbacks=[DeterminismCallback(3)])
+        with pytest.raises(RuntimeError, match="planted failure"):
+            trainer.fit(Failing(dropout=0.5))
+        assert seen == [True]  # the routes were on while fit ran
+        assert not refused_ops_patched()
+        assert F.interpolate is interpolate  # the Python entry a route replaces is back too
+    finally:
+        patch_refused_ops(was_on)
 
 
 def test_same_stack_has_no_differences_and_old_checkpoints_load() -> None:
