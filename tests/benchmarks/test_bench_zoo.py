@@ -227,3 +227,16 @@ def test_gpu_a_worker_on_cuda_names_its_card_and_profiles_kernels(tmp_path):
     assert "error" not in report, report.get("error")
     assert report["device_name"] == torch.cuda.get_device_name(0)
     assert report["profile"]["kernels"], report["profile"]
+
+
+def test_a_worker_names_the_forward_and_the_backward_in_its_host_rows(tmp_path):
+    """Lightning runs forward and backward inside the optimizer's step: the worker's named ranges keep the host's
+    wait for the backward out of ``Optimizer.step``'s self time; the report says which cuBLAS variable ran."""
+    out = tmp_path / "run.json"
+    command = [sys.executable, zoo_worker.__file__, "--model", "tiny_mlp", "--mode", "plugin", "--out", str(out)]
+    subprocess.run([*command, *FAST[:8]], check=True, timeout=300, env=bench_zoo._worker_env())
+    report = json.loads(out.read_text())
+    assert "error" not in report, report.get("error")
+    names = {row["name"] for row in report["profile"]["host"]}
+    assert {"zoo::forward", "zoo::backward"} <= names, names
+    assert "cublas_workspace_config" in report
