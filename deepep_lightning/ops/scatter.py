@@ -288,14 +288,22 @@ def _row_index(self: Tensor, dim: int, index: Tensor) -> Tensor | None:
     return index[tuple(slice(None) if d == dim else 0 for d in range(self.dim()))]
 
 
+def _row_terms(self: Tensor, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``(values, rows)`` with ``scatter_add == index_add(dim, rows, values)``, for a row-repeating ``index``."""
+    rows = _row_index(self, dim, index) if index.numel() else None
+    if rows is None:
+        return None
+    return src[tuple(slice(0, n) for n in index.shape)], rows  # the kernel asserts the rows lie in [0, size)
+
+
 def _scatter_add(self, dim, index, src):
     dim %= self.dim()
     base = self.contiguous()
     if index.numel() == 0:
         return base.clone()
-    rows = _row_index(self, dim, index)
-    if rows is not None:  # the index is the key: the kernel asserts it lies in [0, size)
-        values = src[tuple(slice(0, n) for n in index.shape)]
+    terms = _row_terms(self, dim, index, src)
+    if terms is not None:
+        values, rows = terms
         return torch.ops.deepep_lightning.segment_scatter_add.default(values, rows, base.shape[dim], dim, base, 1.0)
     torch._assert_async(((index >= 0) & (index < self.shape[dim])).all(), "scatter_add: index out of range")
     strides = base.stride()
@@ -314,7 +322,12 @@ def _scatter_add(self, dim, index, src):
 
 
 def _scatter_add_inplace(self, dim, index, src):
-    return self.copy_(_scatter_add(self, dim, index, src))
+    terms = _row_terms(self, dim % self.dim(), index, src)
+    if terms is None:  # one key per element: summed over a flat copy of self
+        return self.copy_(_scatter_add(self, dim, index, src))
+    values, rows = terms
+    torch.ops.deepep_lightning.segment_scatter_add_.default(self, values, rows, dim % self.dim(), 1.0)
+    return self
 
 
 def _scatter_add_out(self, dim, index, src, *, out):

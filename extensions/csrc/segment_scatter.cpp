@@ -63,7 +63,7 @@ at::Tensor segment_scatter_add_cpu(const at::Tensor& src, const at::Tensor& inde
 void segment_scatter_add_inplace_cpu(const at::Tensor& self, const at::Tensor& src, const at::Tensor& index,
                                      int64_t dim, double alpha) {
   segment_scatter_output_shape(src, index, self.dim() > dim ? self.size(dim) : 0, dim, self);
-  at::Tensor(self).index_add_(dim, index, src, alpha);
+  self.index_add_(dim, index, src, alpha);
 }
 
 }  // namespace

@@ -198,9 +198,13 @@ def test_scatter_add_with_an_expanded_index_is_an_index_add_of_rows(dim):
     narrow[(dim + 1) % 3] = slice(0, 1)
     assert scatter_module._row_index(self, dim, expanded[tuple(narrow)]) is None  # fewer columns than self
     for index in (expanded, expanded.contiguous(), expanded[tuple(narrow)]):
-        torch.testing.assert_close(
-            scatter_module._scatter_add(self, dim, index, src), self.scatter_add(dim, index, src), rtol=0, atol=1e-12
-        )
+        expected = self.scatter_add(dim, index, src)
+        torch.testing.assert_close(scatter_module._scatter_add(self, dim, index, src), expected, rtol=0, atol=1e-12)
+        target = self.clone()
+        pointer = target.data_ptr()
+        assert scatter_module._scatter_add_inplace(target, dim, index, src) is target
+        assert target.data_ptr() == pointer
+        torch.testing.assert_close(target, expected, rtol=0, atol=1e-12)
 
 
 @needs_extension

@@ -280,19 +280,24 @@ at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& ind
   return out;
 }
 
+// self (viewed as `view`) += alpha * the sums of src's entries by index along dim: written in place where self
+// is contiguous and src does not overlap it, else into a contiguous buffer copied back into self.
+void segment_scatter_add_into_self(const at::Tensor& self, at::IntArrayRef view, const at::Tensor& src,
+                                   const at::Tensor& index, int64_t dim, double alpha) {
+  const bool in_place = self.is_contiguous() && at::get_overlap_status(self, src) == at::MemOverlapStatus::No;
+  const at::Tensor out = in_place ? self : empty_unfilled(self.sizes(), self.scalar_type(), self.device());
+  const at::Tensor base = in_place ? self : self.contiguous();
+  at::Tensor out_view = out.view(view);
+  segment_scatter_add_into(src, index, view[dim], dim, base.view(view), alpha, out_view);
+  if (!in_place) self.copy_(out);
+}
+
 void segment_scatter_add_inplace_cuda(const at::Tensor& self, const at::Tensor& src, const at::Tensor& index,
                                       int64_t dim, double alpha) {
   segment_scatter_output_shape(src, index, self.dim() > dim ? self.size(dim) : 0, dim, self);
   TORCH_CHECK(src.is_cuda(), "segment_scatter_add_: src must be a CUDA tensor, got ", src.device());
   const c10::cuda::CUDAGuard device_guard(src.device());
-  if (self.is_contiguous() && at::get_overlap_status(self, src) == at::MemOverlapStatus::No) {
-    at::Tensor out = self;
-    segment_scatter_add_into(src, index, self.size(dim), dim, self, alpha, out);
-    return;
-  }
-  at::Tensor out = empty_unfilled(self.sizes(), self.scalar_type(), self.device());
-  segment_scatter_add_into(src, index, self.size(dim), dim, self.contiguous(), alpha, out);
-  at::Tensor(self).copy_(out);
+  segment_scatter_add_into_self(self, self.sizes(), src, index, dim, alpha);
 }
 
 // ---- index_put_accumulate_ ------------------------------------------------------------------------------------
@@ -358,15 +363,9 @@ void index_put_accumulate_cuda_(const at::Tensor& self, at::TensorList indices, 
   flat_index_kernel<<<blocks_for(shape.entries), kThreads, 0, stream>>>(shape.entries, args, flat.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  const at::Tensor rows = index_put_rows(shape, values);
-  const bool in_place = self.is_contiguous() && at::get_overlap_status(self, rows) == at::MemOverlapStatus::No;
-  const at::Tensor out = in_place ? self : empty_unfilled(self.sizes(), self.scalar_type(), self.device());
-  const at::Tensor base = in_place ? self : self.contiguous();
   std::vector<int64_t> row_view = {shape.rows};
   row_view.insert(row_view.end(), shape.inner.begin(), shape.inner.end());
-  at::Tensor out_rows = out.view(row_view);
-  segment_scatter_add_into(rows, flat, shape.rows, 0, base.view(row_view), 1.0, out_rows);
-  if (!in_place) self.copy_(out);
+  segment_scatter_add_into_self(self, row_view, index_put_rows(shape, values), flat, 0, 1.0);
 }
 
 }  // namespace
