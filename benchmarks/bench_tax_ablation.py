@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,23 +61,13 @@ def apply_setting(name: str) -> None:
         os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
-def _to(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {key: _to(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(value, device) for value in batch)
-    return batch
-
-
 def run(model_name: str, device: torch.device, rounds: int, steps: int, settings: tuple[str, ...]) -> dict[str, Any]:
     (spec,) = select_models([model_name])
     torch.manual_seed(0)
     task = spec.build(torch.Generator().manual_seed(0))
     model = task.model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = [_to(batch, device) for batch in task.batches]
+    batches = [move_data_to_device(batch, device) for batch in task.batches]
     autocast = spec.precision == "bf16-mixed"
     counter = 0
 

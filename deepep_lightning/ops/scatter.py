@@ -170,18 +170,15 @@ def _backward(ctx, grad_output):
     return grad_src, None, None, None, grad_base, None
 
 
-def _index_put_accumulate_fake(self: Tensor, indices: list[Tensor], values: Tensor) -> None:
-    return None
-
-
-def _segment_scatter_add_inplace_fake(self: Tensor, src: Tensor, index: Tensor, dim: int = 0, alpha: float = 1.0):
+def _in_place_fake(self: Tensor, *args, **kwargs) -> None:
+    """The fake kernel of an op that only writes into ``self`` (no outputs: nothing to describe)."""
     return None
 
 
 def _register() -> None:
     torch.library.register_fake("deepep_lightning::segment_scatter_add")(_fake)
-    torch.library.register_fake("deepep_lightning::index_put_accumulate_")(_index_put_accumulate_fake)
-    torch.library.register_fake("deepep_lightning::segment_scatter_add_")(_segment_scatter_add_inplace_fake)
+    torch.library.register_fake("deepep_lightning::index_put_accumulate_")(_in_place_fake)
+    torch.library.register_fake("deepep_lightning::segment_scatter_add_")(_in_place_fake)
     torch.library.register_autograd("deepep_lightning::segment_scatter_add", _backward, setup_context=_setup_context)
 
 
