@@ -14,7 +14,7 @@ host time per call beside it:
   deterministic mode, where PyTorch switches CUDA inputs to a pure-PyTorch decomposition.
 
 The ops routed at the dispatcher (``nll_loss2d_forward``, adaptive/3-D pooling and padding backwards,
-``_ctc_loss_backward``, ``index_add``/``scatter_add``/``_index_put_impl_``, ``index_reduce`` (prod, mean,
+``_ctc_loss_backward``, ``index_add``/``scatter_add``, ``index_reduce`` (prod, mean,
 amax, amin), ``scatter_reduce.two`` (prod), ``put_`` (accumulate), ``median.dim_values`` /
 ``nanmedian.dim_values``, ``histc``, ``bincount`` with weights) are timed as the aten overload the route
 registers (``torch.ops.aten.<op>.<overload>``), called directly with that overload's arguments:
@@ -124,7 +124,6 @@ ROUTED_SHAPES = {
         ((10, 1000), 2**20),
         ((10_000, 64), ("expanded", 200_000)),  # PyG message passing: a row index expanded over features
     ],
-    "_index_put_impl_": [((100000, 128), 2**20), ((1000, 64), 2**20), ((1000000,), 8 * 2**20)],
     # (self shape, (entries, reduce, include_self)): graph-neural-net message aggregation, edges into nodes
     "index_reduce": [
         case
@@ -155,7 +154,7 @@ ROUTED_SHAPES = {
     "bincount": [((10_000_000,), 100), ((10_000_000,), 1000), ((1_000_000,), 100_000)],  # (entries, bins), weights
 }
 #: Routed ops for which PyTorch's deterministic mode has an implementation of its own (no refusal).
-HAS_PYTORCH_DETERMINISTIC = ("index_add", "scatter_add", "_index_put_impl_")
+HAS_PYTORCH_DETERMINISTIC = ("index_add", "scatter_add")
 QUICK_ROUTED = {
     "nll_loss2d_forward": [((2, 3, 8, 8), (True, -100))],
     "_adaptive_avg_pool2d_backward": [((2, 3, 8, 8), (3, 3))],
@@ -168,7 +167,6 @@ QUICK_ROUTED = {
     "_ctc_loss_backward": [((12, 2, 5), 3)],
     "index_add": [((10,), 100)],
     "scatter_add": [((10,), 100)],
-    "_index_put_impl_": [((10, 4), 100)],
     "index_reduce": [((10, 4), (30, reduce, reduce != "amin")) for reduce in ("prod", "mean", "amax", "amin")],
     "scatter_reduce.two": [((10, 4), ((30, 4), 0))],
     "put_": [((10, 4), 100)],
@@ -330,12 +328,10 @@ def _routed_args(op, shape, arguments, device):
         values = randn(entries, *shape[1:])
         if op == "index_add":
             return (torch.zeros(shape, device=device), 0, index, values), {}
-        if op == "scatter_add":
-            if len(shape) == 1:
-                return (torch.zeros(shape, device=device), 0, index, values), {}
-            columns = torch.randint(0, shape[1], (shape[0], entries // shape[0]), generator=generator)
-            return (torch.zeros(shape, device=device), 1, columns.to(device), randn(*columns.shape)), {}
-        return (torch.zeros(shape, device=device), [index], values, True, False), {}
+        if len(shape) == 1:  # scatter_add
+            return (torch.zeros(shape, device=device), 0, index, values), {}
+        columns = torch.randint(0, shape[1], (shape[0], entries // shape[0]), generator=generator)
+        return (torch.zeros(shape, device=device), 1, columns.to(device), randn(*columns.shape)), {}
     if op == "index_reduce":  # index_reduce(self, dim, index, source, reduce, *, include_self=True)
         entries, reduce, include_self = arguments
         values = near_one if reduce == "prod" else randn
@@ -407,7 +403,7 @@ def routed_methods(op, shape, arguments, device):
             patch_refused_ops(routing)
             torch.use_deterministic_algorithms(deterministic)
 
-        def fresh():  # on a copy of ``self``: an in-place op (index_put_, put_) accumulates into it on every call
+        def fresh():  # on a copy of ``self``: an in-place op (put_) accumulates into it on every call
             return call(args[0].clone(), *args[1:])
 
         run.prepare, run.fresh = prepare, fresh

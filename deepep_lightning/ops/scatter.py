@@ -1,5 +1,4 @@
-"""Deterministic scatter-add (:func:`segment_scatter_add`) and the ``index_add`` / ``scatter_add`` /
-``index_put_(accumulate=True)`` routes built on it.
+"""Deterministic scatter-add (:func:`segment_scatter_add`) and the ``index_add`` / ``scatter_add`` routes built on it.
 
 PyTorch's CUDA ``index_add_`` and ``scatter_add_`` add with float ``atomicAdd``: the last bits of the
 result change from run to run. In deterministic mode PyTorch switches them to its sort-based
@@ -12,13 +11,19 @@ a fixed order (chunked, so one hot index does not serialise it). Routed at the d
   dtype, any ``dim``;
 * ``scatter_add`` / ``scatter_add_`` / ``scatter_add.out``: int64 index of ``self``'s rank (an index that
   repeats one row index across the other dims, ``index.view(-1, 1).expand_as(src)``, sorts one key per row,
-  any other one key per element);
-* ``_index_put_impl_`` with ``accumulate=True``: integer index tensors for the leading dims (no ``None``,
-  no boolean masks, which need a host sync), ``values`` broadcastable.
+  any other one key per element).
 
-Everything else runs PyTorch's kernel unchanged. The argmax-scatter backwards whose windows are known
-only through their indices (fractional max pooling, embedding_bag "max") use the same op
-(:mod:`deepep_lightning.ops.max_pool`).
+Everything else runs PyTorch's kernel unchanged. ``index_put_(accumulate=True)`` (the backward of every
+advanced-indexing gather: ``x[index]``, an MoE's token selection, a relative-position-bias table lookup) is
+not routed: PyTorch's CUDA kernel sorts the indices and sums each row in a fixed order in every mode, so it
+is bitwise reproducible already and deterministic mode costs it nothing. A route would put its Python wrapper
+(~20-40 us of host time) on every ``index_put_`` call, masked assignments included, and the zoo's attribution
+(``benchmarks/results/zoo/zoo.json``, measured with such a route) shows what that costs: Swin-T, MaxViT-T,
+Mask R-CNN and the Mixtral-style MoE each spent 1.9-2.9 ms more host time a step in it, and its sorted
+segment sums took longer on the GPU than PyTorch's kernel in both R-CNNs and the MoE.
+
+The argmax-scatter backwards whose windows are known only through their indices (fractional max pooling,
+embedding_bag "max") use the same op (:mod:`deepep_lightning.ops.max_pool`).
 
 Where it stands against PyTorch's atomic kernel: the cost is a stable radix sort of 32-bit keys over
 only the ``ceil(log2(size))`` bits a row number can use, a binary search per row and two summing passes.
@@ -29,7 +34,6 @@ deterministic path). ``benchmarks/bench_refused_ops.py`` measures both regimes.
 """
 
 import math
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -44,8 +48,6 @@ _DTYPES = FLOAT_DTYPES
 _INDEX_DTYPES = (torch.int64, torch.int32)
 _MAX_ENTRIES = 2**31 - 2  # entry ids are int32 in the kernel
 _MAX_ROWS = 2**32 - 2  # sort keys are uint32
-_MAX_INDEX_TENSORS = 8  # index_put_accumulate_'s kernel arguments (extensions/csrc/index_put_accumulate.h)
-_MAX_INDEX_DIMS = 8
 
 
 def segment_scatter_add_reference(
@@ -177,7 +179,6 @@ def _in_place_fake(self: Tensor, *args, **kwargs) -> None:
 
 def _register() -> None:
     torch.library.register_fake("deepep_lightning::segment_scatter_add")(_fake)
-    torch.library.register_fake("deepep_lightning::index_put_accumulate_")(_in_place_fake)
     torch.library.register_fake("deepep_lightning::segment_scatter_add_")(_in_place_fake)
     torch.library.register_autograd("deepep_lightning::segment_scatter_add", _backward, setup_context=_setup_context)
 
@@ -185,7 +186,7 @@ def _register() -> None:
 on_extension_loaded(_register)
 
 
-# ---- routes: index_add, scatter_add, _index_put_impl_(accumulate=True) ------------------------------------
+# ---- routes: index_add, scatter_add ---------------------------------------------------------------------
 
 
 def _route_reason(self: Tensor, *others: Tensor) -> str | None:
@@ -331,54 +332,6 @@ def _scatter_add_out(self, dim, index, src, *, out):
     return _write_out(out, _scatter_add(self, dim, index, src))
 
 
-def _broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:
-    """The shapes broadcast together (NumPy rules), or None where they do not broadcast.
-
-    ``torch.broadcast_shapes`` costs ~10 us a call (it serves symbolic shapes); a route pays this per op call.
-    """
-    result = [1] * max(len(shape) for shape in shapes)
-    for shape in shapes:
-        offset = len(result) - len(shape)
-        for position, size in enumerate(shape, offset):
-            if result[position] == 1:
-                result[position] = size
-            elif size != 1 and size != result[position]:
-                return None
-    return tuple(result)
-
-
-def _index_put_covers(self, indices, values, accumulate=False, unsafe=False) -> str | None:
-    if not accumulate:
-        return "accumulate=False is a plain (last-writer) put"
-    if not isinstance(values, Tensor) or not isinstance(indices, Sequence) or len(indices) == 0:
-        return "values must be a tensor and indices a non-empty list"
-    if any(not isinstance(i, Tensor) or i.dtype not in _INDEX_DTYPES for i in indices):
-        return "only int32/int64 index tensors for the leading dims are covered (no None, no masks)"
-    reason = _route_reason(self, values, *indices)
-    if reason is not None:
-        return reason
-    if len(indices) > min(self.dim(), _MAX_INDEX_TENSORS) or values.dtype != self.dtype:
-        return "too many indices, or values not of self's dtype"
-    index_shape = _broadcast_shape(*(i.shape for i in indices))
-    if index_shape is None:
-        return "the index tensors do not broadcast (PyTorch raises its own error)"
-    if len(index_shape) > _MAX_INDEX_DIMS:
-        return f"the indices broadcast to more than {_MAX_INDEX_DIMS} dimensions"
-    target = index_shape + tuple(self.shape[len(indices) :])
-    if _broadcast_shape(values.shape, target) != target:
-        return "values do not broadcast to the indexed shape (PyTorch raises its own error or broadcasts further)"
-    if math.prod(index_shape) > _MAX_ENTRIES:
-        return "too many index entries for the kernel's 32-bit ids"
-    return None
-
-
-def _index_put(self, indices, values, accumulate=False, unsafe=False):
-    # One op: the row of each index tuple (negative indices wrapped as PyTorch does, out of range a device-side
-    # assert), and the sorted sums straight into self; built in Python it costs ~25 op calls of host time.
-    torch.ops.deepep_lightning.index_put_accumulate_.default(self, list(indices), values)
-    return self
-
-
 for _route in (
     Route("index_add", _index_add, _index_add_covers),
     Route("index_add_", _index_add_inplace, _index_add_covers),
@@ -386,6 +339,5 @@ for _route in (
     Route("scatter_add", _scatter_add, _scatter_add_covers),
     Route("scatter_add_", _scatter_add_inplace, _scatter_add_covers),
     Route("scatter_add.out", _scatter_add_out, _scatter_add_covers),
-    Route("_index_put_impl_", _index_put, _index_put_covers),
 ):
     register_route(_route)

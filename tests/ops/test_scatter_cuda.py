@@ -1,4 +1,5 @@
-"""GPU tests of deepep_lightning::segment_scatter_add and the index_add / scatter_add / index_put_(accumulate) routes.
+"""GPU tests of deepep_lightning::segment_scatter_add, the index_add / scatter_add routes, and index_put_(accumulate)
+under the plugin (PyTorch's own sorted kernel, not routed).
 
 Run on the GPU machine: ``python -m pytest tests/ops/test_scatter_cuda.py -q``.
 """
@@ -148,8 +149,6 @@ ROUTED_OPS = {
     "index_add_": (_index_add_inplace, "index_add_"),
     "scatter_add": (_scatter_add, "scatter_add"),
     "scatter_add_": (_scatter_add_inplace, "scatter_add_"),
-    "index_put_accumulate": (_index_put, "_index_put_impl_"),
-    "index_put_two_indices": (_embedding_backward_like, "_index_put_impl_"),
 }
 
 
@@ -205,7 +204,7 @@ def test_uncovered_cases_keep_pytorch_results(deterministic_routing):
     assert torch.zeros(10, device="cuda").index_put_((mask,), values, accumulate=True).sum().item() == 3
 
 
-@pytest.mark.parametrize("name", ["index_add", "scatter_add", "index_put_accumulate"])
+@pytest.mark.parametrize("name", ["index_add", "scatter_add"])
 def test_routed_op_under_torch_compile(name, deterministic_routing):
     fn, _ = ROUTED_OPS[name]
     self, index, source = _route_inputs(entries=50_000)
@@ -219,7 +218,7 @@ def test_routed_op_under_torch_compile(name, deterministic_routing):
     torch.testing.assert_close(first, eager, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["index_add", "index_add_", "scatter_add", "index_put_accumulate"])
+@pytest.mark.parametrize("name", ["index_add", "index_add_", "scatter_add"])
 def test_routed_op_in_a_cuda_graph(name, deterministic_routing):
     fn, _ = ROUTED_OPS[name]
     self, index, source = _route_inputs(entries=50_000)
@@ -240,30 +239,25 @@ def test_routed_op_in_a_cuda_graph(name, deterministic_routing):
     assert torch.equal(captured, fn(self, index, source))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_index_put_accumulate_cases_match_the_cpu_kernel_and_repeat_bitwise(dtype):
-    """Negative and int32 indices, broadcast indices and values, three index tensors, no entries, a
-    non-contiguous self: the CUDA kernel's row of every entry is the CPU kernel's (float64 sums agree to
-    rounding), repeated runs are bitwise equal, and a contiguous self is written in place."""
-    from tests.ops._index_put_cases import index_put_cases
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fn", [_index_put, _embedding_backward_like], ids=["one_index", "two_indices_broadcast"])
+def test_index_put_accumulate_under_the_plugin_is_pytorchs_kernel_and_repeats_bitwise(fn, dtype, deterministic_routing):
+    """index_put_(accumulate=True), the backward of every advanced-indexing gather, is PyTorch's sorted kernel in
+    both modes: under the plugin (deterministic mode, routes on) it repeats bitwise, equals the plain run's bits
+    (no tax, no change of result) and is near the float64 oracle. Hot rows: 200,000 entries into 1000 rows."""
+    from deepep_lightning.ops._routes import installed_ops
 
-    op = torch.ops.deepep_lightning.index_put_accumulate_.default
-    for name, self, indices, values in index_put_cases("cuda", dtype):
-        expected = self.double().cpu()
-        op(expected, [index.cpu() for index in indices], values.double().cpu())
-        target = self.clone()
-        pointer = target.data_ptr()
-        op(target, indices, values)
-        assert target.data_ptr() == pointer, name
-        _assert_near_oracle(target, expected, dtype)
-        for _ in range(5):
-            again = self.clone()
-            op(again, indices, values)
-            assert torch.equal(again, target), name
-        strided = self.clone().t().contiguous().t() if self.dim() == 2 else None
-        if strided is not None and not strided.is_contiguous():
-            op(strided, indices, values)
-            assert torch.equal(strided, target), name
+    assert "_index_put_impl_" not in installed_ops()
+    self, index, source = _route_inputs(dtype)
+    ours = fn(self, index, source)
+    for _ in range(20):
+        assert torch.equal(fn(self, index, source), ours)
+    oracle = fn(self.double().cpu(), index.cpu(), source.double().cpu())
+    # PyTorch sums each row's ~200 entries sequentially in float (opmath): a few hundred float32 roundings
+    scale = oracle.abs().max().item()
+    torch.testing.assert_close(ours.double().cpu(), oracle, rtol=0, atol=max(RTOL[dtype] * 4, 1e-4) * scale)
+    torch.use_deterministic_algorithms(False)
+    assert torch.equal(fn(self, index, source), ours)
 
 
 @pytest.mark.parametrize("dim", [0, 1])

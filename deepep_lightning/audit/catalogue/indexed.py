@@ -88,7 +88,7 @@ INDEXED_ENTRIES: list[CatalogueEntry] = [
             ("index_add_", "duplicate indices, atomic on CUDA", ("index_add_",)),
             ("scatter_add_", "duplicate indices, atomic on CUDA", ("scatter_add_",)),
             ("scatter_reduce_sum", "duplicate indices", ()),
-            ("index_put_accumulate", "index_put_(accumulate=True)", ("_index_put_impl_",)),
+            ("index_put_accumulate", "index_put_(accumulate=True), sorted in every mode", ()),
             ("put_accumulate", "put_(accumulate=True)", ("put_",)),
             ("bincount_weights", "weighted bincount", ("bincount",)),
             ("index_copy_duplicates", "index_copy_, duplicate indices", ()),

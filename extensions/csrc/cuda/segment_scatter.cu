@@ -33,8 +33,6 @@
 
 #include <cub/device/device_radix_sort.cuh>
 
-#include "../index_put_accumulate.h"
-
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -280,92 +278,17 @@ at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& ind
   return out;
 }
 
-// self (viewed as `view`) += alpha * the sums of src's entries by index along dim: written in place where self
-// is contiguous and src does not overlap it, else into a contiguous buffer copied back into self.
-void segment_scatter_add_into_self(const at::Tensor& self, at::IntArrayRef view, const at::Tensor& src,
-                                   const at::Tensor& index, int64_t dim, double alpha) {
-  const bool in_place = self.is_contiguous() && at::get_overlap_status(self, src) == at::MemOverlapStatus::No;
-  const at::Tensor out = in_place ? self : empty_unfilled(self.sizes(), self.scalar_type(), self.device());
-  const at::Tensor base = in_place ? self : self.contiguous();
-  at::Tensor out_view = out.view(view);
-  segment_scatter_add_into(src, index, view[dim], dim, base.view(view), alpha, out_view);
-  if (!in_place) self.copy_(out);
-}
-
+// self += alpha * the sums of src's entries by index along dim: written in place where self is contiguous and src
+// does not overlap it, else into a contiguous buffer copied back into self.
 void segment_scatter_add_inplace_cuda(const at::Tensor& self, const at::Tensor& src, const at::Tensor& index,
                                       int64_t dim, double alpha) {
   segment_scatter_output_shape(src, index, self.dim() > dim ? self.size(dim) : 0, dim, self);
   TORCH_CHECK(src.is_cuda(), "segment_scatter_add_: src must be a CUDA tensor, got ", src.device());
   const c10::cuda::CUDAGuard device_guard(src.device());
-  segment_scatter_add_into_self(self, self.sizes(), src, index, dim, alpha);
-}
-
-// ---- index_put_accumulate_ ------------------------------------------------------------------------------------
-
-struct FlatIndexArgs {
-  const int64_t* data[kMaxIndexTensors];
-  int64_t strides[kMaxIndexTensors][kMaxIndexDims];  // element strides over the broadcast shape, 0 where broadcast
-  int64_t extent[kMaxIndexTensors];                  // the size of the dimension each tensor indexes
-  int64_t shape[kMaxIndexDims];                      // the broadcast index shape
-  int32_t tensors;
-  int32_t dims;
-};
-
-// flat[e] = the row, in self viewed as [rows, *inner], of entry e of the broadcast index shape: the index
-// tuple's components wrapped (negative ones count from the end) and asserted in range, combined row-major.
-__global__ void flat_index_kernel(const int64_t entries, const FlatIndexArgs args, int64_t* __restrict__ flat) {
-  const int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  if (e >= entries) return;
-  int64_t coordinate[kMaxIndexDims];
-  int64_t rest = e;
-  for (int d = args.dims - 1; d >= 0; --d) {
-    coordinate[d] = rest % args.shape[d];
-    rest /= args.shape[d];
-  }
-  int64_t row = 0;
-  for (int j = 0; j < args.tensors; ++j) {
-    int64_t offset = 0;
-    for (int d = 0; d < args.dims; ++d) offset += coordinate[d] * args.strides[j][d];
-    int64_t value = args.data[j][offset];
-    const int64_t extent = args.extent[j];
-    CUDA_KERNEL_ASSERT(value >= -extent && value < extent && "index_put_: index out of range");
-    if (value < 0) value += extent;
-    row = row * extent + value;
-  }
-  flat[e] = row;
-}
-
-void index_put_accumulate_cuda_(const at::Tensor& self, at::TensorList indices, const at::Tensor& values) {
-  const IndexPutShape shape = index_put_shape(self, indices, values);
-  TORCH_CHECK(self.is_cuda(), "index_put_accumulate_: self must be a CUDA tensor, got ", self.device());
-  if (shape.entries == 0 || self.numel() == 0) return;
-  TORCH_CHECK(shape.entries < INT_MAX, "index_put_accumulate_: the indices hold ", shape.entries,
-              " entries, at most 2^31 - 2 are taken");
-  const c10::cuda::CUDAGuard device_guard(self.device());
-  FlatIndexArgs args{};
-  args.tensors = static_cast<int32_t>(indices.size());
-  args.dims = static_cast<int32_t>(shape.index_shape.size());
-  std::vector<at::Tensor> longs;  // keeps int32 indices' int64 copies alive until the launch
-  longs.reserve(indices.size());
-  for (size_t j = 0; j < indices.size(); ++j) {
-    longs.push_back(indices[j].scalar_type() == at::kLong ? indices[j] : indices[j].to(at::kLong));
-    const at::Tensor& index = longs.back();
-    args.data[j] = index.data_ptr<int64_t>();
-    args.extent[j] = self.size(static_cast<int64_t>(j));
-    const int64_t skip = args.dims - index.dim();  // broadcasting aligns the trailing dimensions
-    for (int64_t d = 0; d < args.dims; ++d) {
-      args.strides[j][d] = d < skip || index.size(d - skip) == 1 ? 0 : index.stride(d - skip);
-    }
-  }
-  for (int64_t d = 0; d < args.dims; ++d) args.shape[d] = shape.index_shape[d];
-  at::Tensor flat = empty_unfilled({shape.entries}, at::kLong, self.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  flat_index_kernel<<<blocks_for(shape.entries), kThreads, 0, stream>>>(shape.entries, args, flat.data_ptr<int64_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-  std::vector<int64_t> row_view = {shape.rows};
-  row_view.insert(row_view.end(), shape.inner.begin(), shape.inner.end());
-  segment_scatter_add_into_self(self, row_view, index_put_rows(shape, values), flat, 0, 1.0);
+  const bool in_place = self.is_contiguous() && at::get_overlap_status(self, src) == at::MemOverlapStatus::No;
+  at::Tensor out = in_place ? self : empty_unfilled(self.sizes(), self.scalar_type(), self.device());
+  segment_scatter_add_into(src, index, self.size(dim), dim, in_place ? self : self.contiguous(), alpha, out);
+  if (!in_place) self.copy_(out);
 }
 
 }  // namespace
@@ -373,7 +296,6 @@ void index_put_accumulate_cuda_(const at::Tensor& self, at::TensorList indices, 
 TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("segment_scatter_add", &segment_scatter_add_cuda);
   m.impl("segment_scatter_add_", &segment_scatter_add_inplace_cuda);
-  m.impl("index_put_accumulate_", &index_put_accumulate_cuda_);
 }
 
 }  // namespace deepep_lightning
