@@ -147,6 +147,8 @@ from deepep_lightning import DeterminismCallback
 
 mode = sys.argv[1]
 accelerator = "cuda" if mode.startswith("cuda") else "cpu"
+if mode == "cuda_exported":  # the user's own setting: the callback keeps it
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
 if mode != "unseeded" and mode != "strict":
     pl.seed_everything(3, verbose=False)
 if mode == "cuda_used":  # a GEMM before fit: cuBLAS has sized its workspace, too late for the setting
@@ -160,6 +162,7 @@ class Module(pl.LightningModule):
         self.net = model
 
     def training_step(self, batch, batch_idx):
+        print("CUBLAS_WORKSPACE_CONFIG in the step:", os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
         return self.net(batch).pow(2).mean()
 
     def configure_optimizers(self):
@@ -204,20 +207,26 @@ def test_a_model_built_before_any_seed_is_reported(
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("mode", "exit_code"),
-    [("cuda_fresh", 0), ("cuda_used", 3)],
-    ids=["setup_configures_in_time", "negative_control_gemm_before_fit_is_refused"],
+    ("mode", "exit_code", "in_the_step"),
+    [("cuda_fresh", 0, "None"), ("cuda_used", 3, None), ("cuda_exported", 0, ":4096:8")],
+    ids=["setup_configures_in_time", "negative_control_gemm_before_fit_is_refused", "a_user_export_is_kept"],
 )
 def test_setup_configures_cuda_in_time_unless_cublas_already_ran(
-    tmp_path: Path, fit_process, mode: str, exit_code: int
+    tmp_path: Path, fit_process, mode: str, exit_code: int, in_the_step: str | None
 ) -> None:
-    """Trainer starts CUDA (``set_device``) before the callback's ``setup``; no cuBLAS call has run by then."""
+    """Trainer starts CUDA (``set_device``) before the callback's ``setup``; no cuBLAS call has run by then.
+
+    The training steps run without the ``CUBLAS_WORKSPACE_CONFIG`` that ``configure()`` set (released at train
+    start once cuBLAS has read it: some PyTorch versions parse it on every cuBLAS call), and with the value a
+    user exported."""
     script = tmp_path / "cuda_setup.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     process = fit_process(script, [mode], log_path=tmp_path / "log.txt")
     assert process.wait() == exit_code, process.output_tail()
     output = process.output_tail(20000)
     assert ("REFUSED:" in output and "CUBLAS_WORKSPACE_CONFIG" in output) is (exit_code == 3), output
+    if in_the_step is not None:
+        assert f"CUBLAS_WORKSPACE_CONFIG in the step: {in_the_step}" in output, output
 
 
 def test_lightning_cli_seed_everything_reaches_the_checkpoint(tmp_path: Path, boring_module, no_seed_anywhere) -> None:
