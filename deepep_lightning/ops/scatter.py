@@ -17,10 +17,11 @@ Everything else runs PyTorch's kernel unchanged. ``index_put_(accumulate=True)``
 advanced-indexing gather: ``x[index]``, an MoE's token selection, a relative-position-bias table lookup) is
 not routed: PyTorch's CUDA kernel sorts the indices and sums each row in a fixed order in every mode, so it
 is bitwise reproducible already and deterministic mode costs it nothing. A route would put its Python wrapper
-(~20-40 us of host time) on every ``index_put_`` call, masked assignments included, and the zoo's attribution
-(``benchmarks/results/zoo/zoo.json``, measured with such a route) shows what that costs: Swin-T, MaxViT-T,
-Mask R-CNN and the Mixtral-style MoE each spent 1.9-2.9 ms more host time a step in it, and its sorted
-segment sums took longer on the GPU than PyTorch's kernel in both R-CNNs and the MoE.
+(5-20 us of host time a call on the H100, BENCHMARKS.md) on every ``index_put_`` call, masked assignments
+included, and the zoo's attribution (``benchmarks/results/zoo/zoo.json``, measured with such a route) shows
+what that costs: Swin-T, MaxViT-T, Mask R-CNN and the Mixtral-style MoE each spent 1.9-2.9 ms more host time
+a step in it, and its sorted segment sums took longer on the GPU than PyTorch's kernel in both R-CNNs and the
+MoE.
 
 The argmax-scatter backwards whose windows are known only through their indices (fractional max pooling,
 embedding_bag "max") use the same op (:mod:`deepep_lightning.ops.max_pool`).
