@@ -255,6 +255,8 @@ def timing_stage(
             "timing_error": failed["error"],
         }
     fields["tax"] = tax(pairs, args.warmup, args.steps)
+    # the cuBLAS variable the plugin's timed steps ran under (None once the callback released it on CUDA)
+    fields["plugin_cublas_workspace_config"] = [plugin.get("cublas_workspace_config") for _, plugin in pairs]
     profiled = [pair for pair in pairs if "profile" in pair[0] and "profile" in pair[1]]
     fields["attribution"] = attribution([plain for plain, _ in profiled], [plugin for _, plugin in profiled])
     return fields

@@ -53,6 +53,8 @@ def test_a_deterministic_model_is_bitwise_and_its_tax_and_attribution_are_filled
     assert {"kernels", "ops"} <= record["attribution"].keys()  # CPU: op times, no kernels
     assert record["timing_wall_s"] > 0 and record["verdict_wall_s"] > 0  # what the integrator plans with
     assert record["timing_device"] == "cpu"
+    # configure() sets the cuBLAS variable; only a CUDA run releases it at train start
+    assert record["plugin_cublas_workspace_config"] == [":4096:8", ":4096:8"]
     assert record["wall_s"] == round(record["verdict_wall_s"] + record["timing_wall_s"], 1)
     assert result["summary"]["timed"] == 1 and result["environment"]["torch"] == torch.__version__
 
