@@ -304,28 +304,36 @@ def _scatter_add(self, dim, index, src):
     if terms is not None:
         values, rows = terms
         return torch.ops.deepep_lightning.segment_scatter_add.default(values, rows, base.shape[dim], dim, base, 1.0)
-    torch._assert_async(((index >= 0) & (index < self.shape[dim])).all(), "scatter_add: index out of range")
+    return _scatter_add_elements(base, dim, index, src)
+
+
+def _scatter_add_elements(base: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    """``base.scatter_add(dim, index, src)`` for a contiguous ``base``, one sort key per index element."""
+    torch._assert_async(((index >= 0) & (index < base.shape[dim])).all(), "scatter_add: index out of range")
     strides = base.stride()
-    # Flat position in self of each index entry: index * stride[dim] + coordinate * stride[d], d != dim.
+    # Flat position in base of each index entry: index * stride[dim] + coordinate * stride[d], d != dim.
     flat = index * strides[dim]
-    for d in range(self.dim()):
+    for d in range(base.dim()):
         if d != dim and index.shape[d] > 1:
-            shape = [1] * self.dim()
+            shape = [1] * base.dim()
             shape[d] = index.shape[d]
             flat = flat + torch.arange(index.shape[d], device=index.device).view(shape) * strides[d]
     values = src[tuple(slice(0, n) for n in index.shape)]
     summed = torch.ops.deepep_lightning.segment_scatter_add.default(
         values.reshape(-1), flat.reshape(-1), base.numel(), 0, base.view(-1), 1.0
     )
-    return summed.view(self.shape)
+    return summed.view(base.shape)
 
 
 def _scatter_add_inplace(self, dim, index, src):
-    terms = _row_terms(self, dim % self.dim(), index, src)
+    dim %= self.dim()
+    if index.numel() == 0:
+        return self
+    terms = _row_terms(self, dim, index, src)
     if terms is None:  # one key per element: summed over a flat copy of self
-        return self.copy_(_scatter_add(self, dim, index, src))
+        return self.copy_(_scatter_add_elements(self.contiguous(), dim, index, src))
     values, rows = terms
-    torch.ops.deepep_lightning.segment_scatter_add_.default(self, values, rows, dim % self.dim(), 1.0)
+    torch.ops.deepep_lightning.segment_scatter_add_.default(self, values, rows, dim, 1.0)
     return self
 
 
