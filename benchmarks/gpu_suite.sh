@@ -277,10 +277,10 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
       run bench_learning 560 python3 benchmarks/bench_learning.py --out "$RESULTS/learning" \
         --seeds 0 1 2 3 4 5 6 7 8 9 --parallel 10 ;;
     fit)
-      while read -r label options; do
+      while read -r label options; do  # each run's TensorBoard logs (~4 MiB) stay off the packed results
         [ -n "$label" ] || continue
         # shellcheck disable=SC2086 # options is a list of bench_fit.py options
-        run fit_$label 560 python3 benchmarks/bench_fit.py --out "$RESULTS/learning" --logs "$LOGS/fit" \
+        run fit_$label 560 python3 benchmarks/bench_fit.py --out "$RESULTS/learning" --logs /tmp/fit_logs \
           --config configs/gpu.yaml --seeds 0 1 2 3 4 5 6 7 8 9 --parallel 10 --label "$label" $options
       done <<< "${FIT_RUNS:-gpu_yaml --alone 3}" ;;
     collapse_recovery)
