@@ -236,6 +236,9 @@ def jit_build_and_load() -> tuple[Path, bool]:
         verbose=os.environ.get(VERBOSE_ENV, "0") == "1",
     )
     if announcement is not None:
+        # ninja leaves the library as it is when no source it compiles changed (a .cu edited before a CPU-only
+        # build): marking it current keeps the next load from announcing a build again
+        (directory / f"{name}.so").touch()
         announcement.done()
     return directory / f"{name}.so", with_cuda
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,27 @@ def test_a_first_build_prints_both_lines_and_a_cached_load_none(stub_build, tmp_
     extension_loader.jit_build_and_load()
     again = _lines(capsys)
     assert len(again) == 2 and again[0].startswith(BUILDING) and again[1].startswith(BUILT)
+
+
+def test_a_cuda_source_edited_before_a_cpu_build_is_announced_once(stub_build, tmp_path, capsys, monkeypatch):
+    """ninja leaves a CPU-only build's library alone when only a ``.cu`` changed; the load after that says nothing."""
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
+    extension_loader.jit_build_and_load()
+    _lines(capsys)
+
+    def up_to_date_load(name, sources, build_directory, **kwargs):  # nothing it compiles changed: no new library
+        assert not any(source.endswith(".cu") for source in sources)
+
+    monkeypatch.setattr(cpp_extension, "load", up_to_date_load)
+    library = tmp_path / "extensions" / "deepep_lightning_ext_cpu" / "deepep_lightning_ext_cpu.so"
+    now = time.time()
+    os.utime(library, (now - 100, now - 100))
+    kernel = next(extension_loader.csrc_dir().rglob("*.cu"))
+    os.utime(kernel, (now - 50, now - 50))  # newer than the library, as after an edit
+    extension_loader.jit_build_and_load()
+    assert len(_lines(capsys)) == 2  # a source is newer: the load asks ninja, and says so
+    extension_loader.jit_build_and_load()
+    assert _lines(capsys) == []  # the library was marked current: no second announcement
 
 
 def test_other_ranks_build_silently(stub_build, capsys, monkeypatch):
