@@ -328,6 +328,23 @@ class ChildProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
+    @staticmethod
+    def wait_all(processes: dict[str, ChildProcess], idle_timeout_s: float = IDLE_TIMEOUT_S) -> dict[str, int]:
+        """The exit code of each of ``processes`` (started together, so their start-ups overlap), by name.
+
+        Each is waited for as :meth:`wait` does; when one fails the test, every other one is killed too.
+
+        Example::
+
+            runs = {name: FitProcess(script, [name], log_path=tmp_path / f"{name}.txt") for name in ("a", "b")}
+            assert FitProcess.wait_all(runs) == {"a": 0, "b": 0}
+        """
+        try:
+            return {name: process.wait(idle_timeout_s) for name, process in processes.items()}
+        finally:
+            for process in processes.values():
+                process.kill()
+
 
 class FitProcess(ChildProcess):
     """A test script (usually one ``fit``) run with this interpreter as a :class:`ChildProcess`.

@@ -31,13 +31,21 @@ pytestmark = [
 ]
 
 
-def _run(fit_process, out: Path, *args: str, expect_ok: bool = True) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    process = fit_process(SCRIPT, ["--out", str(out), *args], log_path=out / "log.txt", cwd=out)
-    code = process.wait()
-    if expect_ok:
-        assert code == 0, process.output_tail()
-    return out
+def _run_together(
+    fit_process, root: Path, runs: dict[str, list[str]], may_fail: tuple[str, ...] = ()
+) -> dict[str, Path]:
+    """Start every run (name: arguments, its directory ``root / name``) at once; wait for all of them.
+
+    Each must exit with 0 unless it is named in ``may_fail``."""
+    processes = {}
+    for name, args in runs.items():
+        out = root / name
+        out.mkdir(parents=True, exist_ok=True)
+        processes[name] = fit_process(SCRIPT, ["--out", str(out), *args], log_path=out / "log.txt", cwd=out)
+    codes = fit_process.wait_all(processes)
+    for name, code in codes.items():
+        assert code == 0 or name in may_fail, f"{name}: exit code {code}\n{processes[name].output_tail()}"
+    return {name: root / name for name in runs}
 
 
 def _rank(out: Path, rank: int) -> dict:
@@ -70,30 +78,35 @@ def _without_loader_position(directory: Path, copy: Path) -> Path:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp2")
-    runs = {"A": _run(fit_process, root / "A", "--health", "--ckpt-every", "4")}
-    runs["K"] = _run(fit_process, root / "K", "--health", "--ckpt-every", "4", "--kill-at", "9", expect_ok=False)
-    runs["R"] = _run(fit_process, root / "R", "--health", "--resume", str(runs["K"] / "ckpt-step8"))
-    stripped = _without_loader_position(runs["K"] / "ckpt-step8", root / "stripped")
-    runs["N"] = _run(fit_process, root / "N", "--health", "--resume", str(stripped))
-    runs["C"] = _run(
+    # the runs that need no other run's checkpoint, then those that resume one
+    runs = _run_together(
         fit_process,
-        root / "C",
-        "--health",
-        "--snapshot-dir",
-        str(root / "C" / "snapshots"),
-        "--fault-rank",
-        "1",
-        "--fault-step",
-        str(FAULT_STEP),
-        "--truncate-snapshot-rank",
-        "0",
+        root,
+        {
+            "A": ["--health", "--ckpt-every", "4"],
+            "K": ["--health", "--ckpt-every", "4", "--kill-at", "9"],
+            "C": [
+                "--health",
+                "--snapshot-dir",
+                str(root / "C" / "snapshots"),
+                "--fault-rank",
+                "1",
+                "--fault-step",
+                str(FAULT_STEP),
+                "--truncate-snapshot-rank",
+                "0",
+            ],
+            "L": ["--health", "--nan-op-rank", "1", "--fault-step", "4", "--max-epochs", "1"],
+        },
+        may_fail=("K",),
     )
-    runs["L"] = _run(
-        fit_process, root / "L", "--health", "--nan-op-rank", "1", "--fault-step", "4", "--max-epochs", "1"
-    )
-    runs["W"] = _run(
-        fit_process, root / "W", "--devices", "1", "--resume", str(runs["A"] / "ckpt-step8"), expect_ok=False
-    )
+    stripped = _without_loader_position(runs["K"] / "ckpt-step8", root / "stripped")
+    resumes = {
+        "R": ["--health", "--resume", str(runs["K"] / "ckpt-step8")],
+        "N": ["--health", "--resume", str(stripped)],
+        "W": ["--devices", "1", "--resume", str(runs["A"] / "ckpt-step8")],
+    }
+    runs.update(_run_together(fit_process, root, resumes, may_fail=("W",)))
     return runs
 
 
@@ -181,10 +194,16 @@ def test_resume_on_another_mesh_is_refused_naming_both(two):
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp2_4")
-    runs = {"A4": _run(fit_process, root / "A4", "--devices", "4", "--no-reseed", "--ckpt-every", "2")}
-    resume = str(runs["A4"] / "ckpt-step4")
-    runs["R4"] = _run(fit_process, root / "R4", "--devices", "4", "--no-reseed", "--resume", resume)
-    runs["T4"] = _run(fit_process, root / "T4", "--devices", "4", "--tensor-parallel", "2", "--health")
+    runs = _run_together(
+        fit_process,
+        root,
+        {
+            "A4": ["--devices", "4", "--no-reseed", "--ckpt-every", "2"],
+            "T4": ["--devices", "4", "--tensor-parallel", "2", "--health"],
+        },
+    )
+    resume = ["--devices", "4", "--no-reseed", "--resume", str(runs["A4"] / "ckpt-step4")]
+    runs.update(_run_together(fit_process, root, {"R4": resume}))
     return runs
 
 
