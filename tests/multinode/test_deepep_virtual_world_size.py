@@ -25,24 +25,38 @@ STEPS = 6
 SAVED_AT = 2  # mid-epoch (4 optimizer steps per epoch)
 
 
-def _run(fit_process, directory: Path, processes: int, virtual: int | None, *extra: str) -> Path:
+def _start(fit_process, directory: Path, processes: int, virtual: int | None, *extra: str):
     directory.mkdir()
     args = ["--out", str(directory), "--devices", str(processes), "--max-steps", str(STEPS), *extra]
     if virtual is not None:
         args += ["--virtual", str(virtual)]
-    process = fit_process(SCRIPT, args, log_path=directory / "log.txt", cwd=directory)
-    assert process.wait() == 0, process.output_tail()
-    return directory
+    return fit_process(SCRIPT, args, log_path=directory / "log.txt", cwd=directory)
+
+
+def _run_together(fit_process, root: Path, runs: dict[str, tuple]) -> dict[str, Path]:
+    """Start every run (name: ``(processes, virtual, *extra)``, in ``root / name``) at once; each must exit 0."""
+    started = {name: _start(fit_process, root / name, *run) for name, run in runs.items()}
+    for name, code in fit_process.wait_all(started).items():
+        assert code == 0, f"{name}: exit code {code}\n{started[name].output_tail()}"
+    return {name: root / name for name in runs}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepep_virtual")
-    out = {f"virtual{w}": _run(fit_process, root / f"virtual{w}", w, VIRTUAL) for w in (1, 4)}
-    out["virtual2"] = _run(fit_process, root / "virtual2", 2, VIRTUAL, "--save-at", str(SAVED_AT))
+    out = _run_together(
+        fit_process,
+        root,
+        {
+            "virtual1": (1, VIRTUAL),
+            "virtual4": (4, VIRTUAL),
+            "virtual2": (2, VIRTUAL, "--save-at", str(SAVED_AT)),
+            "plain1": (1, None),
+            "plain2": (2, None),
+        },
+    )
     resume = ("--resume", str(out["virtual2"] / f"step{SAVED_AT}.ckpt"))
-    out["resumed2"] = _run(fit_process, root / "resumed2", 2, VIRTUAL, *resume)
-    out.update({f"plain{w}": _run(fit_process, root / f"plain{w}", w, None) for w in (1, 2)})
+    out.update(_run_together(fit_process, root, {"resumed2": (2, VIRTUAL, *resume)}))
     return out
 
 

@@ -21,11 +21,17 @@ import torch
 SCRIPT = Path(__file__).with_name("_epoch_end_resume_run.py")
 
 
-def _run(fit_process, directory: Path, *args: str) -> Path:
-    directory.mkdir()
-    process = fit_process(SCRIPT, ["--out", str(directory), *args], log_path=directory / "log.txt", cwd=directory)
-    assert process.wait() == 0, process.output_tail()
-    return directory
+def _run_together(fit_process, root: Path, runs: dict[str, list[str]]) -> dict[str, Path]:
+    """Start every run (name: arguments, in ``root / name``) at once; each must exit 0."""
+    started = {}
+    for name, args in runs.items():
+        directory = root / name
+        directory.mkdir()
+        args = ["--out", str(directory), *args]
+        started[name] = fit_process(SCRIPT, args, log_path=directory / "log.txt", cwd=directory)
+    for name, code in fit_process.wait_all(started).items():
+        assert code == 0, f"{name}: exit code {code}\n{started[name].output_tail()}"
+    return {name: root / name for name in runs}
 
 
 def _micro(directory: Path, rank: int = 0) -> list[list]:
@@ -46,10 +52,10 @@ def _weights_equal(a: Path, b: Path, rank: int = 0) -> bool:
 )
 def test_epoch_end_resume_is_bitwise_exact(tmp_path, fit_process, module, devices, virtual):
     config = ["--module", module, "--devices", str(devices), "--virtual", str(virtual)]
-    full = _run(fit_process, tmp_path / "full", *config)
-    checkpoint = str(full / "epoch0.ckpt")
-    resumed = _run(fit_process, tmp_path / "resumed", *config, "--resume", checkpoint)
-    control = _run(fit_process, tmp_path / "control", *config, "--resume", checkpoint, "--lightning-restart")
+    full = _run_together(fit_process, tmp_path, {"full": config})["full"]
+    resume = [*config, "--resume", str(full / "epoch0.ckpt")]
+    resumes = _run_together(fit_process, tmp_path, {"resumed": resume, "control": [*resume, "--lightning-restart"]})
+    resumed, control = resumes["resumed"], resumes["control"]
     for rank in range(devices):
         after = _micro(resumed, rank)
         assert after[0][:2] == [1, 0]  # the resume starts epoch 1 at its first batch

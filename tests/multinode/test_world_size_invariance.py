@@ -37,16 +37,16 @@ def test_micro_batch_rows_are_added_in_order():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, fit_process) -> dict[int, Path]:
     root = tmp_path_factory.mktemp("invariance")
-    out = {}
-    for processes in (1, 2, 4):
+    started = {}
+    for processes in (1, 2, 4):  # all at once
         directory = root / f"w{processes}"
         directory.mkdir()
         args = ["--out", str(directory), "--devices", str(processes), "--accumulate", str(VIRTUAL // processes)]
         args += ["--no-health", "--strategy-kwargs", json.dumps({"virtual_world_size": VIRTUAL})]
-        process = fit_process(SCRIPT, args, log_path=directory / "log.txt", cwd=directory)
-        assert process.wait() == 0, process.output_tail()
-        out[processes] = directory
-    return out
+        started[processes] = fit_process(SCRIPT, args, log_path=directory / "log.txt", cwd=directory)
+    for processes, code in fit_process.wait_all(started).items():
+        assert code == 0, started[processes].output_tail()
+    return {processes: root / f"w{processes}" for processes in started}
 
 
 def _weights(directory: Path) -> dict[str, torch.Tensor]:

@@ -22,10 +22,9 @@ SEED, NUM_SAMPLES = 321, 32  # as in _ddp_run.py
 FAULT_STEP = 5  # 4 steps per epoch: the rollback restores the epoch-end snapshot and replays across the boundary
 
 
-def _ok(fit_process, out: Path, *args: str) -> Path:
-    process = fit_process(SCRIPT, ["--out", str(out), *args], log_path=out / "log.txt", cwd=out)
-    assert process.wait() == 0, process.output_tail()
-    return out
+def _start(fit_process, out: Path, *args: str):
+    out.mkdir(parents=True, exist_ok=True)
+    return fit_process(SCRIPT, ["--out", str(out), *args], log_path=out / "log.txt", cwd=out)
 
 
 def _rank(out: Path, rank: int) -> dict:
@@ -43,23 +42,18 @@ def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ddp")
-    return {
-        "A": _ok(fit_process, root / "A", "--save-ckpt"),
-        "B": _ok(fit_process, root / "B"),
-        "C": _ok(fit_process, root / "C", "--fault-rank", "1", "--fault-step", str(FAULT_STEP)),
+    arguments = {
+        "A": ["--save-ckpt"],
+        "B": [],
+        "C": ["--fault-rank", "1", "--fault-step", str(FAULT_STEP)],
         # one process, two micro-batches per step (the health callbacks need accumulate_grad_batches=1)
-        "V": _ok(
-            fit_process,
-            root / "V",
-            "--devices",
-            "1",
-            "--no-health",
-            "--accumulate",
-            "2",
-            "--strategy-kwargs",
-            json.dumps({"virtual_world_size": 2}),
-        ),
+        "V": ["--devices", "1", "--no-health", "--accumulate", "2"]
+        + ["--strategy-kwargs", json.dumps({"virtual_world_size": 2})],
     }
+    started = {name: _start(fit_process, root / name, *args) for name, args in arguments.items()}  # all at once
+    for name, code in fit_process.wait_all(started).items():
+        assert code == 0, f"{name}: exit code {code}\n{started[name].output_tail()}"
+    return {name: root / name for name in arguments}
 
 
 def test_comparison_detects_one_ulp():
