@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Run:
+    """One launch: ``_multinode_run.py`` arguments, simulated nodes, node-local directories, the exit code expected."""
+
+    args: list[str] = field(default_factory=list)
+    nodes: int = 1
+    node_local: bool = False
+    expect: int = 0
+
+
 class Runs:
     """Launches a run the first time a test asks for it; ``dirs[name][node]`` is that node's directory."""
 
@@ -46,25 +57,30 @@ class Runs:
         self.codes: dict[str, list[int]] = {}
 
     def launch(self, name: str, *args: str, nodes: int = 1, node_local: bool = False, expect: int = 0) -> list[Path]:
-        if name in self.dirs:
-            return self.dirs[name]
-        port = str(_free_port())
-        dirs = [self.root / name / (f"node{n}" if node_local else "") for n in range(nodes)]
-        processes = [
-            self.fit_process(
-                SCRIPT,
-                ["--out", str(out), "--num-nodes", str(nodes), "--node-rank", str(n)]
-                + ["--devices", str(4 // nodes), "--port", port, *args],
-                log_path=self.root / name / f"node{n}.log",
-                cwd=self.root,
-            )
-            for n, out in enumerate(dirs)
-        ]
-        self.codes[name] = [process.wait() for process in processes]
-        for process, code in zip(processes, self.codes[name]):
-            assert code == expect, process.output_tail()
-        self.dirs[name] = dirs
-        return dirs
+        return self.launch_together({name: Run(list(args), nodes, node_local, expect)})[name]
+
+    def launch_together(self, runs: dict[str, Run]) -> dict[str, list[Path]]:
+        """Start every run not made yet at once (their start-ups overlap); every run's node directories."""
+        processes, made = {}, {}
+        for name, run in runs.items():
+            if name in self.dirs:
+                continue
+            port = str(_free_port())
+            made[name] = [self.root / name / (f"node{n}" if run.node_local else "") for n in range(run.nodes)]
+            for n, out in enumerate(made[name]):
+                processes[name, n] = self.fit_process(
+                    SCRIPT,
+                    ["--out", str(out), "--num-nodes", str(run.nodes), "--node-rank", str(n)]
+                    + ["--devices", str(4 // run.nodes), "--port", port, *run.args],
+                    log_path=self.root / name / f"node{n}.log",
+                    cwd=self.root,
+                )
+        codes = self.fit_process.wait_all(processes)
+        for (name, n), code in codes.items():
+            self.codes.setdefault(name, []).append(code)
+            assert code == runs[name].expect, processes[name, n].output_tail()
+        self.dirs.update(made)
+        return {name: self.dirs[name] for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +109,15 @@ def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+_REFERENCE = {"1x4": Run(), "2x2": Run(nodes=2, node_local=True)}
+
+
 def _reference(runs: Runs) -> list[Path]:
-    return runs.launch("1x4")
+    return runs.launch_together(_REFERENCE)["1x4"]
 
 
 def _two_nodes(runs: Runs) -> list[Path]:
-    return runs.launch("2x2", nodes=2, node_local=True)
+    return runs.launch_together(_REFERENCE)["2x2"]
 
 
 def test_comparison_detects_one_ulp():
@@ -174,8 +193,9 @@ def test_negative_control_streams_keyed_by_the_local_rank_break_the_equality(run
 
 
 def test_deepep_on_two_nodes_equals_one_node(runs):
-    one = runs.launch("deepep-1x4", "--module", "deepep")
-    two = runs.launch("deepep-2x2", "--module", "deepep", nodes=2, node_local=True)
+    deepep = ["--module", "deepep"]
+    made = runs.launch_together({"deepep-1x4": Run(deepep), "deepep-2x2": Run(deepep, nodes=2, node_local=True)})
+    one, two = made["deepep-1x4"], made["deepep-2x2"]
     for rank in range(4):
         assert _bitwise_equal(_weights(two, rank), _weights(one, rank))
         assert _trace(two, rank) == _trace(one, rank) and len(_trace(one, rank)) == MAX_STEPS
