@@ -1,7 +1,9 @@
 """The zoo's results at a glance: the summary in ``zoo.json`` and the Markdown table for BENCHMARKS.md.
 
 Targets (issue: the model zoo as the bar): every model bitwise under the plugin; determinism tax median
-<= 1.05x and worst <= 1.25x over the models that were timed.
+<= 1.05x and worst <= 1.25x over the models that were timed. Beside the tax (wall time of whole steps) the
+summary gives the kernel ratio: the device time of the kernels of a profiled step, plugin over plain, which
+says how much of a tax is the GPU's work and how much the host's.
 """
 
 from __future__ import annotations
@@ -9,14 +11,21 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-__all__ = ["TARGET_TAX_MEDIAN", "TARGET_TAX_WORST", "markdown_table", "summarise"]
+__all__ = ["TARGET_TAX_MEDIAN", "TARGET_TAX_WORST", "kernel_ratio", "markdown_table", "summarise"]
 
 TARGET_TAX_MEDIAN = 1.05
 TARGET_TAX_WORST = 1.25
 
 
+def kernel_ratio(record: dict[str, Any]) -> float | None:
+    """Kernel time per profiled step, plugin over plain (``None`` without kernel rows)."""
+    totals = (record.get("attribution") or {}).get("kernels_total_ms") or {}
+    plain, plugin = totals.get("plain"), totals.get("plugin")
+    return round(plugin / plain, 4) if plain and plugin is not None else None
+
+
 def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Verdict counts, the tax median and worst, and whether each target is met."""
+    """Verdict counts, the tax median and worst (and the kernel ratio's), and whether each target is met."""
     counts: dict[str, dict[str, int]] = {"plugin": {}, "trainer_deterministic": {}, "plain": {}}
     for record in results.values():
         for key, tally in counts.items():
@@ -24,6 +33,7 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if outcome:
                 tally[outcome] = tally.get(outcome, 0) + 1
     taxes = {name: record["tax"]["tax"] for name, record in results.items() if "tax" in record}
+    kernels = {name: ratio for name, record in results.items() if (ratio := kernel_ratio(record)) is not None}
     judged = sum(counts["plugin"].values())
     summary: dict[str, Any] = {
         "models": len(results),
@@ -33,6 +43,8 @@ def summarise(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "timed": len(taxes),
         "tax_median": round(statistics.median(taxes.values()), 4) if taxes else None,
         "tax_worst": max(taxes.items(), key=lambda item: item[1]) if taxes else None,
+        "kernel_ratio_median": round(statistics.median(kernels.values()), 4) if kernels else None,
+        "kernel_ratio_worst": max(kernels.items(), key=lambda item: item[1]) if kernels else None,
         "targets": {"plugin_bitwise": 1.0, "tax_median": TARGET_TAX_MEDIAN, "tax_worst": TARGET_TAX_WORST},
     }
     summary["met"] = {
@@ -68,16 +80,17 @@ def _grown(record: dict[str, Any]) -> str:
 
 
 def markdown_table(results: dict[str, dict[str, Any]]) -> str:
-    """One row per model: verdicts, medians side by side, tax (per alternation), what grew most (ms/step)."""
+    """One row per model: verdicts, medians side by side, tax (per alternation), kernel time per profiled step
+    (plain -> plugin), what grew most (ms/step)."""
     lines = [
         "| model | precision | plugin | `Trainer(deterministic=True)` | plain | plain ms | plugin ms"
-        " | tax (per alternation) | grew most (ms/step) | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        " | tax (per alternation) | kernels ms (ratio) | grew most (ms/step) | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, record in results.items():
         if "skipped" in record or "driver_error" in record:
             lines.append(
-                f"| {name} | {record.get('precision', '')} | {record.get('skipped') or record['driver_error']} |||||||"
+                f"| {name} | {record.get('precision', '')} | {record.get('skipped') or record['driver_error']} ||||||||"
             )
             continue
         timing = record.get("tax")
@@ -89,7 +102,11 @@ def markdown_table(results: dict[str, dict[str, Any]]) -> str:
         else:
             times = f" | | {record.get('tax_note', '')}"
         verdicts = " | ".join(_verdict(record, key) for key in ("plugin", "trainer_deterministic", "plain"))
+        ratio = kernel_ratio(record)
+        totals = (record.get("attribution") or {}).get("kernels_total_ms") or {}
+        kernel = f"{totals['plain']:.1f} → {totals['plugin']:.1f} ({ratio:.2f})" if ratio is not None else ""
         lines.append(
-            f"| {name} | {record['precision']} | {verdicts} | {times} | {_grown(record)} | {record.get('wall_s', '')} |"
+            f"| {name} | {record['precision']} | {verdicts} | {times} | {kernel} | {_grown(record)}"
+            f" | {record.get('wall_s', '')} |"
         )
     return "\n".join(lines) + "\n"

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import bench_zoo  # noqa: E402
+import zoo_table  # noqa: E402
 import zoo_verdicts  # noqa: E402
 import zoo_worker  # noqa: E402
 from zoo_models import ZooModel, ZooTask  # noqa: E402
@@ -242,3 +243,23 @@ def test_a_worker_names_the_forward_and_the_backward_in_its_host_rows(tmp_path):
     names = {row["name"] for row in report["profile"]["host"]}
     assert {"zoo::forward", "zoo::backward"} <= names, names
     assert "cublas_workspace_config" in report
+
+
+def test_the_kernel_ratio_is_plugin_over_plain_kernel_time_and_is_summarised_beside_the_tax():
+    def record(tax: float, plain: float | None, plugin: float | None) -> dict:
+        attribution = {"kernels_total_ms": {"plain": plain, "plugin": plugin}} if plain is not None else {}
+        timing = {"tax": tax, "plain_median_ms": 10.0, "plugin_median_ms": 10.0 * tax, "alternations": [{"tax": tax}]}
+        return {"precision": "32-true", "tax": timing, "attribution": attribution}
+
+    results = {
+        "host_bound": record(1.3, 6.0, 6.0),
+        "kernel_bound": record(1.1, 20.0, 24.0),
+        "cpu": record(1.0, None, None),
+    }
+    assert [zoo_table.kernel_ratio(r) for r in results.values()] == [1.0, 1.2, None]
+    summary = zoo_table.summarise(results)
+    assert summary["tax_worst"] == ("host_bound", 1.3) and summary["met"]["tax_worst"] is False
+    assert summary["kernel_ratio_median"] == 1.1 and summary["kernel_ratio_worst"] == ("kernel_bound", 1.2)
+    rows = zoo_table.markdown_table(results).splitlines()
+    assert "| 20.0 → 24.0 (1.20) |" in rows[3] and "| 6.0 → 6.0 (1.00) |" in rows[2]
+    assert all(row.count("|") == rows[0].count("|") for row in rows)  # every row has every column
