@@ -14,6 +14,10 @@ without it. A workload implements what it needs; the plugin never looks at class
 * :class:`SequenceAuditable` — a module whose ``training_step`` runs a whole sequence (an RL
   rollout): ``deepep-audit`` L2 is then one timestep, L3 one sequence, each a single
   ``training_step``; it also names the module's audit variants and its seed argument.
+* :class:`MonitorsMetrics` — a callback that reads logged metrics from ``trainer.callback_metrics`` at
+  steps of its own choosing; :func:`monitored_metrics` collects their names (and every callback's
+  ``monitor`` attribute, as ``ModelCheckpoint`` and ``EarlyStopping`` have it), so a module that logs
+  some scalars only at the steps Lightning writes keeps those current at every step.
 
 What a training step returns is Lightning's own contract (a loss tensor, or a mapping with
 ``"loss"``); :func:`step_loss` reads it, and :func:`step_grad_norm` reads the ``"grad_norm"`` a
@@ -34,7 +38,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
@@ -46,12 +50,14 @@ __all__ = [
     "GRAD_NORM_KEY",
     "ROLLOUT_STATE_KEY",
     "AuditLevel",
+    "MonitorsMetrics",
     "ReplayAware",
     "RolloutStateful",
     "SequenceAuditable",
     "UncapturedSteps",
     "attached_trainer",
     "counted_optimizer_step",
+    "monitored_metrics",
     "step_grad_norm",
     "step_loss",
 ]
@@ -95,6 +101,32 @@ def step_grad_norm(output: Any) -> Tensor | None:
     """The ``"grad_norm"`` tensor a manually optimised step reports in its outputs; else None."""
     value = output.get(GRAD_NORM_KEY) if isinstance(output, Mapping) else None
     return value if isinstance(value, Tensor) else None
+
+
+@runtime_checkable
+class MonitorsMetrics(Protocol):
+    """A callback that reads logged metrics from ``trainer.callback_metrics`` at steps of its own choosing."""
+
+    def monitored_metrics(self) -> Collection[str]:
+        """The names it reads (empty when it reads none)."""
+        ...
+
+
+def monitored_metrics(trainer: pl.Trainer) -> frozenset[str]:
+    """The metric names ``trainer``'s callbacks read: :class:`MonitorsMetrics` and every ``monitor`` attribute.
+
+    Example::
+
+        every_step = monitored_metrics(trainer)  # {"val/loss"} with ModelCheckpoint(monitor="val/loss")
+    """
+    names: set[str] = set()
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # Trainer.callbacks is set outside __init__
+        if isinstance(callback, MonitorsMetrics):
+            names.update(callback.monitored_metrics())
+        monitor = getattr(callback, "monitor", None)
+        if isinstance(monitor, str):
+            names.add(monitor)
+    return frozenset(names)
 
 
 @runtime_checkable

@@ -45,7 +45,7 @@ from deepep_lightning.deepep.virtual_ranks import (
     ordered_mean,
     virtual_layout,
 )
-from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel, attached_trainer
+from deepep_lightning.protocols import ROLLOUT_STATE_KEY, AuditLevel, attached_trainer, monitored_metrics
 
 __all__ = ["DeepEPModule"]
 
@@ -86,11 +86,15 @@ class DeepEPModule(pl.LightningModule):
     A group may also be a dict of its fields (as a checkpoint's hyperparameters hold it). The whole
     configuration is :attr:`config`, checked before anything is built.
 
-    Logged (``train/``), every step as device tensors (Lightning reads them when it writes): ``loss``,
-    ``policy_loss``, ``value_loss``, ``entropy``, ``grad_norm``, ``episode_return_100`` (the mean return of
-    the last 100 finished episodes) and ``entropy_coef`` with ``target_entropy``; ``episode_return`` (the
-    epoch's mean per finished episode) at each epoch end; the progress bar's values and the throughput at
-    the steps Lightning writes (:class:`~deepep_lightning.deepep.progress.ProgressLog`).
+    Logged (``train/``), as device tensors: ``episode_return_100`` (the mean return of the last 100 finished
+    episodes) at every step; ``loss``, ``policy_loss``, ``value_loss``, ``entropy``, ``grad_norm`` and
+    ``entropy_coef`` with ``target_entropy`` at the steps Lightning writes (``log_every_n_steps``), each epoch's
+    last step and the fit's last step (:meth:`~deepep_lightning.deepep.progress.ProgressLog.logs_step`; between
+    them ``trainer.callback_metrics`` holds the last logged values), and at every step those that a callback
+    monitors (a ``RegressionTrigger``, ``ModelCheckpoint(monitor=...)``:
+    :func:`~deepep_lightning.protocols.monitored_metrics`); ``episode_return`` (the epoch's mean per finished
+    episode) at each epoch end; the progress bar's values and the throughput at the steps Lightning writes
+    (:class:`~deepep_lightning.deepep.progress.ProgressLog`).
 
     Example::
 
@@ -126,6 +130,8 @@ class DeepEPModule(pl.LightningModule):
         self.rollouts = ProcessRollouts()  # built by ensure_rollout_state()
         self.graph_training: GraphTraining | None = None  # the CUDA-graph step, built with the rollout state
         self._uncaptured = False  # set by uncaptured_steps()
+        self._logs_step = True  # ProgressLog.logs_step of the running step (set by training_step)
+        self._monitored: frozenset[str] = frozenset()  # what the callbacks read at any step, logged at every step
 
     # ---------------------------------------------------------------- rollout state
     def ensure_rollout_state(self, virtual_ranks: tuple[int, int] | None = None) -> None:
@@ -253,11 +259,20 @@ class DeepEPModule(pl.LightningModule):
     @override
     def on_train_start(self) -> None:
         self.progress.start(self.rollout_step)
+        trainer = attached_trainer(self)
+        self._monitored = monitored_metrics(trainer) if trainer is not None else frozenset()
+
+    def _logs(self, tag: str) -> bool:
+        """Whether ``tag`` is logged in this step: at the steps :meth:`ProgressLog.logs_step` names, or always when
+        a callback reads it (:func:`~deepep_lightning.protocols.monitored_metrics`)."""
+        return self._logs_step or tag in self._monitored
 
     @override
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, torch.Tensor]:
         trainer = attached_trainer(self)
         writes_logs = trainer is not None and self.progress.writes_after(trainer, trainer.global_step)
+        step = trainer.global_step if trainer is not None else 0
+        self._logs_step = self.progress.logs_step(trainer, step, batch_idx)
         self.ensure_rollout_state()
         if self.rollouts.virtual is not None:
             return self._virtual_training_step(batch_idx, writes_logs)
@@ -273,13 +288,15 @@ class DeepEPModule(pl.LightningModule):
             outputs.update(episode_return_sum=rollout.episode_returns.sum(), episodes=rollout.dones.sum())
             self.last_rollout = rollout
         self.rollout_state.step += 1
+        self.episode_return.update(outputs["episode_return_sum"], outputs["episodes"])
         # device tensors, no prog_bar: Lightning converts progress-bar values to numbers at every step's end
         for name in SCALARS:
-            self.log(f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False)
-        if self.config.loss.target_entropy is not None:
+            if self._logs(f"train/{name}"):
+                self.log(f"train/{name}", outputs[name].detach().clone(), on_step=True, on_epoch=False)
+        if self.config.loss.target_entropy is not None and self._logs("train/entropy_coef"):
             self.log("train/entropy_coef", self.log_entropy_coef.exp(), on_step=True, on_epoch=False)
-        self.episode_return.update(outputs["episode_return_sum"], outputs["episodes"])
-        self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
+        if self._logs("train/episode_return"):
+            self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
         self.log("train/episode_return_100", self.episode_return_100.compute(), on_step=True, on_epoch=False)
         if writes_logs:
             self.progress.log(self, outputs["loss"], self.episode_return_100.compute(), self.rollout_step)
@@ -288,7 +305,8 @@ class DeepEPModule(pl.LightningModule):
             # passes this dict to the callbacks' on_train_batch_end (NumericalHealthCallback checks
             # "loss" and reads "grad_norm" in place of the gradients, which no hook sees inside the graph).
             checked = {"loss": outputs["loss"].detach().clone(), "grad_norm": outputs["grad_norm"].detach().clone()}
-            self.log("train/grad_norm", checked["grad_norm"], on_step=True, on_epoch=False)
+            if self._logs("train/grad_norm"):
+                self.log("train/grad_norm", checked["grad_norm"], on_step=True, on_epoch=False)
             return checked
         return outputs["loss"]
 
@@ -309,14 +327,16 @@ class DeepEPModule(pl.LightningModule):
         virtual.record(scalars, rollout.episode_returns.detach().float(), rollout.dones.float())
         # epoch mean, summed over processes by the metric: exact in any order while returns are integers (CartPole)
         self.episode_return.update(rollout.episode_returns.sum(), rollout.dones.sum())
-        self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
+        if self._logs("train/episode_return"):
+            self.log("train/episode_return", self.episode_return, on_step=False, on_epoch=True)
         if index == len(virtual) - 1:
             all_scalars, returns, dones = virtual.end_step()
             for episode_returns, done in zip(returns, dones, strict=True):
                 self.episode_return_100.update(episode_returns, done > 0)
             means = ordered_mean(all_scalars)
             for position, name in enumerate(SCALARS):
-                self.log(f"train/{name}", means[position].clone(), on_step=True, on_epoch=False)
+                if self._logs(f"train/{name}"):
+                    self.log(f"train/{name}", means[position].clone(), on_step=True, on_epoch=False)
             self.log("train/episode_return_100", self.episode_return_100.compute(), on_step=True, on_epoch=False)
             if writes_logs:
                 self.progress.log(self, means[0], self.episode_return_100.compute(), self.rollout_step)
@@ -325,7 +345,7 @@ class DeepEPModule(pl.LightningModule):
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        if grads:
+        if grads and self._logs("train/grad_norm"):
             self.log("train/grad_norm", torch.nn.utils.get_total_norm(grads), on_step=True, on_epoch=False)
         if self.config.optim.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.parameters(), self.config.optim.max_grad_norm, foreach=True)

@@ -1,4 +1,5 @@
-"""What DeepEPModule logs at the steps Lightning writes: the progress bar's host values and the throughput."""
+"""When DeepEPModule logs, and what it logs at the steps Lightning writes: the progress bar's host values and the
+throughput."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ __all__ = ["ProgressLog"]
 class ProgressLog:
     """The progress bar's ``loss`` and ``return_100`` (read to the host once per write) and ``perf/env_steps_per_s``.
 
-    Every other scalar is logged as a device tensor at every step, which Lightning reads only when it writes;
-    these two must be host numbers, so they are read at the steps Lightning writes and no other (a read makes
-    the host wait for the step's device work).
+    The module logs its other scalars as device tensors (the loss terms at the steps :meth:`logs_step` names),
+    which Lightning reads only when it writes; these two must be host numbers, so they are read at the steps
+    Lightning writes and no other (a read makes the host wait for the step's device work).
 
     Args:
         env_steps_per_rollout: environment steps of one rollout (``num_envs × rollout_length``).
@@ -44,6 +45,22 @@ class ProgressLog:
         # log_every_n_steps is set by Lightning's logger connector, outside Trainer.__init__ (mypy misses it)
         every = trainer.log_every_n_steps if trainer is not None else 0  # type: ignore[attr-defined]
         return every > 0 and (step + 1) % every == 0
+
+    @staticmethod
+    def logs_step(trainer: pl.Trainer | None, step: int, batch_idx: int) -> bool:
+        """Whether the module logs its loss terms in optimizer step ``step`` (0-based), batch ``batch_idx``.
+
+        It does at the steps Lightning writes (:meth:`writes_after`), at each epoch's last batch (epoch-end
+        callbacks such as ``ModelCheckpoint(monitor=...)`` read ``trainer.callback_metrics`` there) and at the
+        fit's last step (``max_steps``); outside a Trainer always. Between those steps ``callback_metrics`` keeps
+        the values of the last logged step. One ``self.log`` call costs Lightning's result bookkeeping on the host
+        (a walk over the metric's record to move it to the value's device): about half a millisecond, so a
+        handful of calls at every step costs about as much host time as a CUDA-graph replay of DeepEP's step.
+        """
+        if trainer is None or ProgressLog.writes_after(trainer, step):
+            return True
+        last_batch = batch_idx + 1 >= trainer.num_training_batches
+        return last_batch or (trainer.max_steps > 0 and step + 1 >= trainer.max_steps)
 
     def start(self, rollout_step: int) -> None:
         """Start the throughput clock (at the fit's start)."""

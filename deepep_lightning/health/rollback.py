@@ -212,6 +212,10 @@ class NaNRollbackCallback(Callback):
     def state_key(self) -> str:
         return self._generate_state_key(snapshot_every_n_steps=self.snapshot_every_n_steps, policy=self.policy)
 
+    def monitored_metrics(self) -> tuple[str, ...]:
+        """The regression trigger's metric, read at each check (``MonitorsMetrics``)."""
+        return (self.regression.monitor,) if self.regression is not None else ()
+
     # ---------------------------------------------------------------- wiring
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -7,6 +9,8 @@ from deepep_lightning.deepep import DeepEPModule
 from deepep_lightning.deepep.config import grouped
 from deepep_lightning.deepep.envs import BatchedCartPole
 from deepep_lightning.deepep.progress import ProgressLog
+from deepep_lightning.health import NaNRollbackCallback, NumericalHealthCallback, RegressionTrigger
+from deepep_lightning.protocols import monitored_metrics
 
 TINY = dict(num_envs=8, rollout_length=8, hidden_size=16, steps_per_epoch=4)
 
@@ -270,6 +274,60 @@ def test_progress_values_are_read_only_at_the_steps_lightning_writes(monkeypatch
     )
     trainer.fit(DeepEPModule(**grouped(**TINY)))
     assert reads == [2, 5, 8]  # the 0-based steps Lightning writes at with log_every_n_steps=3
+
+
+class _Monitor(pl.Callback):
+    def __init__(self, monitor):
+        self.monitor = monitor  # as ModelCheckpoint and EarlyStopping name theirs
+
+
+def _logged_steps(monkeypatch, callbacks=()) -> dict[str, list[int]]:
+    """The global step of every ``self.log`` call of an 11-step fit, by name."""
+    logged: dict[str, list[int]] = {}
+    original = DeepEPModule.log
+
+    def recording(self, name, *args, **kwargs):
+        logged.setdefault(name, []).append(self.trainer.global_step)
+        original(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(DeepEPModule, "log", recording)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=11,
+        log_every_n_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=list(callbacks),
+    )
+    trainer.fit(DeepEPModule(**grouped(**{**TINY, "steps_per_epoch": 5})))
+    return logged
+
+
+def test_loss_terms_are_logged_at_written_steps_epoch_ends_and_the_last_step_and_the_return_every_step(monkeypatch):
+    """One ``self.log`` costs about half a millisecond of host time: the loss terms skip the steps nothing reads."""
+    logged = _logged_steps(monkeypatch)
+    # written at 2, 5, 8 (log_every_n_steps=3); the epochs (5 steps) end at 4 and 9; the fit's last step is 10
+    for name in ("train/loss", "train/policy_loss", "train/value_loss", "train/entropy", "train/grad_norm"):
+        assert logged[name] == [2, 4, 5, 8, 9, 10], name
+    assert logged["train/episode_return"] == [2, 4, 5, 8, 9, 10]
+    assert logged["train/episode_return_100"] == list(range(11))
+    assert ProgressLog.logs_step(None, 0, 0)  # outside a Trainer: always
+
+
+def test_a_monitored_loss_term_is_logged_at_every_step(monkeypatch):
+    trigger = RegressionTrigger("train/entropy", mode="max", threshold=0.5, patience=2)
+    rollback = NaNRollbackCallback(snapshot_every_n_steps=4, regression=trigger)
+    assert monitored_metrics(SimpleNamespace(callbacks=[rollback, _Monitor("train/value_loss"), _Monitor(None)])) == {
+        "train/entropy",
+        "train/value_loss",
+    }
+    logged = _logged_steps(monkeypatch, [NumericalHealthCallback(check_every_n_steps=4), rollback])
+    assert logged["train/entropy"] == list(range(11))  # what the trigger reads at its checks is current there
+    assert logged["train/loss"] == [2, 4, 5, 8, 9, 10]  # the others as without a monitor
+    logged = _logged_steps(monkeypatch, [_Monitor("train/policy_loss")])
+    assert logged["train/policy_loss"] == list(range(11)) and logged["train/entropy"] == [2, 4, 5, 8, 9, 10]
 
 
 def test_throughput_is_logged_only_when_asked_for():

@@ -29,6 +29,7 @@ torch.set_num_threads(1)
 
 SEED = 4321
 SIZES = {"num_envs": 4, "rollout_length": 6, "hidden_size": 8, "steps_per_epoch": 4}
+LOGGED = ("train/loss", "train/episode_return_100", "train/grad_norm")  # read after every optimizer step
 
 
 def _module():
@@ -50,8 +51,7 @@ def _module():
             if (batch_idx + 1) % self.trainer.accumulate_grad_batches:
                 return  # mid-window: no optimizer step yet
             metrics = self.trainer.callback_metrics
-            names = ("train/loss", "train/episode_return_100", "train/grad_norm")
-            self.logged.append([int(self.global_step)] + [float(metrics[name]).hex() for name in names])
+            self.logged.append([int(self.global_step)] + [float(metrics[name]).hex() for name in LOGGED])
 
     return TracedDeepEP(**grouped(name="cartpole", seed=SEED, fused_value_head=False, **SIZES))
 
@@ -76,9 +76,13 @@ def main(argv: list[str]) -> None:
             if args.save_at and trainer.global_step == args.save_at and window_end:
                 trainer.save_checkpoint(os.path.join(args.out, f"step{args.save_at}.ckpt"))  # every rank
 
+    class ReadsEveryStep(pl.Callback):  # the module logs its loss terms at every step for a reader that says so
+        def monitored_metrics(self) -> tuple[str, ...]:
+            return LOGGED
+
     configure(SEED)
     model = _module()
-    trainer = virtual_trainer(args.devices, args.virtual, args.max_steps, args.out, [SaveAtStep()])
+    trainer = virtual_trainer(args.devices, args.virtual, args.max_steps, args.out, [SaveAtStep(), ReadsEveryStep()])
     trainer.fit(model, ckpt_path=args.resume)
     record = {
         "rank": trainer.global_rank,

@@ -223,9 +223,14 @@ def main(argv: list[str]) -> None:
             if args.kill_at is not None and trainer.global_step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)  # every rank reaches this step: the whole job dies
 
+    class ReadsLossEveryStep(pl.Callback):  # the traces read train/loss after every step; DeepEP logs it then
+        def monitored_metrics(self) -> tuple[str, ...]:
+            return ("train/loss",)
+
     health = NumericalHealthCallback(check_every_n_steps=1, spike_detection=False, log_norms=False)
     rollback = NaNRollbackCallback(snapshot_every_n_steps=2, keep_snapshots=3, snapshot_dir="snapshots", locate=False)
     callbacks = [DeterminismCallback(SEED, log_fingerprint=False), health, rollback, CheckpointThenKill()]
+    callbacks.append(ReadsLossEveryStep())
     if args.fault_rank >= 0:
         callbacks.insert(0, RankFault("loss", steps=[args.fault_step], mode="once"))
     if args.corrupt_rank >= 0:
