@@ -254,6 +254,18 @@ def test_rolling_100_episode_return_logged_every_step_and_progress_values_at_log
     assert float(trainer.callback_metrics["perf/env_steps_per_s"]) > 0
 
 
+def _quiet_trainer(**kwargs) -> pl.Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar or summary; ``kwargs`` on top."""
+    return pl.Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 def test_progress_values_are_read_only_at_the_steps_lightning_writes(monkeypatch):
     reads = []
     original = ProgressLog.log
@@ -263,16 +275,7 @@ def test_progress_values_are_read_only_at_the_steps_lightning_writes(monkeypatch
         original(self, module, *args)
 
     monkeypatch.setattr(ProgressLog, "log", counting)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=9,
-        log_every_n_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(DeepEPModule(**grouped(**TINY)))
+    _quiet_trainer(max_steps=9, log_every_n_steps=3).fit(DeepEPModule(**grouped(**TINY)))
     assert reads == [2, 5, 8]  # the 0-based steps Lightning writes at with log_every_n_steps=3
 
 
@@ -291,16 +294,7 @@ def _logged_steps(monkeypatch, callbacks=()) -> dict[str, list[int]]:
         original(self, name, *args, **kwargs)
 
     monkeypatch.setattr(DeepEPModule, "log", recording)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        max_steps=11,
-        log_every_n_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
-    )
+    trainer = _quiet_trainer(max_steps=11, log_every_n_steps=3, callbacks=list(callbacks))
     trainer.fit(DeepEPModule(**grouped(**{**TINY, "steps_per_epoch": 5})))
     return logged
 
