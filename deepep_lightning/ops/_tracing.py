@@ -7,7 +7,8 @@ could run; inductor would then also decompose the op into the ``index_put`` that
 installed, :func:`install_shape_function` gives the op a shape function instead: fake tensors use it (as a Python
 meta function, and as the op's Meta kernel, which dynamo's Python dispatcher consults), and the op's
 decompositions are set aside — inductor's (in its table and in the copy of the table inductor caches after its
-first compile) and PyTorch's registered one, which inductor checks before it falls back to an aten kernel (with
+first compile; where inductor is not imported yet, its table will be built without the op) and PyTorch's
+registered one, which inductor checks before it falls back to an aten kernel (with
 ``CI`` set in the environment it refuses the fallback while a decomposition is registered) — so the compiled graph
 calls the aten op itself, whose CUDA kernel the route overrides.
 :func:`remove_shape_function` puts everything back.
@@ -20,6 +21,7 @@ PyTorch traces it (and raises as before), with one debug line.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,24 +37,28 @@ _MISSING = object()
 _saved: dict[str, tuple[Any, Any, Any, list[Any]]] = {}
 
 
+_INDUCTOR_DECOMPOSITION = "torch._inductor.decomposition"
+
+
 def _decomposition_tables() -> list[dict]:
-    """PyTorch's registered decompositions, then inductor's table when inductor is importable."""
+    """PyTorch's registered decompositions, then inductor's table where inductor has been imported.
+
+    Inductor builds its table from PyTorch's registered decompositions when it is imported, so an op set aside
+    before that import is missing from inductor's table too: a route does not import inductor (0.3-0.5 s of
+    every run's start) to edit a table nobody has built yet.
+    """
     from torch._decomp import decomposition_table
 
-    try:
-        from torch._inductor.decomposition import decompositions
-    except ImportError:  # inductor unavailable: dynamo's other backends need only the meta entry
+    inductor = sys.modules.get(_INDUCTOR_DECOMPOSITION)
+    if inductor is None or not isinstance(getattr(inductor, "decompositions", None), dict):
         return [decomposition_table]
-    return [decomposition_table, decompositions]
+    return [decomposition_table, inductor.decompositions]
 
 
 def _forget_inductor_copies() -> None:
     """Drop inductor's cached copy of its decomposition table, so the next compile reads the table as it is now."""
-    try:
-        from torch._inductor.decomposition import fast_random_decomps
-    except ImportError:
-        return
-    cache_clear = getattr(fast_random_decomps, "cache_clear", None)
+    inductor = sys.modules.get(_INDUCTOR_DECOMPOSITION)
+    cache_clear = getattr(getattr(inductor, "fast_random_decomps", None), "cache_clear", None)
     if cache_clear is not None:
         cache_clear()
 
@@ -102,7 +108,10 @@ def remove_shape_function(aten_op: str) -> None:
 
     _restore(meta_table, op, previous_meta)
     _restore(op.py_kernels, torch._C.DispatchKey.Meta, previous_kernel)
-    for table, previous in zip(_decomposition_tables(), previous_decompositions):
+    tables = _decomposition_tables()
+    if len(tables) > len(previous_decompositions):  # inductor imported while the op was set aside: it copied
+        previous_decompositions = [*previous_decompositions, previous_decompositions[0]]  # PyTorch's entry
+    for table, previous in zip(tables, previous_decompositions):
         _restore(table, op, previous)
     op._dispatch_cache.clear()
     _forget_inductor_copies()

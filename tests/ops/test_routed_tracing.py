@@ -5,6 +5,9 @@ kernel (the wrappers and the tracing are the same). Negative control: without th
 deterministic mode raises PyTorch's error while tracing.
 """
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,3 +97,28 @@ def test_without_the_routes_compiling_max_unpool_meets_pytorchs_refusal_and_the_
     with pytest.raises(Exception, match="max_unpooling2d_forward_out does not have a deterministic implementation"):
         torch.compile(lambda p, i: F.max_unpool2d(p, i, 2), backend="eager", fullgraph=True)(pooled, indices)
     assert cpu_unpool_routes == []
+
+
+def test_a_route_does_not_import_inductor_and_inductor_imported_later_leaves_the_op_to_the_route(tmp_path):
+    """Inductor's table is built from PyTorch's at its import: an op set aside before then is missing from both,
+    and removing the route puts it back in both (a fresh process: inductor is not imported yet)."""
+    script = tmp_path / "later_inductor.py"
+    script.write_text(
+        "import sys\n"
+        "import torch\n"
+        "from torch._decomp import decomposition_table\n"
+        "from deepep_lightning.ops import _tracing\n"
+        "NAME = 'torch._inductor.decomposition'\n"
+        "op = torch.ops.aten.max_unpool2d.default\n"
+        "assert NAME not in sys.modules, 'imported before the test'\n"
+        "original = decomposition_table[op]\n"
+        "assert _tracing.install_shape_function('max_unpool2d', lambda self, *args: self.new_empty(self.shape))\n"
+        "assert NAME not in sys.modules, 'the route imported inductor'\n"
+        "import torch._inductor.decomposition as inductor\n"
+        "assert op not in inductor.decompositions and op not in decomposition_table\n"
+        "_tracing.remove_shape_function('max_unpool2d')\n"
+        "assert decomposition_table[op] is original and inductor.decompositions[op] is original\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
