@@ -4,10 +4,10 @@
         [--arg=--KEY=VALUE ...]
     # writes DIR/fit_startup_<label>.json
 
-Each run is a fresh ``python -X importtime train.py fit --config C`` (the progress bar off, its logs under
-``DIR``, ``--trainer.max_steps=--steps``) with :class:`StartupTimeline` appended to the config's callbacks. The
-timeline records ``time.time()`` at each mark, minus the launcher's ``time.time()`` just before ``Popen``
-(``FIT_STARTUP_LAUNCHED``):
+Each run is a fresh ``python -X importtime train.py fit --config C`` (``bench_fit.py``'s command line: seed 0,
+the progress bar off, its logs under ``DIR``; ``--trainer.max_steps=--steps``) with :class:`StartupTimeline`
+appended to the config's callbacks. The timeline records ``time.time()`` at each mark, minus the launcher's
+``time.time()`` just before ``Popen`` (``FIT_STARTUP_LAUNCHED``):
 
 - ``cli_parsed``: LightningCLI has parsed the config and builds the callbacks (``train.py``'s imports, the
   parser's construction and the parse are before it);
@@ -100,11 +100,11 @@ def startup_run(config: str, steps: int, extra: list[str], work: Path) -> dict[s
     """One ``train.py fit`` process under ``-X importtime``: its marks, import report and return code."""
     marks_path, stderr_path = work / "marks.json", work / "stderr.txt"
     marks_path.unlink(missing_ok=True)
-    command = [
-        sys.executable, "-X", "importtime", str(ROOT / "train.py"), "fit", "--config", config,
-        f"--trainer.max_steps={steps}", "--trainer.enable_progress_bar=false",
-        f"--trainer.logger.init_args.save_dir={work}", "--trainer.callbacks+=fit_startup.StartupTimeline", *extra,
-    ]  # fmt: skip
+    from bench_fit import fit_command  # here, not at the top: the child process imports this module for its callback
+
+    timeline = [f"--trainer.max_steps={steps}", "--trainer.callbacks+=fit_startup.StartupTimeline", *extra]
+    python, *fit = fit_command(config, 0, work, timeline)
+    command = [python, "-X", "importtime", *fit]
     path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
     launched = time.time()
     env = {**os.environ, "PYTHONPATH": path, "FIT_STARTUP_LAUNCHED": repr(launched), "FIT_STARTUP_OUT": str(marks_path)}
