@@ -48,9 +48,10 @@ class SeededDataset(Dataset):
     """Wrap a map-style dataset: ``dataset[SampleKey(epoch, i)]`` runs with RNGs seeded from (seed, epoch, i).
 
     Plain integer keys are passed through untouched. In a worker process the global RNGs are the
-    worker's own and are simply reseeded; in the main process (``num_workers=0``) the call runs
-    inside :class:`~deepep_lightning.determinism.rng.fork_global_rng` so the training stream is not
-    shifted.
+    worker's own and are simply reseeded; in the main process (``num_workers=0``) the samples are
+    loaded inside :class:`~deepep_lightning.determinism.rng.fork_global_rng` so the training stream is
+    not shifted: once per batch (the DataLoader's fetcher calls :meth:`__getitems__` with a batch's
+    keys), since putting the states back costs more than reseeding them.
     """
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
@@ -60,15 +61,21 @@ class SeededDataset(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: Any) -> Any:
+    def _load(self, key: Any) -> Any:
         if not isinstance(key, SampleKey):
             return self.dataset[key]
-        if torch.utils.data.get_worker_info() is not None:
-            seed_everything_from(self.seed, "sample", key.epoch, key.index)
-            return self.dataset[key.index]
+        seed_everything_from(self.seed, "sample", key.epoch, key.index)
+        return self.dataset[key.index]
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[Any]) -> list[Any]:
+        """The samples of ``keys``, each with its own seeded streams (one batch of the DataLoader's fetcher)."""
+        if torch.utils.data.get_worker_info() is not None or not any(isinstance(key, SampleKey) for key in keys):
+            return [self._load(key) for key in keys]
         with fork_global_rng():
-            seed_everything_from(self.seed, "sample", key.epoch, key.index)
-            return self.dataset[key.index]
+            return [self._load(key) for key in keys]
 
 
 def _seed_worker(worker_id: int, *, seed: int, rank: int) -> None:

@@ -92,7 +92,7 @@ def capture_rng_state(generators: Mapping[str, torch.Generator] | None = None) -
         "generators": {},
     }
     # Never create a CUDA context just to read its RNG: configure() must be able to run first.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # implies a device, and is cheaper to ask than is_available
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     for name, generator in (generators or {}).items():
         state["generators"][str(name)] = {"device": str(generator.device), "state": generator.get_state()}
@@ -225,21 +225,26 @@ class fork_global_rng:  # noqa: N801 - used like torch.random.fork_rng
     """Context manager: run a block with its own global RNG state and put the outer one back.
 
     Unlike ``torch.random.fork_rng`` it also covers numpy and ``random``, and leaves CUDA alone when
-    CUDA has not started (a fork must never be the thing that creates the context).
+    CUDA has not started (a fork must never be the thing that creates the context). It keeps the states
+    as the libraries return them (no conversion to checkpoint values, :func:`capture_rng_state`'s job):
+    the data loader forks once per batch in the main process.
     """
 
     def __init__(self) -> None:
-        self._saved: dict[str, Any] | None = None
+        self._saved: tuple[torch.Tensor, Any, Any, list[torch.Tensor] | None] | None = None
 
     def __enter__(self) -> "fork_global_rng":
-        self._saved = capture_rng_state()
+        # is_initialized implies a device; it never starts CUDA, unlike reading a generator's state.
+        cuda = list(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else None
+        self._saved = (torch.get_rng_state(), np.random.get_state(), random.getstate(), cuda)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         assert self._saved is not None
-        saved_cuda = self._saved.get("cuda")
-        if not saved_cuda and torch.cuda.is_available() and torch.cuda.is_initialized():
-            # CUDA started inside the block: nothing to put back for it.
-            self._saved = {**self._saved, "cuda": []}
-        restore_rng_state(self._saved)
+        torch_state, numpy_state, python_state, cuda = self._saved
+        torch.set_rng_state(torch_state)
+        np.random.set_state(numpy_state)
+        random.setstate(python_state)
+        if cuda is not None:  # CUDA started inside the block: nothing to put back for it
+            torch.cuda.set_rng_state_all(cuda)
         self._saved = None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from deepep_lightning.determinism import data as data_module
 from deepep_lightning.determinism.data import (
     SeededDataset,
     SeekableDataLoader,
@@ -14,6 +17,7 @@ from deepep_lightning.determinism.data import (
     put_back_loader_states,
     take_loader_states,
 )
+from deepep_lightning.determinism.rng import seed_everything_from
 from deepep_lightning.determinism.sampler import SampleKey, SeekableSampler
 
 
@@ -46,6 +50,42 @@ def test_main_process_sample_seeding_does_not_touch_the_global_stream() -> None:
     torch.manual_seed(0)
     SeededDataset(_Noisy(), seed=1)[SampleKey(0, 3)]
     assert torch.equal(torch.rand(1), expected)
+
+
+class _AllStreams(Dataset):
+    """A sample drawing from torch, numpy and ``random``: what augmentation pipelines do."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([float(index), torch.rand(1).item(), float(np.random.rand()), random.random()])
+
+
+def _outer_draws() -> list[float]:
+    return [torch.rand(1).item(), float(np.random.rand()), random.random()]
+
+
+def test_a_batch_forks_the_global_streams_once_and_seeds_each_sample_from_its_key(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dataset = SeededDataset(_AllStreams(), seed=1)
+    keys = [SampleKey(0, index) for index in (7, 2, 9)]
+    one_by_one = [dataset[key] for key in keys]
+    seed_everything_from(3, "outer")
+    expected = _outer_draws()
+    forks = []
+    real_fork = data_module.fork_global_rng
+    monkeypatch.setattr(data_module, "fork_global_rng", lambda: forks.append(1) or real_fork())
+    seed_everything_from(3, "outer")
+    batch = dataset.__getitems__(keys)
+    assert len(forks) == 1
+    assert all(torch.equal(a, b) for a, b in zip(batch, one_by_one))
+    assert len({tuple(sample[1:].tolist()) for sample in batch}) == 3  # each sample its own stream
+    assert _outer_draws() == expected  # torch, numpy and random: the training stream is not shifted
+    loader, _ = make_seekable(DataLoader(_AllStreams(), batch_size=4, shuffle=True), seed=5)
+    forks.clear()
+    assert len(list(loader)) == 3 and len(forks) == 3  # the fetcher hands SeededDataset whole batches
 
 
 def test_loader_state_seeks_mid_epoch() -> None:
