@@ -60,6 +60,12 @@ def _timed(report: dict[str, Any], warmup: int, steps: int) -> list[float]:
     return report["step_ms"][warmup : warmup + steps]
 
 
+def _timed_iterations(report: dict[str, Any], warmup: int, steps: int) -> list[float]:
+    # iteration_ms[i] ends with step i + 1: the timed steps' iterations (the first step has none)
+    first = max(warmup - 1, 0)
+    return report["iteration_ms"][first : warmup - 1 + steps]
+
+
 def tax(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]], warmup: int, steps: int) -> dict[str, Any]:
     """Plugin / plain step time from ``(plain, plugin)`` report pairs, one pair per alternation."""
     alternations = []
@@ -73,12 +79,22 @@ def tax(pairs: Sequence[tuple[dict[str, Any], dict[str, Any]]], warmup: int, ste
         )
     plain_ms = statistics.median(value for plain, _ in pairs for value in _timed(plain, warmup, steps))
     plugin_ms = statistics.median(value for _, plugin in pairs for value in _timed(plugin, warmup, steps))
-    return {
+    result = {
         "plain_median_ms": round(plain_ms, 4),
         "plugin_median_ms": round(plugin_ms, 4),
         "tax": round(plugin_ms / plain_ms, 4),
         "alternations": [{key: round(value, 4) for key, value in row.items()} for row in alternations],
     }
+    if all(report.get("iteration_ms") for pair in pairs for report in pair):
+        # the whole iteration, step end to step end: also the loader's fetch and Lightning's work between steps
+        plain_it = statistics.median(value for plain, _ in pairs for value in _timed_iterations(plain, warmup, steps))
+        plugin_it = statistics.median(
+            value for _, plugin in pairs for value in _timed_iterations(plugin, warmup, steps)
+        )
+        result["plain_iteration_ms"] = round(plain_it, 4)
+        result["plugin_iteration_ms"] = round(plugin_it, 4)
+        result["iteration_tax"] = round(plugin_it / plain_it, 4)
+    return result
 
 
 def _mean_profile(reports: Sequence[dict[str, Any]], table: str) -> dict[str, float]:

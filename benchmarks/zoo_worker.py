@@ -138,6 +138,8 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
 
         def __init__(self) -> None:
             self.step_ms: list[float] = []
+            self.iteration_ms: list[float] = []  # from one step's end to the next's: with the loader's fetch
+            self.last_end: float | None = None
             self.profiler: Any = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -154,7 +156,11 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
             self.watch.start()
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            self.step_ms.append(self.watch.stop())
+            self.step_ms.append(self.watch.stop())  # waits for the step's kernels
+            now = time.perf_counter()
+            if self.last_end is not None:
+                self.iteration_ms.append((now - self.last_end) * 1e3)
+            self.last_end = now
             if self.profiler is not None and batch_idx == total_steps - 1:
                 if pl_module.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -206,6 +212,7 @@ def run(args: argparse.Namespace, report: dict[str, Any]) -> None:
     finally:
         report["steps_run"] = len(clock.step_ms)
         report["step_ms"] = [round(value, 4) for value in clock.step_ms]
+        report["iteration_ms"] = [round(value, 4) for value in clock.iteration_ms]
         report["losses"] = [float(loss.float().item()).hex() for loss in module.losses]
     report["median_ms"] = statistics.median(clock.step_ms[args.warmup : timed_end])
     report["digest"], report["tensor_digests"] = tensor_digests(module.model.state_dict())

@@ -51,6 +51,12 @@ def test_a_deterministic_model_is_bitwise_and_its_tax_and_attribution_are_filled
     assert len(timing["alternations"]) == 2
     assert timing["plain_median_ms"] > 0 and timing["plugin_median_ms"] > 0
     assert timing["tax"] == pytest.approx(timing["plugin_median_ms"] / timing["plain_median_ms"], rel=1e-3)
+    # step end to step end: the step and what runs between steps, so never shorter than the step's median
+    assert timing["plain_iteration_ms"] >= timing["plain_median_ms"] * 0.9
+    assert timing["iteration_tax"] == pytest.approx(
+        timing["plugin_iteration_ms"] / timing["plain_iteration_ms"], rel=1e-3
+    )
+    assert "iteration_tax_median" in result["summary"]
     assert {"kernels", "ops"} <= record["attribution"].keys()  # CPU: op times, no kernels
     assert record["timing_wall_s"] > 0 and record["verdict_wall_s"] > 0  # what the integrator plans with
     assert record["timing_device"] == "cpu"
@@ -119,6 +125,12 @@ def test_the_tax_is_the_ratio_of_medians_and_attribution_names_the_kernel_that_g
     pairs = [(timed(4.0, [gemm]), timed(5.0, [gemm, {"name": "radix_sort", "ms": 0.9}]))] * 2
     result = zoo_verdicts.tax(pairs, warmup=1, steps=3)
     assert result["tax"] == 1.25 and [row["tax"] for row in result["alternations"]] == [1.25, 1.25]
+    assert "iteration_tax" not in result  # runs that did not record iterations
+    # iteration_ms[i] ends with step i + 1: with warmup=1 the timed iterations are [0, 3), not the slow 4th
+    plain, plugin = timed(4.0, [gemm]), timed(5.0, [gemm])
+    plain["iteration_ms"], plugin["iteration_ms"] = [6.0, 6.0, 6.0, 90.0], [8.0, 8.0, 8.0, 90.0]
+    whole = zoo_verdicts.tax([(plain, plugin)] * 2, warmup=1, steps=3)
+    assert (whole["plain_iteration_ms"], whole["plugin_iteration_ms"], whole["iteration_tax"]) == (6.0, 8.0, 1.3333)
     grown = zoo_verdicts.attribution([plain for plain, _ in pairs], [plugin for _, plugin in pairs])
     assert grown["kernels"] == [{"name": "radix_sort", "plain_ms": 0.0, "plugin_ms": 0.9, "grown_ms": 0.9}]
     assert grown["kernels_total_ms"] == {"plain": 2.0, "plugin": 2.9}
