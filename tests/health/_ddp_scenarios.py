@@ -1,6 +1,9 @@
-"""Two-process gloo fits for the rollback's DDP tests, run in a fresh process (``fit_process``).
+"""Two-process gloo fits for the rollback's DDP tests, run in fresh processes (``fit_process``).
 
-Usage: ``python tests/health/_ddp_scenarios.py SCENARIO OUT_DIR``; each rank writes
+Usage: ``python tests/health/_ddp_scenarios.py OUT_DIR SCENARIO [SCENARIO ...]``. The command is rank 0:
+it starts rank 1 as a copy of itself (``LOCAL_RANK=1``, in its session), and both run the scenarios'
+fits in turn under ``strategy="ddp"`` in one gloo process group (Lightning launches no process when
+``LOCAL_RANK`` is set), so the job pays for two interpreter start-ups, not two per fit. Each rank writes
 ``OUT_DIR/<run>.rank<r>.json`` with its final weights, its health events and its step.
 """
 
@@ -8,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,15 +74,24 @@ def fit(
     extra = [make(rollback) if callable(make) and not isinstance(make, pl.Callback) else make for make in faults]
     callbacks = [*extra, health, rollback, Report(str(out / name), health, rollback)]
     pl.seed_everything(0, verbose=False)
-    trainer = make_trainer(out / name, callbacks, max_steps=max_steps, strategy="ddp_spawn", devices=2)
+    trainer = make_trainer(out / name, callbacks, max_steps=max_steps, strategy="ddp", devices=2)
     trainer.fit(module())
 
 
-def main() -> None:
-    scenario, out = sys.argv[1], Path(sys.argv[2])
-    out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    torch.set_num_threads(1)
+def _start_rank_one() -> subprocess.Popen | None:
+    """As rank 0 (no ``LOCAL_RANK`` yet): start rank 1 running this command; ``None`` in rank 1."""
+    if "LOCAL_RANK" in os.environ:
+        return None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0"})
+    peer = subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, "LOCAL_RANK": "1"})
+    os.environ["LOCAL_RANK"] = "0"
+    return peer
+
+
+def run_scenario(out: Path, scenario: str) -> None:
     if scenario == "skip":
         # a reproducible failure on rank 1 only: both ranks skip the step together
         fit(out, "skip", [RankFault(1, steps=[5], mode="always")], policy="skip", locate=False)
@@ -91,6 +105,9 @@ def main() -> None:
             keep_snapshots=3,
             snapshot_dir="snaps",
         )
+    elif scenario == "fault":
+        # an infinite loss on rank 1 only at step 5, compared with "clean"
+        fit(out, "faulty", [RankFault(1, steps=[5])])
     elif scenario == "regression":
         # the metric collapses on rank 1 only (its weights are blown up): the averaged metric decides for both
         from deepep_lightning.health import RegressionTrigger
@@ -108,6 +125,17 @@ def main() -> None:
         )
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
+
+
+def main() -> None:
+    out, scenarios = Path(sys.argv[1]), sys.argv[2:]
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    peer = _start_rank_one()
+    for scenario in scenarios:
+        run_scenario(out, scenario)
+    if peer is not None:
+        sys.exit(peer.wait())
 
 
 if __name__ == "__main__":

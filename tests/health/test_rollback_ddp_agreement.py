@@ -1,18 +1,18 @@
-"""Rollback decisions agreed by 2 gloo processes: skip on every rank, one fallback snapshot, one regression rollback."""
+"""Rollback decisions agreed by 2 gloo processes: a fault on one rank recovered bitwise, skip on every rank,
+one fallback snapshot, one regression rollback.
+
+Every scenario's fits run in one 2-process job (``_ddp_scenarios.py``, a module-scoped fixture); each
+rank writes its weights, health events and step per fit.
+"""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = __file__.replace("test_rollback_ddp_agreement.py", "_ddp_scenarios.py")
-
-
-def _run(fit_process, tmp_path, scenario, names):
-    process = fit_process(SCRIPT, [scenario, str(tmp_path)], log_path=tmp_path / f"{scenario}.log")
-    assert process.wait() == 0, process.output_tail()
-    return {name: [json.loads((tmp_path / f"{name}.rank{r}.json").read_text()) for r in (0, 1)] for name in names}
-
+SCRIPT = Path(__file__).with_name("_ddp_scenarios.py")
+SCENARIOS = ["skip", "corrupt", "fault", "regression"]  # "corrupt" also fits "clean", the reference of two
 
 pytestmark = [
     pytest.mark.slow,
@@ -20,9 +20,33 @@ pytestmark = [
 ]
 
 
-def test_skip_policy_under_ddp_skips_the_step_on_every_rank(tmp_path, fit_process):
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, fit_process):
+    out = tmp_path_factory.mktemp("ddp_scenarios")
+    process = fit_process(SCRIPT, [str(out), *SCENARIOS], log_path=out / "log.txt")
+    assert process.wait() == 0, process.output_tail()
+    names = ["skip", "clean", "corrupt", "faulty", "regression"]
+    return {name: [json.loads((out / f"{name}.rank{r}.json").read_text()) for r in (0, 1)] for name in names}
+
+
+def test_fault_on_one_rank_agreed_and_recovered_bitwise(runs):
+    """An infinite loss value on rank 1 only (gradients finite: no all-reduce carries it to rank 0).
+
+    Rank 0 sees nothing wrong: only the agreed verdict makes it roll back too. Without agreement,
+    rank 1 would replay alone and its extra all-reduces would hang the job.
+    """
+    clean, faulty = runs["clean"], runs["faulty"]
+    for rank in (0, 1):
+        # both ranks take the same decision although only rank 1 saw a non-finite loss
+        assert [tuple(e) for e in faulty[rank]["events"]] == [("detected", 5), ("rollback", 4), ("transient", 5)]
+        assert clean[rank]["events"] == []
+        assert faulty[rank]["state"] == clean[rank]["state"] and faulty[rank]["step"] == 10
+    assert faulty[0]["state"] == faulty[1]["state"]  # the ranks stayed in sync
+
+
+def test_skip_policy_under_ddp_skips_the_step_on_every_rank(runs):
     """Lightning refuses a None training step under DDP: the skip must not return one."""
-    ranks = _run(fit_process, tmp_path, "skip", ["skip"])["skip"]
+    ranks = runs["skip"]
     for rank in ranks:
         kinds = [kind for kind, _ in rank["events"]]
         assert kinds == ["detected", "rollback", "reproducible", "policy", "rollback", "recovered"]
@@ -30,9 +54,8 @@ def test_skip_policy_under_ddp_skips_the_step_on_every_rank(tmp_path, fit_proces
     assert ranks[0]["state"] == ranks[1]["state"]  # the ranks stayed in sync
 
 
-def test_corrupt_newest_snapshot_on_one_rank_falls_back_on_all_ranks(tmp_path, fit_process):
+def test_corrupt_newest_snapshot_on_one_rank_falls_back_on_all_ranks(runs):
     """Rank 1 cannot load its newest snapshot: both ranks restore the older one (else the replays differ and hang)."""
-    runs = _run(fit_process, tmp_path, "corrupt", ["clean", "corrupt"])
     for rank in (0, 1):
         rollbacks = [step for kind, step in runs["corrupt"][rank]["events"] if kind == "rollback"]
         assert rollbacks == [4] and ("transient", 9) in [tuple(e) for e in runs["corrupt"][rank]["events"]]
@@ -41,9 +64,9 @@ def test_corrupt_newest_snapshot_on_one_rank_falls_back_on_all_ranks(tmp_path, f
     assert not any(kind == "corrupt_snapshot" for kind, _ in runs["corrupt"][0]["events"])
 
 
-def test_regression_on_one_rank_rolls_back_every_rank(tmp_path, fit_process):
+def test_regression_on_one_rank_rolls_back_every_rank(runs):
     """Rank 1's metric collapses alone: the metric averaged over ranks triggers the same rollback on both."""
-    ranks = _run(fit_process, tmp_path, "regression", ["regression"])["regression"]
+    ranks = runs["regression"]
     for rank in ranks:
         events = [tuple(e) for e in rank["events"]]
         assert events == [("regression", 24), ("rollback", 20), ("policy", 24), ("recovered", 24)]
