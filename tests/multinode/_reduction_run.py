@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -41,8 +42,22 @@ def _step(ddp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _grads(ddp.module)
 
 
+def _ordered_reduction():
+    """``deepep_lightning/strategies/ordered_reduction.py`` loaded from its file: it needs only torch, and
+    the package's ``__init__`` would import Lightning (seconds of start-up in each of the spawned ranks)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "deepep_lightning" / "strategies" / "ordered_reduction.py"
+    spec = importlib.util.spec_from_file_location("ordered_reduction", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _worker(rank: int, port: int, out: str, backend: str, world_size: int) -> None:
-    from deepep_lightning.strategies.ordered_reduction import ordered_mean_hook, ordered_sum
+    reduction = _ordered_reduction()
+    ordered_mean_hook, ordered_sum = reduction.ordered_mean_hook, reduction.ordered_sum
 
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
