@@ -49,6 +49,9 @@ _SCENARIOS = {
     "plain_onecycle": ("plain", _ONECYCLE, _KILL_AT),
 }
 _STEPS = {"plain_onecycle": 24}  # the others: max_steps=20
+# checkpoints every 8 steps instead of 3 leave the training as it is: "plain_epoch_end" is compared with
+# the uninterrupted run of "plain" (bitwise the same run, measured), which fits once
+_REFERENCE = {"plain_epoch_end": "plain"}
 
 
 def _start(fit_process, module: str, out: Path, extra: list[str]):
@@ -69,6 +72,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Pat
     first: dict = {}
     for name, (module, extra, kill_at) in _SCENARIOS.items():
         for run in ("full", "killed"):
+            if run == "full" and name in _REFERENCE:
+                continue
             args = extra + (["--kill-at", str(kill_at)] if run == "killed" else [])
             first[f"{name}/{run}"] = _start(fit_process, module, root / name / run, args)
     first["plain/full_again"] = _start(fit_process, "plain", root / "plain" / "full_again", [])
@@ -141,10 +146,11 @@ def test_two_fresh_runs_are_bitwise_equal(runs: dict[str, Path]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", list(_SCENARIOS))
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(runs: dict[str, Path], scenario: str) -> None:
-    scalars = _scalars(runs[f"{scenario}/full"])
+    full = runs[f"{_REFERENCE.get(scenario, scenario)}/full"]
+    scalars = _scalars(full)
     steps = _STEPS.get(scenario, 20)
     assert len(scalars["train/loss"]) == steps, f"the uninterrupted run should log every one of its {steps} steps"
-    assert _differences(runs[f"{scenario}/full"], runs[f"{scenario}/resumed"]) == []
+    assert _differences(full, runs[f"{scenario}/resumed"]) == []
 
 
 @pytest.mark.slow

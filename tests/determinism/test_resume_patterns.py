@@ -16,6 +16,11 @@ checkpoint, compared bitwise (weights, optimizer state and every TensorBoard sca
   ``interval="step"``, as one ``LambdaLR`` / as ``SequentialLR(LinearLR, CosineAnnealingLR)``, sized
   by ``trainer.estimated_stepping_batches`` in ``configure_optimizers``.
 
+``stateful_dataloader``, ``val_check_interval`` and ``datamodule`` change where the loaders come from and
+who writes the checkpoints, not the training: their uninterrupted runs are bitwise the plain module's
+(measured), so the three resumes and their negative controls are compared with one uninterrupted run of
+the plain module (``plain/full``), and the run fits once instead of three times.
+
 Negative controls (each must differ, or the test above it could not fail): the accumulation resume
 without the checkpointed gradients; the mid-epoch validation and DataModule resumes without the
 train-loader position; the scheduler resumes without handing over the loader states Lightning drops
@@ -80,6 +85,13 @@ _SCENARIOS: dict[str, tuple[list[str], int, list[str] | None, int]] = {
 }
 _STATEFUL = {"stateful_dataloader", "stateful_dataloader_own_state"}
 _RUN = [name for name in _SCENARIOS if _HAS_TORCHDATA or name not in _STATEFUL]
+# the scenarios whose uninterrupted run is the plain module's: compared with the one run "plain/full"
+_PLAIN_REFERENCE = {"stateful_dataloader", "val_check_interval", "datamodule"}
+
+
+def _full(runs: dict[str, Path], scenario: str) -> Path:
+    """The uninterrupted run ``scenario``'s resumes are compared with."""
+    return runs["plain/full" if scenario in _PLAIN_REFERENCE else f"{scenario}/full"]
 
 
 def _param(name: str) -> Any:
@@ -89,10 +101,12 @@ def _param(name: str) -> Any:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("patterns")
-    first: dict = {}
+    first: dict = {"plain/full": _start(fit_process, "plain", root / "plain" / "full", [])}
     for name in _RUN:
         extra, kill_at, _, _ = _SCENARIOS[name]
         for run in ("full", "killed"):
+            if run == "full" and name in _PLAIN_REFERENCE:
+                continue
             args = extra + (["--kill-at", str(kill_at)] if run == "killed" else [])
             first[f"{name}/{run}"] = _start(fit_process, "plain", root / name / run, args)
     _wait(first, expect_killed={f"{name}/killed" for name in _RUN})
@@ -118,15 +132,15 @@ _EXACT = [name for name in _SCENARIOS if name != "stateful_dataloader_own_state"
 @pytest.mark.parametrize("scenario", [_param(name) for name in _EXACT])
 def test_sigkill_mid_epoch_then_resume_is_bitwise_equal(runs: dict[str, Path], scenario: str) -> None:
     steps = _SCENARIOS[scenario][3]
-    scalars = _scalars(runs[f"{scenario}/full"])
+    scalars = _scalars(_full(runs, scenario))
     assert len(scalars["train/loss"]) == steps, f"the uninterrupted run should log every one of its {steps} steps"
-    assert _differences(runs[f"{scenario}/full"], runs[f"{scenario}/resumed"]) == []
+    assert _differences(_full(runs, scenario), runs[f"{scenario}/resumed"]) == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("scenario", [name for name in _EXACT if _SCENARIOS[name][2] is not None])
 def test_negative_control_resume_without_the_restore_differs(runs: dict[str, Path], scenario: str) -> None:
-    different = _differences(runs[f"{scenario}/full"], runs[f"{scenario}/unrestored"])
+    different = _differences(_full(runs, scenario), runs[f"{scenario}/unrestored"])
     assert different, "a resume without the restore must differ; otherwise the resume test cannot fail"
     assert any(key.startswith("model.") for key in different)
 
