@@ -18,7 +18,8 @@ input sum, a draw of its random stream, its parameter sum, its own loss and the 
 ``train/loss``, all as ``float.hex``), and at the end writes
 ``DIR/rank{g}.json`` (layout, seeds, samples seen, health events, fingerprints, snapshot files) and
 ``DIR/weights_rank{g}.pt``. ``--module deepep`` trains a small DeepEP agent instead (CartPole rollouts,
-no loader data: its trace rows are ``[step, loss, logged loss, parameter sum]``). ``--kill-at S``
+no loader data: its trace rows are ``[step, loss, logged loss, parameter sum]``); ``--module tiny,deepep``
+fits both in turn in the same processes and process group, the second writing to ``DIR/deepep``. ``--kill-at S``
 SIGKILLs every process at the start of step ``S``; checkpoints go to ``--ckpt-dir`` every
 ``--ckpt-every`` steps (atomically).
 """
@@ -173,7 +174,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fault-step", type=int, default=5)
     parser.add_argument("--corrupt-rank", type=int, default=-1, help="global rank whose newest snapshot is cut")
     parser.add_argument("--seed-by-local-rank", action="store_true", help="negative control: a planted bug")
-    parser.add_argument("--module", choices=["tiny", "deepep"], default="tiny")
+    parser.add_argument(
+        "--module", default="tiny", help="tiny, deepep, or both in turn (tiny,deepep: the second in DIR/deepep)"
+    )
     parser.add_argument("--strategy-kwargs", default="{}", help="JSON arguments of DeterministicDDPStrategy")
     args = parser.parse_args(argv)
 
@@ -181,7 +184,17 @@ def main(argv: list[str]) -> None:
         _torchrun(args, argv)
     if args.launcher == "lightning":
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port), "NODE_RANK": str(args.node_rank)})
+    modules = args.module.split(",")
+    if not set(modules) <= {"tiny", "deepep"}:
+        parser.error(f"--module: tiny, deepep or a comma-separated list of them, got {args.module!r}")
+    for i, module in enumerate(modules):
+        _fit(args, module, args.out if i == 0 else os.path.join(args.out, module))
+        # the node's first process has started the others: the next fit runs in the same process group
+        os.environ.setdefault("LOCAL_RANK", "0")
 
+
+def _fit(args, module: str, out: str) -> None:
+    """One fit of ``module`` writing its traces, records and weights to ``out``."""
     import lightning.pytorch as pl
 
     from deepep_lightning.determinism import DeterminismCallback, configure
@@ -213,7 +226,7 @@ def main(argv: list[str]) -> None:
     class CheckpointThenKill(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if args.ckpt_every and trainer.global_step % args.ckpt_every == 0:
-                path = os.path.join(args.ckpt_dir or args.out, "last.ckpt")
+                path = os.path.join(args.ckpt_dir or out, "last.ckpt")
                 trainer.save_checkpoint(path + ".tmp")  # every rank: the per-rank state is gathered
                 if trainer.is_global_zero:
                     os.replace(path + ".tmp", path)
@@ -235,10 +248,10 @@ def main(argv: list[str]) -> None:
         callbacks.insert(0, RankFault("loss", steps=[args.fault_step], mode="once"))
     if args.corrupt_rank >= 0:
         callbacks.insert(0, CutNewestSnapshot())
-    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(out, exist_ok=True)
     global_rank = int(os.environ.get("RANK", args.node_rank * args.devices + int(os.environ.get("LOCAL_RANK", "0"))))
-    trace_path = os.path.join(args.out, f"trace.rank{global_rank}.jsonl")
-    model = _module(trace_path) if args.module == "tiny" else _deepep_module(trace_path)
+    trace_path = os.path.join(out, f"trace.rank{global_rank}.jsonl")
+    model = _module(trace_path) if module == "tiny" else _deepep_module(trace_path)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -247,7 +260,7 @@ def main(argv: list[str]) -> None:
         max_steps=args.max_steps,
         callbacks=callbacks,
         logger=False,
-        default_root_dir=args.out,
+        default_root_dir=out,
         enable_progress_bar=False,
         enable_model_summary=False,
         enable_checkpointing=False,
@@ -274,10 +287,10 @@ def main(argv: list[str]) -> None:
         "snapshot_files": sorted(os.listdir(rollback.ring.directory)) if rollback.ring is not None else [],
         "fingerprint": strategy.fingerprint(),
     }
-    with open(os.path.join(args.out, f"rank{trainer.global_rank}.json"), "w") as handle:
+    with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as handle:
         json.dump(record, handle, indent=1)
     weights = {k: v.cpu() for k, v in model.state_dict().items()}
-    torch.save(weights, os.path.join(args.out, f"weights_rank{trainer.global_rank}.pt"))
+    torch.save(weights, os.path.join(out, f"weights_rank{trainer.global_rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ process group. The reference is one node with 4 processes; the others lay the sa
 nodes x 2 processes, launched by Lightning (``NODE_RANK``, node-local directories) or by
 ``torchrun`` (``TorchElasticEnvironment``, one shared directory). Runs start on first use and are
 shared by the tests of this module. The plain module is a small MLP with dropout and a shuffled
-loader with a worker; the DeepEP agent is the reference workload in miniature.
+loader with a worker; the DeepEP agent is the reference workload in miniature. The two reference
+launches fit the plain module, then the DeepEP agent in the same processes (into ``deepep/``), so the
+DeepEP comparison starts no processes of its own.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-_REFERENCE = {"1x4": Run(), "2x2": Run(nodes=2, node_local=True)}
+_BOTH = ["--module", "tiny,deepep"]  # the plain module, then DeepEP in DIR/deepep
+_REFERENCE = {"1x4": Run(_BOTH), "2x2": Run(_BOTH, nodes=2, node_local=True)}
 
 
 def _reference(runs: Runs) -> list[Path]:
@@ -193,9 +196,8 @@ def test_negative_control_streams_keyed_by_the_local_rank_break_the_equality(run
 
 
 def test_deepep_on_two_nodes_equals_one_node(runs):
-    deepep = ["--module", "deepep"]
-    made = runs.launch_together({"deepep-1x4": Run(deepep), "deepep-2x2": Run(deepep, nodes=2, node_local=True)})
-    one, two = made["deepep-1x4"], made["deepep-2x2"]
+    one = [directory / "deepep" for directory in _reference(runs)]
+    two = [directory / "deepep" for directory in _two_nodes(runs)]
     for rank in range(4):
         assert _bitwise_equal(_weights(two, rank), _weights(one, rank))
         assert _trace(two, rank) == _trace(one, rank) and len(_trace(one, rank)) == MAX_STEPS
