@@ -28,7 +28,9 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import contextlib
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -229,12 +231,34 @@ def _session_cpu_seconds(session_id: int) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+# Ports for the process groups of child runs: below Linux's ephemeral range (32768-60999), where no socket
+# bound to port 0 lands. A port picked by binding to 0 is free only until its store binds it: a gloo pair's
+# listener or a client socket of a concurrent test can take it in between, and a rank then connects to
+# another job's socket.
+_PORT_RANGE = (20000, 32000)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing holds now, drawn at random from :data:`_PORT_RANGE`."""
+    draw = random.SystemRandom()  # not the global generator: tests seed it, and the xdist workers alike
+    for _ in range(200):
+        port = draw.randrange(*_PORT_RANGE)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free TCP port found in {_PORT_RANGE[0]}-{_PORT_RANGE[1] - 1} after 200 draws")
+
+
 def subprocess_env(**overrides: str) -> dict[str, str]:
-    """This environment without the launcher variables, with the repository on ``PYTHONPATH`` and one
-    OpenMP thread; ``overrides`` on top."""
+    """This environment without the launcher variables, with the repository on ``PYTHONPATH``, one
+    OpenMP thread and a ``MASTER_PORT`` of its own from :func:`free_port`; ``overrides`` on top."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
+    env["MASTER_PORT"] = str(free_port())
     env.update(overrides)
     return env
 

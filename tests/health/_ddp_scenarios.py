@@ -82,10 +82,12 @@ def _start_rank_one() -> subprocess.Popen | None:
     """As rank 0 (no ``LOCAL_RANK`` yet): start rank 1 running this command; ``None`` in rank 1."""
     if "LOCAL_RANK" in os.environ:
         return None
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0"})
+    port = os.environ.get("MASTER_PORT")  # the tests' launcher gives each child its own (conftest.free_port)
+    if port is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": "0"})
     peer = subprocess.Popen([sys.executable, *sys.argv], env={**os.environ, "LOCAL_RANK": "1"})
     os.environ["LOCAL_RANK"] = "0"
     return peer

@@ -27,6 +27,7 @@ SIGKILLs every process at the start of step ``S``; checkpoints go to ``--ckpt-di
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import signal
@@ -131,7 +132,9 @@ def _strategy(args):
             return self.local_rank
 
     cls = LocalRankSeeded if args.seed_by_local_rank else DeterministicDDPStrategy
-    return cls(**json.loads(args.strategy_kwargs))
+    # a collective of these small steps takes milliseconds: a rank that waits 5 minutes waits for a hung peer,
+    # and fails the test then instead of after gloo's default 30 minutes
+    return cls(timeout=datetime.timedelta(seconds=300), **json.loads(args.strategy_kwargs))
 
 
 def _torchrun(args, argv: list[str]) -> None:

@@ -98,9 +98,11 @@ def main() -> None:
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     parser.add_argument("--world-size", type=int, default=4)
     args = parser.parse_args()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = os.environ.get("MASTER_PORT")  # the tests' launcher gives each child its own (conftest.free_port)
+    if port is None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
     worker_args = (port, args.out, args.backend, args.world_size)
     torch.multiprocessing.spawn(_worker, args=worker_args, nprocs=args.world_size)
 

@@ -13,12 +13,12 @@ DeepEP comparison starts no processes of its own.
 from __future__ import annotations
 
 import json
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 from deepep_lightning.determinism.streams import derive_seed
 from deepep_lightning.strategies import CHECKPOINT_KEY
@@ -32,12 +32,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass(frozen=True)
@@ -67,7 +61,7 @@ class Runs:
         for name, run in runs.items():
             if name in self.dirs:
                 continue
-            port = str(_free_port())
+            port = str(free_port())
             made[name] = [self.root / name / (f"node{n}" if run.node_local else "") for n in range(run.nodes)]
             for n, out in enumerate(made[name]):
                 processes[name, n] = self.fit_process(
