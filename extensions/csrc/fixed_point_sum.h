@@ -58,13 +58,13 @@ C10_HOST_DEVICE inline uint32_t flag_of(double term) {
 C10_HOST_DEVICE inline int64_t flag_words(int64_t n) { return (n + 3) / 4; }
 
 // How many rows of row_elements outputs one chunk of sums may hold: the sums and flags (9 bytes an output) take at
-// most a fifth of the output's out_bytes, or 16 MiB when that is more; at least one row, at most rows.
-inline int64_t rows_per_chunk(int64_t rows, int64_t row_elements, int64_t out_bytes) {
-  constexpr int64_t kMinSumBytes = int64_t{16} << 20;
+// most 16 MiB, so that on a Hopper GPU (50 MB of L2) a chunk's atomics, the finish pass's reads and its clears for
+// the next chunk stay in the L2 beside the output's stream instead of going to HBM; at least one row, at most rows.
+inline int64_t rows_per_chunk(int64_t rows, int64_t row_elements) {
+  constexpr int64_t kSumBytes = int64_t{16} << 20;
   constexpr int64_t kSumBytesPerElement = 9;  // an int64 sum and a flag byte
   const int64_t per_row = row_elements * kSumBytesPerElement > 0 ? row_elements * kSumBytesPerElement : 1;
-  const int64_t budget = out_bytes / 5 > kMinSumBytes ? out_bytes / 5 : kMinSumBytes;
-  const int64_t fit = budget / per_row;
+  const int64_t fit = kSumBytes / per_row;
   return fit < 1 ? 1 : (fit > rows ? (rows > 0 ? rows : 1) : fit);
 }
 

@@ -200,8 +200,7 @@ at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad
   const at::Tensor argmax_c = op == Op::kRoiPool ? argmax.contiguous() : argmax;
   at::Tensor max_bits = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
   launches.max_abs(grad_c, max_bits);
-  const int64_t per_chunk = fixed_point::rows_per_chunk(channels, batch_size * plane,
-                                                        out.numel() * static_cast<int64_t>(out.element_size()));
+  const int64_t per_chunk = fixed_point::rows_per_chunk(channels, batch_size * plane);
   const int64_t chunk_planes = batch_size * std::min(per_chunk, channels);
   at::Tensor sums = at::zeros({chunk_planes * plane}, at::TensorOptions().dtype(at::kLong).device(device));
   at::Tensor flags =

@@ -18,8 +18,8 @@
 // ceil(bin)), so at most 5 x 5 of them reach a pixel (all sampling_ratio^2 with a fixed ratio), each with up to
 // 4 corners there (clamped at the border): a pixel receives at most 4 * K * 25 (or 4 * K * ratio^2) terms.
 //
-// The sums live in an int64 array beside grad_input with a flag byte per element (Slot): to hold the extra memory to
-// a fifth of grad_input's (or 16 MiB when that is more), grad_input's channels are done in chunks, each chunk
+// The sums live in an int64 array beside grad_input with a flag byte per element (Slot): to hold them to 16 MiB, which
+// stays in the L2 (fixed_point_sum.h, rows_per_chunk), grad_input's channels are done in chunks, each chunk
 // one pass over its channels' bins and one pass that writes its outputs and clears the sums for the next.
 #pragma once
 
