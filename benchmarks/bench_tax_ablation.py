@@ -17,7 +17,10 @@ whose step time grows with its host time, with kernels equal, is host-bound: the
 
     python benchmarks/bench_tax_ablation.py --model mixtral_moe --out benchmarks/results/tax_ablation
 
-Writes ``DIR/<model>.json``. Runs on the CPU too (``--device cpu``, for the test of the driver), where the
+A setting whose step raises PyTorch's deterministic-mode refusal (``det`` on a model with an op only the
+routes make deterministic, e.g. LR-ASPP's ``nll_loss2d``) is recorded as ``{"refused": <the error's first line>}``
+in the summary, and the other settings are measured. Writes ``DIR/<model>.json``. Runs on the CPU too
+(``--device cpu``, for the test of the driver), where the
 routes do not apply and the figures mean nothing.
 """
 
@@ -41,6 +44,8 @@ from zoo_models import select_models  # noqa: E402
 from zoo_worker import profile_table  # noqa: E402
 
 SETTINGS = ("plain", "det", "det_routes", "det_routes_env")
+# what PyTorch's refusal under torch.use_deterministic_algorithms(True) says
+DETERMINISTIC_REFUSAL = "does not have a deterministic implementation"
 
 
 def apply_setting(name: str) -> None:
@@ -83,11 +88,21 @@ def run(model_name: str, device: torch.device, rounds: int, steps: int, settings
         counter += 1
         return (time.perf_counter() - begin) * 1e3
 
-    results: dict[str, Any] = {name: {"step_ms": [], "host_ms": []} for name in settings}
+    refused: dict[str, str] = {}  # settings whose step raises (det: an op plain deterministic mode refuses)
     for name in settings:  # warm-up: every setting's kernels and routes built and cached
         apply_setting(name)
-        for _ in range(3):
-            step()
+        try:
+            for _ in range(3):
+                step()
+        except RuntimeError as error:
+            if DETERMINISTIC_REFUSAL not in str(error):
+                raise
+            refused[name] = str(error).splitlines()[0][:200]
+            optimizer.zero_grad(set_to_none=True)
+    settings = tuple(name for name in settings if name not in refused)
+    if not settings:
+        raise RuntimeError(f"every setting refused the model's step: {refused}")
+    results: dict[str, Any] = {name: {"step_ms": [], "host_ms": []} for name in settings}
     for _ in range(rounds):
         for name in settings:
             apply_setting(name)
@@ -127,6 +142,7 @@ def run(model_name: str, device: torch.device, rounds: int, steps: int, settings
         }
         for name in settings
     }
+    summary.update({name: {"refused": message} for name, message in refused.items()})
     return {"model": model_name, "precision": spec.precision, "summary": summary, "settings": results}
 
 

@@ -47,3 +47,38 @@ def test_each_setting_switches_what_it_names():
         from deepep_lightning.ops import patch_refused_ops
 
         patch_refused_ops(before[1])
+
+
+def test_a_refused_setting_is_recorded_and_the_others_measured(monkeypatch):
+    from zoo_models import ZooModel, ZooTask, select_models
+
+    from deepep_lightning.ops import patch_refused_ops, refused_ops_patched
+
+    (tiny,) = select_models(["tiny_mlp"])
+    refusal = "planted_backward does not have a deterministic implementation, but you set it"
+
+    def build(generator: torch.Generator) -> ZooTask:
+        task = tiny.build(generator)
+
+        def loss(model, batch):  # refused in plain deterministic mode, as nll_loss2d is on CUDA
+            if torch.are_deterministic_algorithms_enabled() and not refused_ops_patched():
+                raise RuntimeError(refusal)
+            return task.loss(model, batch)
+
+        return ZooTask(task.model, task.batches, loss)
+
+    monkeypatch.setattr(bench_tax_ablation, "select_models", lambda names: [ZooModel("refusing", ("test",), (), build)])
+    before = torch.are_deterministic_algorithms_enabled(), refused_ops_patched()
+    try:
+        result = bench_tax_ablation.run("refusing", torch.device("cpu"), 1, 2, bench_tax_ablation.SETTINGS)
+        assert result["summary"]["det"] == {"refused": refusal}
+        assert list(result["settings"]) == ["plain", "det_routes", "det_routes_env"]
+        assert all(len(record["step_ms"]) == 2 for record in result["settings"].values())
+        assert result["summary"]["det_routes"]["median_step_ms"] > 0
+
+        refusal = "planted_backward: some other error"  # anything else is the model's failure and is raised
+        with pytest.raises(RuntimeError, match="some other error"):
+            bench_tax_ablation.run("refusing", torch.device("cpu"), 1, 1, bench_tax_ablation.SETTINGS)
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        patch_refused_ops(before[1])
