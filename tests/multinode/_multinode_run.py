@@ -22,6 +22,12 @@ no loader data: its trace rows are ``[step, loss, logged loss, parameter sum]``)
 fits both in turn in the same processes and process group, the second writing to ``DIR/deepep``. ``--kill-at S``
 SIGKILLs every process at the start of step ``S``; checkpoints go to ``--ckpt-dir`` every
 ``--ckpt-every`` steps (atomically).
+
+``--then --out DIR2 [ARGS...]`` (repeatable) fits again in the same processes and process group once the
+fits before it are done, with the node layout (``--num-nodes``, ``--node-rank``, ``--devices``, ``--port``)
+of the first arguments and its own other arguments; the Lightning launcher only::
+
+    python _multinode_run.py --out A --num-nodes 2 --node-rank 0 --devices 2 --port P --then --out B --max-steps 1
 """
 
 from __future__ import annotations
@@ -160,7 +166,29 @@ def _torchrun(args, argv: list[str]) -> None:
     os.execv(sys.executable, command)
 
 
+_LAYOUT = ("--num-nodes", "--node-rank", "--devices", "--port")
+
+
 def main(argv: list[str]) -> None:
+    segments: list[list[str]] = [[]]
+    for token in argv:
+        if token == "--then":
+            segments.append([])
+        else:
+            segments[-1].append(token)
+    first = _parse(segments[0])
+    if len(segments) > 1 and first.launcher != "lightning":
+        raise SystemExit("--then: with the Lightning launcher only")
+    layout = [str(x) for x in (first.num_nodes, first.node_rank, first.devices, first.port)]
+    fits = [(first, segments[0])] + [
+        (_parse([*(token for pair in zip(_LAYOUT, layout) for token in pair), *segment]), segment)
+        for segment in segments[1:]
+    ]
+    for args, segment in fits:
+        _run(args, segment)
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="this node's directory (node-local) or the shared one")
     parser.add_argument("--ckpt-dir", default=None, help="where checkpoints are written (default: --out)")
@@ -182,14 +210,18 @@ def main(argv: list[str]) -> None:
     )
     parser.add_argument("--strategy-kwargs", default="{}", help="JSON arguments of DeterministicDDPStrategy")
     args = parser.parse_args(argv)
+    if not set(args.module.split(",")) <= {"tiny", "deepep"}:
+        parser.error(f"--module: tiny, deepep or a comma-separated list of them, got {args.module!r}")
+    return args
 
+
+def _run(args: argparse.Namespace, argv: list[str]) -> None:
+    """The fits of one ``--module`` list with ``args`` (``argv``: their tokens, re-executed by torchrun)."""
     if args.launcher == "torchrun":
         _torchrun(args, argv)
     if args.launcher == "lightning":
         os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(args.port), "NODE_RANK": str(args.node_rank)})
     modules = args.module.split(",")
-    if not set(modules) <= {"tiny", "deepep"}:
-        parser.error(f"--module: tiny, deepep or a comma-separated list of them, got {args.module!r}")
     for i, module in enumerate(modules):
         _fit(args, module, args.out if i == 0 else os.path.join(args.out, module))
         # the node's first process has started the others: the next fit runs in the same process group

@@ -7,7 +7,10 @@ nodes x 2 processes, launched by Lightning (``NODE_RANK``, node-local directorie
 shared by the tests of this module. The plain module is a small MLP with dropout and a shuffled
 loader with a worker; the DeepEP agent is the reference workload in miniature. The two reference
 launches fit the plain module, then the DeepEP agent in the same processes (into ``deepep/``), so the
-DeepEP comparison starts no processes of its own.
+DeepEP comparison starts no processes of its own; the 2 x 2 launch then fits the other node-local runs
+in turn in the same processes and process group (``--then``): the fault, the planted local-rank bug and
+last the run that is SIGKILLed. Each of these fits starts from ``configure(SEED)`` and a new Trainer, and
+is compared step by step with the 1 x 4 reference, whose plain fit is the first of its processes.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ class Run:
     nodes: int = 1
     node_local: bool = False
     expect: int = 0
+    # later fits in the same processes (``--then``): (name, arguments), each into its own directories
+    then: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 class Runs:
@@ -56,27 +61,32 @@ class Runs:
         return self.launch_together({name: Run(list(args), nodes, node_local, expect)})[name]
 
     def launch_together(self, runs: dict[str, Run]) -> dict[str, list[Path]]:
-        """Start every run not made yet at once (their start-ups overlap); every run's node directories."""
+        """Start every run not made yet at once (their start-ups overlap); the node directories of every run
+        and of every fit chained after one (``Run.then``)."""
         processes, made = {}, {}
         for name, run in runs.items():
             if name in self.dirs:
                 continue
             port = str(free_port())
-            made[name] = [self.root / name / (f"node{n}" if run.node_local else "") for n in range(run.nodes)]
-            for n, out in enumerate(made[name]):
+            fits = [(name, tuple(run.args)), *run.then]
+            for fit, _ in fits:
+                made[fit] = [self.root / fit / (f"node{n}" if run.node_local else "") for n in range(run.nodes)]
+            for n in range(run.nodes):
+                args = ["--num-nodes", str(run.nodes), "--node-rank", str(n), "--devices", str(4 // run.nodes)]
+                args += ["--port", port]
+                for i, (fit, fit_args) in enumerate(fits):
+                    args += [*(["--then"] if i else []), "--out", str(made[fit][n]), *fit_args]
                 processes[name, n] = self.fit_process(
-                    SCRIPT,
-                    ["--out", str(out), "--num-nodes", str(run.nodes), "--node-rank", str(n)]
-                    + ["--devices", str(4 // run.nodes), "--port", port, *run.args],
-                    log_path=self.root / name / f"node{n}.log",
-                    cwd=self.root,
+                    SCRIPT, args, log_path=self.root / name / f"node{n}.log", cwd=self.root
                 )
         codes = self.fit_process.wait_all(processes)
         for (name, n), code in codes.items():
             self.codes.setdefault(name, []).append(code)
             assert code == runs[name].expect, processes[name, n].output_tail()
         self.dirs.update(made)
-        return {name: self.dirs[name] for name in runs}
+        return {name: self.dirs[name] for name in runs} | {
+            fit: self.dirs[fit] for run in runs.values() for fit, _ in run.then
+        }
 
 
 @pytest.fixture(scope="module")
@@ -106,15 +116,28 @@ def _bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
 
 
 _BOTH = ["--module", "tiny,deepep"]  # the plain module, then DeepEP in DIR/deepep
-_REFERENCE = {"1x4": Run(_BOTH), "2x2": Run(_BOTH, nodes=2, node_local=True)}
+_TWO_NODE_FITS = (
+    # rank 2 (node 1) gets an infinite loss at step 5; rank 3 (node 1) cannot read its newest snapshot (step 4)
+    (
+        "fault-2x2",
+        ("--fault-rank", str(FAULT_RANK), "--fault-step", str(FAULT_STEP), "--corrupt-rank", str(CORRUPT_RANK)),
+    ),
+    # a planted bug: the per-step streams keyed by the local rank, one step
+    ("local-rank-bug", ("--seed-by-local-rank", "--max-steps", "1")),
+    # last: SIGKILLed at step 7, with checkpoints every 3 steps in one directory of both nodes (relative to
+    # the launches' working directory, Runs.root)
+    ("killed-2x2", ("--ckpt-dir", "checkpoints", "--ckpt-every", str(CKPT_EVERY), "--kill-at", str(KILL_AT))),
+)
+_REFERENCE = {"1x4": Run(_BOTH), "2x2": Run(_BOTH, nodes=2, node_local=True, expect=-9, then=_TWO_NODE_FITS)}
 
 
 def _reference(runs: Runs) -> list[Path]:
     return runs.launch_together(_REFERENCE)["1x4"]
 
 
-def _two_nodes(runs: Runs) -> list[Path]:
-    return runs.launch_together(_REFERENCE)["2x2"]
+def _two_nodes(runs: Runs, fit: str = "2x2") -> list[Path]:
+    """The node directories of the 2 x 2 reference fit or of a fit chained after it (``_TWO_NODE_FITS``)."""
+    return runs.launch_together(_REFERENCE)[fit]
 
 
 def test_comparison_detects_one_ulp():
@@ -179,7 +202,7 @@ def test_snapshots_on_node_local_and_shared_directories(runs):
 
 def test_negative_control_streams_keyed_by_the_local_rank_break_the_equality(runs):
     # a planted bug: the per-step streams keyed by the local rank, 2 nodes x 2, one step
-    broken = runs.launch("local-rank-bug", "--seed-by-local-rank", "--max-steps", "1", nodes=2, node_local=True)
+    broken = _two_nodes(runs, "local-rank-bug")
     one = _reference(runs)
     rows = [_trace(broken, rank)[0] for rank in range(4)]
     assert rows[2][2] == rows[0][2] and rows[3][2] == rows[1][2]  # node 1 repeats node 0's streams
@@ -214,13 +237,7 @@ def test_torchrun_environment_gives_the_same_run(runs):
 
 def test_sigkill_on_two_nodes_resumes_bitwise_on_one(runs):
     shared = runs.root / "checkpoints"
-    killed = runs.launch(
-        "killed-2x2",
-        *("--ckpt-dir", str(shared), "--ckpt-every", str(CKPT_EVERY), "--kill-at", str(KILL_AT)),
-        nodes=2,
-        node_local=True,
-        expect=-9,
-    )
+    killed = _two_nodes(runs, "killed-2x2")
     checkpoint = torch.load(shared / "last.ckpt", weights_only=False)
     state = checkpoint[CHECKPOINT_KEY]
     assert checkpoint["global_step"] == 6 and (state["num_nodes"], state["processes_per_node"]) == (2, 2)
@@ -240,12 +257,7 @@ def test_sigkill_on_two_nodes_resumes_bitwise_on_one(runs):
 
 def test_nan_on_the_second_node_and_a_corrupt_snapshot_there_roll_back_every_rank(runs):
     # rank 2 (node 1) gets an infinite loss at step 5; rank 3 (node 1) cannot read its newest snapshot (step 4)
-    faulty = runs.launch(
-        "fault-2x2",
-        *("--fault-rank", str(FAULT_RANK), "--fault-step", str(FAULT_STEP), "--corrupt-rank", str(CORRUPT_RANK)),
-        nodes=2,
-        node_local=True,
-    )
+    faulty = _two_nodes(runs, "fault-2x2")
     one = _reference(runs)
     for rank in range(4):
         events = [tuple(event) for event in _record(faulty, rank)["events"]]
