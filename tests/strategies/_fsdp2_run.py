@@ -17,6 +17,10 @@ steps; ``--kill-at N`` SIGKILLs every rank at the start of the batch after globa
 ``--truncate-snapshot-rank R`` truncates rank ``R``'s newest snapshot file when ``--fault-step`` starts;
 ``--nan-op-rank R`` makes ``aten.log`` inside ``net.0``'s forward produce NaN on rank ``R`` at every run of
 step ``--fault-step`` (a reproducible failure: the rollback's locator names it).
+
+``--then --out DIR2 [ARGS...]`` (repeatable, the same ``--devices``) fits again with those arguments in the
+same processes and process group once the fits before it are done; each fit starts from ``configure``,
+``seed_everything`` and a new Trainer and module.
 """
 
 from __future__ import annotations
@@ -120,6 +124,20 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str]) -> None:
+    segments: list[list[str]] = [[]]
+    for token in argv:
+        if token == "--then":
+            segments.append([])
+        else:
+            segments[-1].append(token)
+    for segment in segments:
+        _fit(segment)
+        # the first fit's launcher has started the other ranks: the next fit runs in the same process group
+        os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def _fit(argv: list[str]) -> None:
+    """One fit with the arguments ``argv``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)

@@ -1,14 +1,17 @@
 """FSDP2 (``fully_shard`` under Lightning's ``ModelParallelStrategy``) with 2 and 4 gloo processes.
 
-Each run is ``_fsdp2_run.py`` in a fresh session (``fit_process``; Lightning's launcher starts the other
-ranks), with DeterminismCallback, NumericalHealthCallback and NaNRollbackCallback. Two processes:
+Each launch is ``_fsdp2_run.py`` in a fresh session (``fit_process``; Lightning's launcher starts the other
+ranks), with DeterminismCallback, NumericalHealthCallback and NaNRollbackCallback; runs named together in a
+chain fit in turn in the same processes and process group (``--then``), each from ``configure``,
+``seed_everything`` and a new Trainer. Two processes:
 a clean run that writes sharded checkpoints (A), the same run SIGKILLed mid-epoch (K), K resumed
 from its step-8 directory (R), the same resume without the loader position (N, negative control),
 a NaN on rank 1's gradient shard while rank 0's newest snapshot file is truncated (C), a reproducible
 NaN inside ``net.0`` on rank 1 (L, located and skipped on both ranks) and a one-process resume of A's
-checkpoint (W, refused). Four processes: a run whose RNG is not reseeded
+checkpoint (W, refused); chains A, C, L, K (killed last) and N, R (N first in its processes, as a
+fresh run; R after it, equal to A). Four processes: a run whose RNG is not reseeded
 per batch (A4) and its resume (R4), so only the per-rank RNG states carry the random stream, and a
-data + tensor parallel run (2 x 2, T4).
+data + tensor parallel run (2 x 2, T4), fitted after A4 in its processes.
 """
 
 from __future__ import annotations
@@ -32,20 +35,27 @@ pytestmark = [
 
 
 def _run_together(
-    fit_process, root: Path, runs: dict[str, list[str]], may_fail: tuple[str, ...] = ()
+    fit_process, root: Path, runs: dict[str, list[str] | dict[str, list[str]]], may_fail: tuple[str, ...] = ()
 ) -> dict[str, Path]:
-    """Start every run (name: arguments, its directory ``root / name``) at once; wait for all of them.
+    """Start every launch at once; wait for all of them; the directory ``root / name`` of every run.
 
-    Each must exit with 0 unless it is named in ``may_fail``."""
-    processes = {}
-    for name, args in runs.items():
-        out = root / name
-        out.mkdir(parents=True, exist_ok=True)
-        processes[name] = fit_process(SCRIPT, ["--out", str(out), *args], log_path=out / "log.txt", cwd=out)
+    A launch is one run (name: arguments) or a chain (launch name: {run name: arguments}) whose runs fit
+    in turn in the same processes, each into its own directory; a launch's output goes to the ``log.txt``
+    of its first run. Each launch must exit with 0 unless it is named in ``may_fail``."""
+    processes, made = {}, {}
+    for launch, spec in runs.items():
+        chain = spec if isinstance(spec, dict) else {launch: spec}
+        args: list[str] = []
+        for name, run_args in chain.items():
+            made[name] = root / name
+            made[name].mkdir(parents=True, exist_ok=True)
+            args += [*(["--then"] if args else []), "--out", str(made[name]), *run_args]
+        first = made[next(iter(chain))]
+        processes[launch] = fit_process(SCRIPT, args, log_path=first / "log.txt", cwd=first)
     codes = fit_process.wait_all(processes)
-    for name, code in codes.items():
-        assert code == 0 or name in may_fail, f"{name}: exit code {code}\n{processes[name].output_tail()}"
-    return {name: root / name for name in runs}
+    for launch, code in codes.items():
+        assert code == 0 or launch in may_fail, f"{launch}: exit code {code}\n{processes[launch].output_tail()}"
+    return made
 
 
 def _rank(out: Path, rank: int) -> dict:
@@ -79,31 +89,30 @@ def _without_loader_position(directory: Path, copy: Path) -> Path:
 def two(tmp_path_factory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp2")
     # the runs that need no other run's checkpoint, then those that resume one
-    runs = _run_together(
-        fit_process,
-        root,
-        {
-            "A": ["--health", "--ckpt-every", "4"],
-            "K": ["--health", "--ckpt-every", "4", "--kill-at", "9"],
-            "C": [
-                "--health",
-                "--snapshot-dir",
-                str(root / "C" / "snapshots"),
-                "--fault-rank",
-                "1",
-                "--fault-step",
-                str(FAULT_STEP),
-                "--truncate-snapshot-rank",
-                "0",
-            ],
-            "L": ["--health", "--nan-op-rank", "1", "--fault-step", "4", "--max-epochs", "1"],
-        },
-        may_fail=("K",),
-    )
+    chain = {
+        "A": ["--health", "--ckpt-every", "4"],
+        "C": [
+            "--health",
+            "--snapshot-dir",
+            str(root / "C" / "snapshots"),
+            "--fault-rank",
+            "1",
+            "--fault-step",
+            str(FAULT_STEP),
+            "--truncate-snapshot-rank",
+            "0",
+        ],
+        "L": ["--health", "--nan-op-rank", "1", "--fault-step", "4", "--max-epochs", "1"],
+        "K": ["--health", "--ckpt-every", "4", "--kill-at", "9"],  # last: SIGKILLed, with the launch
+    }
+    runs = _run_together(fit_process, root, {"AK": chain}, may_fail=("AK",))
+    assert (runs["L"] / "rank0.json").exists(), "the chain ended before K"
     stripped = _without_loader_position(runs["K"] / "ckpt-step8", root / "stripped")
     resumes = {
-        "R": ["--health", "--resume", str(runs["K"] / "ckpt-step8")],
-        "N": ["--health", "--resume", str(stripped)],
+        "NR": {
+            "N": ["--health", "--resume", str(stripped)],
+            "R": ["--health", "--resume", str(runs["K"] / "ckpt-step8")],
+        },
         "W": ["--devices", "1", "--resume", str(runs["A"] / "ckpt-step8")],
     }
     runs.update(_run_together(fit_process, root, resumes, may_fail=("W",)))
@@ -179,7 +188,7 @@ def test_reproducible_nan_on_one_rank_is_located_by_op_and_module_path_on_every_
         assert record["global_step"] == 6
     assert records[0]["events"] == records[1]["events"]  # the same decisions, in lockstep
     assert ["diagnosis", 4] in records[0]["events"] and ["policy", 4] in records[0]["events"]
-    log = (two["L"] / "log.txt").read_text()
+    log = (two["A"] / "log.txt").read_text()  # the chain's output; only L makes aten.log give NaN
     assert "on rank 1: first non-finite (NaN) output: aten.log.default in forward" in log
 
 
@@ -194,14 +203,11 @@ def test_resume_on_another_mesh_is_refused_naming_both(two):
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fsdp2_4")
-    runs = _run_together(
-        fit_process,
-        root,
-        {
-            "A4": ["--devices", "4", "--no-reseed", "--ckpt-every", "2"],
-            "T4": ["--devices", "4", "--tensor-parallel", "2", "--health"],
-        },
-    )
+    chain = {
+        "A4": ["--devices", "4", "--no-reseed", "--ckpt-every", "2"],
+        "T4": ["--devices", "4", "--tensor-parallel", "2", "--health"],
+    }
+    runs = _run_together(fit_process, root, {"AT4": chain})
     resume = ["--devices", "4", "--no-reseed", "--resume", str(runs["A4"] / "ckpt-step4")]
     runs.update(_run_together(fit_process, root, {"R4": resume}))
     return runs
