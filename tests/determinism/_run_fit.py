@@ -28,6 +28,10 @@ Negative controls: ``--strip-resume-state`` resumes from a copy of the checkpoin
 the state an exact resume needs (see :func:`_stripped_copy`); ``--skip-pending-loader-states``
 leaves the loader states Lightning drops when the loader is built before the restore;
 ``--no-seekable-data`` leaves the train loader as it is (a ``StatefulDataLoader`` keeps its own state).
+
+``--then ARGS...`` (repeatable) runs another fit with its own arguments in the same process once the fit
+before it has returned; each fit starts from ``configure`` and builds its own module, callbacks and Trainer.
+A fit that kills or signals the process ends the chain.
 """
 
 from __future__ import annotations
@@ -207,6 +211,18 @@ def _val_check_interval(value: str) -> int | float:
 
 
 def main() -> None:
+    segments: list[list[str]] = [[]]
+    for token in sys.argv[1:]:
+        if token == "--then":
+            segments.append([])
+        else:
+            segments[-1].append(token)
+    for segment in segments:
+        _fit(segment)
+
+
+def _fit(argv: list[str]) -> None:
+    """One fit with the arguments ``argv``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--module", choices=["plain", "deepep"], required=True)
     parser.add_argument("--out", required=True)
@@ -245,7 +261,7 @@ def main() -> None:
     parser.add_argument("--no-reseed", action="store_true", help="rely on checkpointed RNG state only")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--deepep-args", default="{}", help="JSON of DeepEPModule arguments (GPU settings)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     configure(SEED, cublas_workspace_config=":4096:8")  # first thing: before CUDA starts
 
@@ -277,9 +293,10 @@ def main() -> None:
     resume = args.resume
     if resume is not None and args.strip_resume_state is not None:
         resume = _stripped_copy(resume, callback.state_key, args.strip_resume_state)
-    if args.skip_pending_loader_states:
-        from deepep_lightning import _lightning_compat
+    from deepep_lightning import _lightning_compat
 
+    load_pending_loader_states = _lightning_compat.load_pending_loader_states
+    if args.skip_pending_loader_states:  # for this fit only
         _lightning_compat.load_pending_loader_states = lambda trainer: False
     configure(SEED)  # before the model is built (and before CUDA starts): its initial weights are seeded
     if args.module == "plain":
@@ -316,7 +333,10 @@ def main() -> None:
         enable_model_summary=False,
         enable_checkpointing=args.model_checkpoint,
     )
-    trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resume)
+    finally:
+        _lightning_compat.load_pending_loader_states = load_pending_loader_states
     optimizer_state = trainer.optimizers[0].state_dict()["state"]
     flat_optimizer = {f"opt.{i}.{k}": v for i, s in optimizer_state.items() for k, v in s.items()}
     torch.save({"model": model.state_dict(), "optimizer": flat_optimizer}, os.path.join(args.out, "final.pt"))

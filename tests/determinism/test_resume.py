@@ -19,7 +19,10 @@ optimizer tensors with ``torch.equal``, every TensorBoard scalar by value):
   draw other numbers); and the OneCycleLR resume without handing the dropped loader states over.
 
 The runs are started together (two cores) by one module-scoped fixture; most of each run's time
-is importing Lightning.
+is importing Lightning, so fits share processes (``--then``): each uninterrupted run is the first fit of
+its process (the two of "plain" in two processes) and is followed there by a run that is killed; each
+negative control is the first fit of its process and is followed there by its scenario's resume, which
+must still equal the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -54,8 +57,13 @@ _STEPS = {"plain_onecycle": 24}  # the others: max_steps=20
 _REFERENCE = {"plain_epoch_end": "plain"}
 
 
-def _start(fit_process, module: str, out: Path, extra: list[str]):
-    args = ["--module", module, "--out", str(out), "--tb", str(out / "tb"), *extra]
+def _start(fit_process, module: str, out: Path, extra: list[str], then: tuple[tuple[str, Path, list[str]], ...] = ()):
+    """``_run_fit.py`` in a fresh process, then the fits ``then`` (module, directory, arguments) in turn in it."""
+    args: list[str] = []
+    for fit_module, fit_out, fit_extra in ((module, out, extra), *then):
+        fit_out.mkdir(parents=True, exist_ok=True)
+        args += [*(["--then"] if args else []), "--module", fit_module, "--out", str(fit_out)]
+        args += ["--tb", str(fit_out / "tb"), *fit_extra]
     return fit_process(_SCRIPT, args, log_path=out / "log.txt")
 
 
@@ -69,15 +77,19 @@ def _wait(processes: dict, expect_killed: set[str]) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
+    dirs = {f"{name}/killed": root / name / "killed" for name in _SCENARIOS}
+    dirs |= {f"{name}/full": root / name / "full" for name in _SCENARIOS if name not in _REFERENCE}
+    dirs["plain/full_again"] = root / "plain" / "full_again"
+    # each killed run after an uninterrupted one; plain_epoch_end's after the second uninterrupted plain run
+    after = {name: f"{_REFERENCE.get(name, name)}/full" for name in _SCENARIOS}
+    after["plain_epoch_end"] = "plain/full_again"
     first: dict = {}
     for name, (module, extra, kill_at) in _SCENARIOS.items():
-        for run in ("full", "killed"):
-            if run == "full" and name in _REFERENCE:
-                continue
-            args = extra + (["--kill-at", str(kill_at)] if run == "killed" else [])
-            first[f"{name}/{run}"] = _start(fit_process, module, root / name / run, args)
-    first["plain/full_again"] = _start(fit_process, "plain", root / "plain" / "full_again", [])
-    _wait(first, expect_killed={f"{name}/killed" for name in _SCENARIOS})
+        killed = (module, dirs[f"{name}/killed"], [*extra, "--kill-at", str(kill_at)])
+        reference = after[name]
+        ref_module, ref_extra, _ = _SCENARIOS[reference.split("/")[0]]
+        first[name] = _start(fit_process, ref_module, dirs[reference], ref_extra, then=(killed,))
+    _wait(first, expect_killed=set(first))
 
     second: dict = {}
     for name, (module, extra, _) in _SCENARIOS.items():
@@ -88,14 +100,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Pat
             "plain_noreseed": ["--strip-resume-state", "rng"],
             "plain_onecycle": ["--skip-pending-loader-states"],
         }
-        variants = {"resumed": [], **({"unrestored": negative[name]} if name in negative else {})}
+        variants = {**({"unrestored": negative[name]} if name in negative else {}), "resumed": []}
+        fits = []
         for variant, more in variants.items():
-            out = root / name / variant
+            dirs[f"{name}/{variant}"] = out = root / name / variant
             shutil.copytree(killed, out)  # same checkpoint and the killed run's event file
-            args = extra + more + ["--resume", str(out / "last.ckpt")]
-            second[f"{name}/{variant}"] = _start(fit_process, module, out, args)
+            fits.append((module, out, extra + more + ["--resume", str(out / "last.ckpt")]))
+        second[name] = _start(fit_process, *fits[0], then=tuple(fits[1:]))  # the negative control first
     _wait(second, expect_killed=set())
-    return {name: process.log_path.parent for name, process in {**first, **second}.items()}
+    return dirs
 
 
 def _final_state(out: Path) -> dict[str, torch.Tensor]:

@@ -28,6 +28,12 @@ when ``estimated_stepping_batches`` builds the loader early (Lightning #20550); 
 ``StatefulDataLoader`` left to its own state (``seekable_data=False``), which restarts the workers'
 random streams from their seeds.
 
+The fits share processes (``--then``; most of a run's time is importing Lightning): each uninterrupted
+run is the first fit of its process and is followed there by a killed run; each negative control is the
+first fit of its process and is followed there by its scenario's resume, which must still equal the
+uninterrupted run (``stateful_dataloader``'s resume follows its negative control
+``stateful_dataloader_own_state``).
+
 In-process tests: a checkpoint written with DeterminismCallback resumes in a Trainer without it,
 and loads with ``LightningModule.load_from_checkpoint``.
 """
@@ -101,28 +107,39 @@ def _param(name: str) -> Any:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("patterns")
-    first: dict = {"plain/full": _start(fit_process, "plain", root / "plain" / "full", [])}
+    dirs = {"plain/full": root / "plain" / "full"}
+    # a process per uninterrupted run, its first fit, followed by a killed run; the other killed runs alone
+    first: dict[str, list] = {}
+    plain_killed = [name for name in _RUN if name in _PLAIN_REFERENCE]
     for name in _RUN:
         extra, kill_at, _, _ = _SCENARIOS[name]
-        for run in ("full", "killed"):
-            if run == "full" and name in _PLAIN_REFERENCE:
-                continue
-            args = extra + (["--kill-at", str(kill_at)] if run == "killed" else [])
-            first[f"{name}/{run}"] = _start(fit_process, "plain", root / name / run, args)
-    _wait(first, expect_killed={f"{name}/killed" for name in _RUN})
+        dirs[f"{name}/killed"] = root / name / "killed"
+        killed = ("plain", dirs[f"{name}/killed"], [*extra, "--kill-at", str(kill_at)])
+        if name not in _PLAIN_REFERENCE:
+            dirs[f"{name}/full"] = root / name / "full"
+            first[name] = [("plain", dirs[f"{name}/full"], extra), killed]
+        elif name == plain_killed[0]:
+            first[name] = [("plain", dirs["plain/full"], []), killed]
+        else:
+            first[name] = [killed]
+    started = {name: _start(fit_process, *fits[0], then=tuple(fits[1:])) for name, fits in first.items()}
+    _wait(started, expect_killed=set(started))
 
-    second: dict = {}
+    second: dict[str, list] = {}
     for name in _RUN:
         extra, _, negative, _ = _SCENARIOS[name]
         killed = root / name / "killed"
-        variants = {"resumed": [], **({"unrestored": negative} if negative is not None else {})}
+        variants = {**({"unrestored": negative} if negative is not None else {}), "resumed": []}  # negative first
+        second[name] = []
         for variant, more in variants.items():
-            out = root / name / variant
+            dirs[f"{name}/{variant}"] = out = root / name / variant
             shutil.copytree(killed, out)  # same checkpoint and the killed run's event file
-            args = extra + more + ["--resume", str(out / "last.ckpt")]
-            second[f"{name}/{variant}"] = _start(fit_process, "plain", out, args)
-    _wait(second, expect_killed=set())
-    return {name: process.log_path.parent for name, process in {**first, **second}.items()}
+            second[name].append(("plain", out, extra + more + ["--resume", str(out / "last.ckpt")]))
+    if "stateful_dataloader_own_state" in second:  # its resume is stateful_dataloader's negative control
+        second["stateful_dataloader_own_state"] += second.pop("stateful_dataloader")
+    started = {name: _start(fit_process, *fits[0], then=tuple(fits[1:])) for name, fits in second.items()}
+    _wait(started, expect_killed=set())
+    return dirs
 
 
 _EXACT = [name for name in _SCENARIOS if name != "stateful_dataloader_own_state"]
