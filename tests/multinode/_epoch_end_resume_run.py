@@ -13,7 +13,10 @@ optimizer steps per epoch). A callback writes ``DIR/epoch{e}.ckpt`` in ``on_trai
 rank). Every rank writes ``DIR/rank{r}.json`` (``micro``: ``[epoch, batch_idx, global step, loss]`` of
 every training step, the loss as ``float.hex``) and ``DIR/weights_rank{r}.pt``.
 ``--lightning-restart`` (negative control) resumes as Lightning alone does: the strategy's epoch-end
-correction (``_lightning_compat.finish_restored_epoch``) is switched off.
+correction (``_lightning_compat.finish_restored_epoch``) is switched off, for that fit only.
+
+``--then ARGS...`` (repeatable, the same ``--devices``) fits again with its own arguments in the same
+processes and process group once the fit before it is done, from ``configure`` and a new Trainer.
 """
 
 from __future__ import annotations
@@ -65,6 +68,20 @@ def _deepep_module():
 
 
 def main(argv: list[str]) -> None:
+    segments: list[list[str]] = [[]]
+    for token in argv:
+        if token == "--then":
+            segments.append([])
+        else:
+            segments[-1].append(token)
+    for segment in segments:
+        _fit(segment)
+        # the first fit's launcher has started the other ranks: the next fit runs in the same process group
+        os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def _fit(argv: list[str]) -> None:
+    """One fit with the arguments ``argv``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--module", choices=["tiny", "deepep"], required=True)
@@ -80,6 +97,7 @@ def main(argv: list[str]) -> None:
     from deepep_lightning import _lightning_compat
     from deepep_lightning.determinism import configure
 
+    finish_restored_epoch = _lightning_compat.finish_restored_epoch
     if args.lightning_restart:
         _lightning_compat.finish_restored_epoch = lambda trainer: False
 
@@ -96,7 +114,10 @@ def main(argv: list[str]) -> None:
     configure(SEED)
     model = _tiny_module() if args.module == "tiny" else _deepep_module()
     trainer = virtual_trainer(args.devices, args.virtual, args.max_steps, args.out, [Trace()])
-    trainer.fit(model, ckpt_path=args.resume)
+    try:
+        trainer.fit(model, ckpt_path=args.resume)
+    finally:
+        _lightning_compat.finish_restored_epoch = finish_restored_epoch
     record = {"rank": trainer.global_rank, "global_step": trainer.global_step, "micro": micro}
     write_rank_outputs(args.out, trainer.global_rank, record, model)
 

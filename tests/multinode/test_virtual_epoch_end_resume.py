@@ -7,7 +7,8 @@ one extra batch from a fresh loader iterator, stepping on that single micro-batc
 (``on_train_start``, :func:`deepep_lightning._lightning_compat.finish_restored_epoch`) starts the next
 epoch instead, so every micro-batch after the resume and the final weights equal the uninterrupted
 run's. Negative control: resuming as Lightning alone does (``--lightning-restart``) trains that extra
-batch and ends with other weights.
+batch and ends with other weights. The control and the resume fit in turn in one launch (``--then``): the
+control first, as a fresh run, the resume after it, which must still equal the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -21,16 +22,15 @@ import torch
 SCRIPT = Path(__file__).with_name("_epoch_end_resume_run.py")
 
 
-def _run_together(fit_process, root: Path, runs: dict[str, list[str]]) -> dict[str, Path]:
-    """Start every run (name: arguments, in ``root / name``) at once; each must exit 0."""
-    started = {}
-    for name, args in runs.items():
-        directory = root / name
-        directory.mkdir()
-        args = ["--out", str(directory), *args]
-        started[name] = fit_process(SCRIPT, args, log_path=directory / "log.txt", cwd=directory)
-    for name, code in fit_process.wait_all(started).items():
-        assert code == 0, f"{name}: exit code {code}\n{started[name].output_tail()}"
+def _run_in_turn(fit_process, root: Path, runs: dict[str, list[str]]) -> dict[str, Path]:
+    """Fit every run (name: arguments, in ``root / name``) in turn in one launch, which must exit 0."""
+    args: list[str] = []
+    for name, run_args in runs.items():
+        (root / name).mkdir()
+        args += [*(["--then"] if args else []), "--out", str(root / name), *run_args]
+    first = root / next(iter(runs))
+    process = fit_process(SCRIPT, args, log_path=first / "log.txt", cwd=first)
+    assert process.wait() == 0, process.output_tail()
     return {name: root / name for name in runs}
 
 
@@ -52,9 +52,9 @@ def _weights_equal(a: Path, b: Path, rank: int = 0) -> bool:
 )
 def test_epoch_end_resume_is_bitwise_exact(tmp_path, fit_process, module, devices, virtual):
     config = ["--module", module, "--devices", str(devices), "--virtual", str(virtual)]
-    full = _run_together(fit_process, tmp_path, {"full": config})["full"]
+    full = _run_in_turn(fit_process, tmp_path, {"full": config})["full"]
     resume = [*config, "--resume", str(full / "epoch0.ckpt")]
-    resumes = _run_together(fit_process, tmp_path, {"resumed": resume, "control": [*resume, "--lightning-restart"]})
+    resumes = _run_in_turn(fit_process, tmp_path, {"control": [*resume, "--lightning-restart"], "resumed": resume})
     resumed, control = resumes["resumed"], resumes["control"]
     for rank in range(devices):
         after = _micro(resumed, rank)
