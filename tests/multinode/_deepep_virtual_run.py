@@ -12,6 +12,9 @@ step), ``final_metrics`` (every callback metric after ``fit``, the epoch's ``tra
 included), floats as ``float.hex``, the virtual ranks of its rollout state and the fingerprint; and
 ``DIR/weights_rank{r}.pt`` (its final ``state_dict``). ``--save-at S`` writes ``DIR/stepS.ckpt`` after
 optimizer step ``S`` (all ranks take part: the strategy gathers every rank's rollout state).
+
+``--then ARGS...`` (repeatable, the same ``--devices``) fits again with its own arguments in the same
+processes and process group once the fit before it is done, from ``configure`` and a new Trainer.
 """
 
 from __future__ import annotations
@@ -57,6 +60,20 @@ def _module():
 
 
 def main(argv: list[str]) -> None:
+    segments: list[list[str]] = [[]]
+    for token in argv:
+        if token == "--then":
+            segments.append([])
+        else:
+            segments[-1].append(token)
+    for segment in segments:
+        _fit(segment)
+        # the first fit's launcher has started the other ranks: the next fit runs in the same process group
+        os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def _fit(argv: list[str]) -> None:
+    """One fit with the arguments ``argv``."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=1)

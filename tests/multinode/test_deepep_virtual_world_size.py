@@ -4,7 +4,9 @@ The runs (``_deepep_virtual_run.py``: CartPole, 4 environments, 6 timesteps, hid
 steps over two epochs) give each process ``4 / W`` virtual ranks, whose rollouts are keyed by the
 virtual rank; the strategy adds the four micro-batch gradients in virtual-rank order and the module
 logs the ordered mean of the four virtual ranks. Negative control: without ``virtual_world_size`` the
-rollouts follow the processes, so one and two processes train different weights.
+rollouts follow the processes, so one and two processes train different weights. Runs of the same process
+count fit in turn in one launch (``--then``): each negative control first, as a fresh run, then the
+virtual run, which must still equal the others.
 """
 
 from __future__ import annotations
@@ -25,20 +27,25 @@ STEPS = 6
 SAVED_AT = 2  # mid-epoch (4 optimizer steps per epoch)
 
 
-def _start(fit_process, directory: Path, processes: int, virtual: int | None, *extra: str):
+def _args(directory: Path, processes: int, virtual: int | None, *extra: str) -> list[str]:
     directory.mkdir()
     args = ["--out", str(directory), "--devices", str(processes), "--max-steps", str(STEPS), *extra]
-    if virtual is not None:
-        args += ["--virtual", str(virtual)]
-    return fit_process(SCRIPT, args, log_path=directory / "log.txt", cwd=directory)
+    return args + (["--virtual", str(virtual)] if virtual is not None else [])
 
 
-def _run_together(fit_process, root: Path, runs: dict[str, tuple]) -> dict[str, Path]:
-    """Start every run (name: ``(processes, virtual, *extra)``, in ``root / name``) at once; each must exit 0."""
-    started = {name: _start(fit_process, root / name, *run) for name, run in runs.items()}
-    for name, code in fit_process.wait_all(started).items():
-        assert code == 0, f"{name}: exit code {code}\n{started[name].output_tail()}"
-    return {name: root / name for name in runs}
+def _run_together(fit_process, root: Path, launches: dict[str, dict[str, tuple]]) -> dict[str, Path]:
+    """Start every launch at once, each fitting its runs (name: ``(processes, virtual, *extra)``, in
+    ``root / name``) in turn in the same processes; each must exit 0. The directory of every run."""
+    started = {}
+    for launch, runs in launches.items():
+        args: list[str] = []
+        for name, run in runs.items():
+            args += [*(["--then"] if args else []), *_args(root / name, *run)]
+        first = root / next(iter(runs))
+        started[launch] = fit_process(SCRIPT, args, log_path=first / "log.txt", cwd=first)
+    for launch, code in fit_process.wait_all(started).items():
+        assert code == 0, f"{launch}: exit code {code}\n{started[launch].output_tail()}"
+    return {name: root / name for runs in launches.values() for name in runs}
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +55,13 @@ def runs(tmp_path_factory, fit_process) -> dict[str, Path]:
         fit_process,
         root,
         {
-            "virtual1": (1, VIRTUAL),
-            "virtual4": (4, VIRTUAL),
-            "virtual2": (2, VIRTUAL, "--save-at", str(SAVED_AT)),
-            "plain1": (1, None),
-            "plain2": (2, None),
+            "one": {"plain1": (1, None), "virtual1": (1, VIRTUAL)},
+            "two": {"plain2": (2, None), "virtual2": (2, VIRTUAL, "--save-at", str(SAVED_AT))},
+            "four": {"virtual4": (4, VIRTUAL)},
         },
     )
     resume = ("--resume", str(out["virtual2"] / f"step{SAVED_AT}.ckpt"))
-    out.update(_run_together(fit_process, root, {"resumed2": (2, VIRTUAL, *resume)}))
+    out.update(_run_together(fit_process, root, {"resumed2": {"resumed2": (2, VIRTUAL, *resume)}}))
     return out
 
 
