@@ -9,6 +9,9 @@ exit code 0, and the newest checkpoint is the older periodic one (the steps sinc
 Two gloo ranks (``tests/strategies/_ddp_run.py``, ``ddp_deterministic``): SIGUSR1 reaches rank 1
 only; both ranks stop at the same step with exit code 138 (no hang: a hard timeout would fail the
 test), and the resume equals the uninterrupted 2-process run bitwise on both ranks.
+
+Each signalled run fits after its uninterrupted run in the same processes (``--then``; the signal ends
+them): the uninterrupted run is the first fit there, and the resume, in a fresh process, must equal it.
 """
 
 from __future__ import annotations
@@ -54,12 +57,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Pat
     root = tmp_path_factory.mktemp("preemption")
     sigterm = ["--signal-at", str(_SIGNAL_AT), "--signal", "SIGTERM"]
     sigusr1 = ["--signal-rank", "1", "--signal-at", str(_DDP_SIGNAL_AT), "--signal", "SIGUSR1"]
-    first = {
-        "full": (_FIT, _fit_args(root / "full")),
-        "preempted": (_FIT, _fit_args(root / "preempted", "--preemption", *sigterm)),
+    for name in ("full", "ddp_full"):
+        (root / name).mkdir()
+    first = {  # the uninterrupted runs first, in the processes of the signalled runs (in whose logs they print)
+        "preempted": (
+            _FIT,
+            [*_fit_args(root / "full"), "--then", *_fit_args(root / "preempted", "--preemption", *sigterm)],
+        ),
         "unhandled": (_FIT, _fit_args(root / "unhandled", *sigterm)),
-        "ddp_full": (_DDP, _ddp_args(root / "ddp_full")),
-        "ddp_preempted": (_DDP, _ddp_args(root / "ddp_preempted", "--preemption", *sigusr1)),
+        "ddp_preempted": (
+            _DDP,
+            [*_ddp_args(root / "ddp_full"), "--then", *_ddp_args(root / "ddp_preempted", "--preemption", *sigusr1)],
+        ),
     }
 
     def start(batch: dict) -> dict:
@@ -72,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Pat
 
     _wait(
         start(first),
-        {"full": 0, "preempted": 143, "unhandled": 0, "ddp_full": 0, "ddp_preempted": exit_code_for(signal.SIGUSR1)},
+        {"preempted": 143, "unhandled": 0, "ddp_preempted": exit_code_for(signal.SIGUSR1)},
     )
     for name in ("preempted", "ddp_preempted"):
         shutil.copytree(root / name, root / f"{name}_resumed")
@@ -84,7 +93,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, fit_process) -> dict[str, Pat
         ]
     }
     _wait(start(second), {name: 0 for name in second})
-    return {name: root / name for name in [*first, *second]}
+    return {name: root / name for name in ["full", "ddp_full", *first, *second]}
 
 
 def _step(checkpoint: Path) -> int:

@@ -16,6 +16,10 @@ start of the batch after global step ``N``. A rank that leaves ``fit`` with an e
 ``DIR/stopped_rank{r}.json`` (its global step and the ``SystemExit`` code).
 The module draws augmentation noise from the global RNG, so per-rank seeds are visible in the
 weights, and the health callbacks (snapshot, check, rollback) run in every 2-process run.
+
+``--then ARGS...`` (repeatable, the same ``--devices``) fits again with its own arguments in the same
+processes and process group once the fit before it is done, from ``seed_everything`` and a new Trainer;
+the exit record goes to the first fit's directory only.
 """
 
 from __future__ import annotations
@@ -122,6 +126,20 @@ def _signal_and_record(args: argparse.Namespace, rank: int):
 
 
 def main(argv: list[str]) -> None:
+    segments: list[list[str]] = [[]]
+    for token in argv:
+        if token == "--then":
+            segments.append([])
+        else:
+            segments[-1].append(token)
+    for i, segment in enumerate(segments):
+        _fit(segment, record_exit=i == 0)
+        # the first fit's launcher has started the other ranks: the next fit runs in the same process group
+        os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def _fit(argv: list[str], record_exit: bool) -> None:
+    """One fit with the arguments ``argv``; ``record_exit``: write ``DIR/exit_rank{r}.json`` at exit."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -149,7 +167,8 @@ def main(argv: list[str]) -> None:
 
     pl.seed_everything(SEED, verbose=False)
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by the launcher in ranks >= 1
-    atexit.register(_record_process_group_at_exit, os.path.join(args.out, f"exit_rank{rank}.json"))
+    if record_exit:
+        atexit.register(_record_process_group_at_exit, os.path.join(args.out, f"exit_rank{rank}.json"))
     rollback = NaNRollbackCallback(snapshot_every_n_steps=2, keep_snapshots=2, locate=False)
     callbacks = [NumericalHealthCallback(check_every_n_steps=1, spike_detection=False, log_norms=False), rollback]
     if args.no_health:

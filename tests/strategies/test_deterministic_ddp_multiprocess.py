@@ -3,7 +3,8 @@
 Each run is ``_ddp_run.py`` in a fresh session (``fit_process``; Lightning's launcher starts rank 1);
 a progress-based deadline kills the whole session, so a hung rank fails the test instead of hanging CI. Four runs in
 all: two clean ones (A, B), one with a fault on rank 1 only (C) and one single-process run in
-world-size-invariant mode (V).
+world-size-invariant mode (V). C fits after B in B's processes (``--then``): B is the first fit there, as
+A is in its own, and C must still end with A's weights.
 """
 
 from __future__ import annotations
@@ -22,9 +23,14 @@ SEED, NUM_SAMPLES = 321, 32  # as in _ddp_run.py
 FAULT_STEP = 5  # 4 steps per epoch: the rollback restores the epoch-end snapshot and replays across the boundary
 
 
-def _start(fit_process, out: Path, *args: str):
+def _start(fit_process, out: Path, *args: str, then: tuple[tuple[Path, list[str]], ...] = ()):
+    """``_ddp_run.py`` into ``out``, then the fits ``then`` (directory, arguments) in turn in its processes."""
+    command = ["--out", str(out), *args]
+    for fit_out, fit_args in then:
+        fit_out.mkdir(parents=True, exist_ok=True)
+        command += ["--then", "--out", str(fit_out), *fit_args]
     out.mkdir(parents=True, exist_ok=True)
-    return fit_process(SCRIPT, ["--out", str(out), *args], log_path=out / "log.txt", cwd=out)
+    return fit_process(SCRIPT, command, log_path=out / "log.txt", cwd=out)
 
 
 def _rank(out: Path, rank: int) -> dict:
@@ -50,7 +56,14 @@ def runs(tmp_path_factory, fit_process) -> dict[str, Path]:
         "V": ["--devices", "1", "--no-health", "--accumulate", "2"]
         + ["--strategy-kwargs", json.dumps({"virtual_world_size": 2})],
     }
-    started = {name: _start(fit_process, root / name, *args) for name, args in arguments.items()}  # all at once
+    chained = {"B": "C"}  # C after B, in B's processes
+    started = {  # all at once
+        name: _start(
+            fit_process, root / name, *args, then=tuple((root / c, arguments[c]) for c in chained.get(name, ""))
+        )
+        for name, args in arguments.items()
+        if name not in chained.values()
+    }
     for name, code in fit_process.wait_all(started).items():
         assert code == 0, f"{name}: exit code {code}\n{started[name].output_tail()}"
     return {name: root / name for name in arguments}
