@@ -45,6 +45,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from tests._chained_fits import chained_fits  # noqa: E402
+
 torch.set_num_threads(1)
 
 from deepep_lightning.determinism import DeterminismCallback, configure  # noqa: E402
@@ -211,12 +213,7 @@ def _val_check_interval(value: str) -> int | float:
 
 
 def main() -> None:
-    segments: list[list[str]] = [[]]
-    for token in sys.argv[1:]:
-        if token == "--then":
-            segments.append([])
-        else:
-            segments[-1].append(token)
+    segments = chained_fits(sys.argv[1:])
     for segment in segments:
         _fit(segment)
 

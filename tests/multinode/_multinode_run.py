@@ -43,6 +43,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from tests._chained_fits import chained_fits  # noqa: E402
+
 torch.set_num_threads(1)
 
 SEED = 4321
@@ -170,12 +172,7 @@ _LAYOUT = ("--num-nodes", "--node-rank", "--devices", "--port")
 
 
 def main(argv: list[str]) -> None:
-    segments: list[list[str]] = [[]]
-    for token in argv:
-        if token == "--then":
-            segments.append([])
-        else:
-            segments[-1].append(token)
+    segments = chained_fits(argv)
     first = _parse(segments[0])
     if len(segments) > 1 and first.launcher != "lightning":
         raise SystemExit("--then: with the Lightning launcher only")

@@ -35,6 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import deepep_lightning  # noqa: E402,F401  (the import registers strategy="ddp_deterministic")
+from tests._chained_fits import chained_fits  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -126,12 +127,7 @@ def _signal_and_record(args: argparse.Namespace, rank: int):
 
 
 def main(argv: list[str]) -> None:
-    segments: list[list[str]] = [[]]
-    for token in argv:
-        if token == "--then":
-            segments.append([])
-        else:
-            segments[-1].append(token)
+    segments = chained_fits(argv)
     for i, segment in enumerate(segments):
         _fit(segment, record_exit=i == 0)
         # the first fit's launcher has started the other ranks: the next fit runs in the same process group

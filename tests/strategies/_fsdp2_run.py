@@ -35,6 +35,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from tests._chained_fits import chained_fits  # noqa: E402
+
 torch.set_num_threads(1)
 
 SEED = 4321
@@ -124,12 +126,7 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str]) -> None:
-    segments: list[list[str]] = [[]]
-    for token in argv:
-        if token == "--then":
-            segments.append([])
-        else:
-            segments[-1].append(token)
+    segments = chained_fits(argv)
     for segment in segments:
         _fit(segment)
         # the first fit's launcher has started the other ranks: the next fit runs in the same process group
