@@ -8,6 +8,9 @@ one fit's arguments, parsed and fitted in turn in the same process (and process 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
+
 THEN = "--then"
 
 
@@ -26,3 +29,14 @@ def chained_fits(argv: list[str]) -> list[list[str]]:
         else:
             fits[-1].append(token)
     return fits
+
+
+def fit_in_one_process_group(argv: list[str], fit: Callable[[list[str], int], None]) -> None:
+    """``fit(arguments, index)`` for each fit that ``argv`` chains, in turn, in the same ranks and process group.
+
+    The first fit's Lightning launcher starts the other ranks with ``LOCAL_RANK`` set; setting it here too
+    after that fit tells the next fits' launchers that the ranks are already running.
+    """
+    for index, arguments in enumerate(chained_fits(argv)):
+        fit(arguments, index)
+        os.environ.setdefault("LOCAL_RANK", "0")

@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 import deepep_lightning  # noqa: E402,F401  (the import registers strategy="ddp_deterministic")
-from tests._chained_fits import chained_fits  # noqa: E402
+from tests._chained_fits import fit_in_one_process_group  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -127,11 +127,7 @@ def _signal_and_record(args: argparse.Namespace, rank: int):
 
 
 def main(argv: list[str]) -> None:
-    segments = chained_fits(argv)
-    for i, segment in enumerate(segments):
-        _fit(segment, record_exit=i == 0)
-        # the first fit's launcher has started the other ranks: the next fit runs in the same process group
-        os.environ.setdefault("LOCAL_RANK", "0")
+    fit_in_one_process_group(argv, lambda arguments, index: _fit(arguments, record_exit=index == 0))
 
 
 def _fit(argv: list[str], record_exit: bool) -> None:

@@ -35,7 +35,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from tests._chained_fits import chained_fits  # noqa: E402
+from tests._chained_fits import fit_in_one_process_group  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -126,11 +126,7 @@ def _full_weights(model) -> dict[str, torch.Tensor]:
 
 
 def main(argv: list[str]) -> None:
-    segments = chained_fits(argv)
-    for segment in segments:
-        _fit(segment)
-        # the first fit's launcher has started the other ranks: the next fit runs in the same process group
-        os.environ.setdefault("LOCAL_RANK", "0")
+    fit_in_one_process_group(argv, lambda arguments, index: _fit(arguments))
 
 
 def _fit(argv: list[str]) -> None:
