@@ -6,12 +6,12 @@ case of one level taking every RoI): roi_align with box head 7 x 7 and mask head
 ``sampling_ratio=2`` and 7 x 7 adaptive (-1); roi_pool 7 x 7; ps_roi_align and ps_roi_pool as R-FCN's
 7 x 7 x 10 classes. deform_conv2d: the DCNv2 3 x 3 conv of ResNet-50's stages 3-5 at 800 x 1333 (2 images). Per case:
 the median milliseconds of the deepep backward and of torchvision's CUDA kernel (deterministic mode off,
-side by side in one process), their ratio, the peak memory each adds over its inputs, and whether 3
-deepep calls are bitwise equal. Writes JSON::
+side by side in one process), their ratio, the peak memory each adds over its inputs, whether 3
+deepep calls are bitwise equal, and the largest difference of each gradient from torchvision's. Writes JSON::
 
     PYTHONPATH=$PWD python benchmarks/bench_torchvision_ops.py --out benchmarks/results/torchvision_ops.json
 
-``--quick`` runs one case per op with few repeats (a smoke run).
+``--quick`` runs one case per op with few repeats (a smoke run); ``--ops`` measures only the ops named.
 """
 
 import argparse
@@ -64,6 +64,7 @@ def ps_roi_align_case(level, device="cuda"):
     return (grad, rois, mapping, scale, 7, 7, 2, images, 490, height, width)
 
 
+OPS = ["roi_align", "roi_pool", "ps_roi_align", "ps_roi_pool", "deform_conv2d"]
 DCN_STAGES = {"res3": (128, 100, 168), "res4": (256, 50, 84), "res5": (512, 25, 42)}  # channels, H, W at 800 x 1333
 
 
@@ -152,15 +153,12 @@ def _as_tuple(result):
     return result if isinstance(result, tuple) else (result,)
 
 
-def _first(result):
-    return result[0] if isinstance(result, tuple) else result
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="JSON file to write")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--quick", action="store_true", help="one case per op, 5 repeats")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=OPS, help="the ops to measure (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a GPU")
@@ -174,7 +172,7 @@ def main(argv=None):
     results = []
     torch.use_deterministic_algorithms(False)  # torchvision's atomic kernels run only outside it
     command = " ".join([sys.executable] + sys.argv)
-    for op, name, atomic, deepep in cases(args.quick):
+    for op, name, atomic, deepep in [case for case in cases(args.quick) if case[0] in args.ops]:
         try:
             first = deepep()
         except ValueError as error:  # a case the routes leave to torchvision (it is named, not timed)
@@ -182,7 +180,12 @@ def main(argv=None):
             print(f"{op:14s} {name:20s} left to torchvision: {error}", flush=True)
             continue
         bitwise = all(all(torch.equal(a, b) for a, b in zip(_as_tuple(first), _as_tuple(deepep()))) for _ in range(2))
-        max_difference = (_first(first).double() - _first(atomic()).double()).abs().max().item()
+        reference = _as_tuple(atomic())
+        differences = [
+            (mine.double() - theirs.double()).abs().max().item() if mine.numel() else 0.0
+            for mine, theirs in zip(_as_tuple(first), reference)
+        ]
+        max_difference = differences[0]
         atomic_ms, _ = median_ms(atomic, repeats)
         deepep_ms, _ = median_ms(deepep, repeats)
         entry = {
@@ -195,6 +198,7 @@ def main(argv=None):
             "deepep_peak_extra_mib": peak_extra_mib(deepep),
             "bitwise_repeat": bitwise,
             "max_abs_difference_of_grad_input": max_difference,
+            "max_abs_difference_of_each_gradient": differences,
         }
         entry["memory_ratio"] = entry["deepep_peak_extra_mib"] / max(entry["atomic_peak_extra_mib"], 1e-9)
         results.append(entry)

@@ -2,25 +2,24 @@
 
 torchvision's CUDA ``_deform_conv2d_backward`` refuses deterministic mode (``compute_grad_input``): its
 input gradient is a col2im that adds ``mask * w * column`` into the pixels around every deformable sample
-with float ``atomicAdd``. Its other gradients are gathers and GEMMs (weight: ``grad_output . im2col``;
-offset and mask: one thread per element summing over channels in a fixed order; bias: a sum), which are
-deterministic. So the route
+with float ``atomicAdd``. The route replaces the whole backward and keeps torchvision's algorithm for the
+rest. Per chunk of images (torchvision's: the largest divisor of the batch up to 32):
 
-* runs torchvision's own kernel with deterministic mode suspended for the duration of that one call, and
-  keeps its weight, offset, mask and bias gradients;
-* replaces its input gradient: ``columns = weight^T . grad_output`` per group (a batched matmul), then
-  ``torch.ops.deepep_lightning.deform_conv2d_grad_input`` (``extensions/csrc/deform_conv2d_backward.cpp``,
+* ``columns = weight^T . grad_output`` per weight group, one matmul, laid out as torchvision's
+  ``[C_in, kh * kw, images, out_h * out_w]``;
+* ``torch.ops.deepep_lightning.deform_conv2d_grad_input`` (``extensions/csrc/deform_conv2d_backward.cpp``,
   ``cuda/deform_conv2d_backward.cu``): channel-independent (pixel, weight) entries per deformable sample,
-  sorted by pixel, gathered in a fixed order. Bitwise reproducible, no float atomics, no host sync.
+  sorted by pixel, gathered in a fixed order, in place of the atomic col2im;
+* ``torch.ops.deepep_lightning.deform_conv2d_sample_grads``: one thread per sample sums the offset and mask
+  gradients over channels in order (torchvision's col2im_coord) and rewrites the columns it has read into the
+  im2col (torchvision's deformable_im2col), so the bilinear corners are read once for both;
+* ``grad_weight += grad_output . im2col^T`` per weight group, one matmul, chunks added in order.
 
-Suspending deterministic mode is process-global for the length of torchvision's call: another thread that
-checks the flag in that window sees it off. Covered: float16/bfloat16/float32/float64 (as far as
-torchvision's kernel takes them), groups, offset groups, with and without mask, empty batches.
-Without torchvision nothing is registered.
+``grad_bias`` is ``grad_output``'s sum. Bitwise reproducible, no float atomics, no host sync. Covered:
+float16/bfloat16/float32/float64 (float16/bfloat16 accumulate in float32 where torchvision's kernels
+accumulate in the input's dtype), groups, offset groups, with and without mask, empty batches. Without
+torchvision nothing is registered.
 """
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -91,24 +90,9 @@ def deform_conv2d_backward_unsupported_reason(
     return kernels_reason(input)
 
 
-@contextlib.contextmanager
-def _deterministic_mode_suspended() -> Iterator[None]:
-    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(False)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was, warn_only=warn_only)
-
-
-def _columns(grad: Tensor, weight: Tensor, groups: int) -> Tensor:
-    """``weight^T . grad`` per group: ``[N, C_in, kh * kw, out_h * out_w]``."""
-    batch, out_channels = grad.shape[:2]
-    taps = weight.shape[2] * weight.shape[3]
-    per_group = weight.reshape(groups, out_channels // groups, -1)  # [G, Co/G, Ci/G * K]
-    grad_rows = grad.reshape(batch, groups, out_channels // groups, -1)  # [N, G, Co/G, L]
-    columns = torch.matmul(per_group.transpose(1, 2).unsqueeze(0), grad_rows)  # [N, G, Ci/G * K, L]
-    return columns.reshape(batch, weight.shape[1] * groups, taps, -1)
+def _images_per_chunk(batch: int) -> int:
+    """torchvision's ``n_parallel_imgs``: the largest divisor of ``batch`` not above 32."""
+    return max(divisor for divisor in range(1, min(batch, 32) + 1) if batch % divisor == 0)
 
 
 def _route(
@@ -128,29 +112,48 @@ def _route(
     offset_groups,
     use_mask,
 ):
-    arguments = (grad, input, weight, offset, mask, bias, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w)
-    with _deterministic_mode_suspended():  # torchvision's kernel: its grad_input is replaced below
-        _, grad_weight, grad_offset, grad_mask, grad_bias = torch.ops.torchvision._deform_conv2d_backward.default(
-            *arguments, groups, offset_groups, use_mask
+    batch, channels, height, width = input.shape
+    out_channels, _, kernel_h, kernel_w = weight.shape
+    positions = grad.shape[2] * grad.shape[3]
+    grad_bias = grad.sum((0, 2, 3))
+    weight_rows = weight.reshape(groups, out_channels // groups, -1)  # [G, Co/G, Ci/G * K]
+    grad_weight = torch.zeros_like(weight_rows)
+    if batch == 0:
+        return (
+            torch.zeros_like(input),
+            grad_weight.view_as(weight),
+            torch.zeros_like(offset),
+            torch.zeros_like(mask),
+            grad_bias,
         )
-    grad_input = torch.ops.deepep_lightning.deform_conv2d_grad_input.default(
-        _columns(grad, weight, groups),
-        offset,
-        mask,
-        input.shape[2],
-        input.shape[3],
-        weight.shape[2],
-        weight.shape[3],
-        stride_h,
-        stride_w,
-        pad_h,
-        pad_w,
-        dilation_h,
-        dilation_w,
-        offset_groups,
-        use_mask,
-    )
-    return grad_input, grad_weight, grad_offset, grad_mask, grad_bias
+    sizes = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, offset_groups, use_mask)
+    grad_inputs, grad_offsets, grad_masks = [], [], []
+    images = _images_per_chunk(batch)
+    for first in range(0, batch, images):
+        chunk = slice(first, first + images)
+        grad_rows = (
+            grad[chunk].reshape(images, groups, out_channels // groups, positions).permute(1, 2, 0, 3)
+        ).reshape(groups, out_channels // groups, images * positions)  # [G, Co/G, images * L]
+        columns = torch.matmul(weight_rows.transpose(1, 2), grad_rows)  # [G, Ci/G * K, images * L]
+        layout = columns.view(channels, kernel_h * kernel_w, images, positions)
+        chunk_offset, chunk_mask = offset[chunk], (mask[chunk] if use_mask else mask)  # else torchvision's [N, 1]
+        grad_inputs.append(
+            torch.ops.deepep_lightning.deform_conv2d_grad_input.default(
+                layout, chunk_offset, chunk_mask, height, width, *sizes
+            )
+        )
+        grad_offset, grad_mask = torch.ops.deepep_lightning.deform_conv2d_sample_grads.default(
+            layout, input[chunk], chunk_offset, chunk_mask, *sizes
+        )  # columns now hold the im2col
+        grad_offsets.append(grad_offset)
+        grad_masks.append(grad_mask)
+        grad_weight.baddbmm_(grad_rows, columns.transpose(1, 2))
+
+    def joined(pieces):
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    grad_mask = joined(grad_masks) if use_mask else torch.zeros_like(mask)
+    return joined(grad_inputs), grad_weight.view_as(weight), joined(grad_offsets), grad_mask, grad_bias
 
 
 def deform_conv2d_backward(*arguments) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -175,12 +178,17 @@ def deform_conv2d_backward(*arguments) -> tuple[Tensor, Tensor, Tensor, Tensor, 
 
 
 def _fake_grad_input(columns, offset, mask, height, width, *rest):
-    torch._check(columns.dim() == 4, lambda: f"{_OP}: columns must be 4-D [N, C, K, L], got {tuple(columns.shape)}")
-    return columns.new_empty((columns.shape[0], columns.shape[1], height, width))
+    torch._check(columns.dim() == 4, lambda: f"{_OP}: columns must be 4-D [C, K, N, L], got {tuple(columns.shape)}")
+    return columns.new_empty((columns.shape[2], columns.shape[0], height, width))
+
+
+def _fake_sample_grads(columns, input, offset, mask, *rest):
+    return offset.new_empty(offset.shape), mask.new_empty(mask.shape)
 
 
 def _register_fake() -> None:
     torch.library.register_fake(f"deepep_lightning::{_OP}")(_fake_grad_input)
+    torch.library.register_fake("deepep_lightning::deform_conv2d_sample_grads")(_fake_sample_grads)
 
 
 on_extension_loaded(_register_fake)
