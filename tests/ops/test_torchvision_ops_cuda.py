@@ -1,7 +1,7 @@
 """GPU tests of the deterministic torchvision backwards (deepep_lightning/ops/roi_align.py, roi_pool.py,
 ps_roi_align.py, ps_roi_pool.py, deform_conv2d.py): torchvision's CUDA kernels agree to rounding, repeats are
 bitwise equal, images do not affect each other, plain deterministic mode refuses what the routes serve, and
-the routed roi_align backward runs under torch.compile and in a CUDA graph."""
+the routed roi_align and deform_conv2d backwards run under torch.compile and in a CUDA graph."""
 
 import pytest
 import torch
@@ -120,6 +120,21 @@ def test_roi_align_backward_under_torch_compile(deterministic_routing):
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
 
 
+def _replayed(step):
+    """``step()``'s outputs from one replay of a CUDA graph that captured it (after two warm-up calls)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_outputs = step()
+    graph.replay()
+    return static_outputs
+
+
 def test_roi_align_backward_in_a_cuda_graph(deterministic_routing):
     features, boxes, scale = _features_and_boxes(rois_per_image=64)
     rois = torchvision.ops._utils.convert_boxes_to_roi_format(boxes)
@@ -129,18 +144,7 @@ def test_roi_align_backward_in_a_cuda_graph(deterministic_routing):
         out = torchvision.ops.roi_align(static_input, rois, 7, scale, 2)
         return torch.autograd.grad(out.square().sum(), static_input)[0]
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_grad = step()
-    graph.replay()
-    eager = step()
-    assert torch.equal(static_grad, eager)
+    assert torch.equal(_replayed(step), step())
 
 
 def _pool_grads(op, features, rois, **kwargs):
@@ -207,3 +211,42 @@ def test_deform_conv2d_backward_matches_torchvision_and_repeats_bitwise(cuda_ker
     tolerance = 1e-3 if dtype == torch.float32 else 1e-9
     for mine, theirs in zip(first, expected):
         torch.testing.assert_close(mine, theirs, rtol=tolerance, atol=tolerance)
+
+
+def _deform_case(images=2, channels=64, size=(20, 24)):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    input = torch.randn(images, channels, *size, device="cuda", generator=generator)
+    weight = torch.randn(channels, channels, 3, 3, device="cuda", generator=generator) * 0.05
+    offset = torch.randn(images, 18, *size, device="cuda", generator=generator) * 2
+    mask = torch.rand(images, 9, *size, device="cuda", generator=generator)
+    return input, weight, offset, mask
+
+
+def _deform_loss(input, weight, offset, mask):
+    return torchvision.ops.deform_conv2d(input, offset, weight, padding=1, mask=mask).square().sum()
+
+
+def test_deform_conv2d_backward_under_torch_compile(deterministic_routing):
+    tensors = _deform_case()
+    compiled = torch.compile(_deform_loss, fullgraph=False)
+    grads = []
+    for loss in (_deform_loss, compiled):
+        leaves = [t.detach().requires_grad_(True) for t in tensors]
+        grads.append(torch.autograd.grad(loss(*leaves), leaves))
+    for traced, eager in zip(grads[1], grads[0]):
+        torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_deform_conv2d_backward_in_a_cuda_graph(deterministic_routing):
+    """The routed backward, matmuls, sort and gather included, captures; replays give the eager bits.
+    Only the backward is captured: torchvision's forward launches its kernels on the legacy default stream."""
+    input, weight, offset, mask = _deform_case()
+    out = torchvision.ops.deform_conv2d(input, offset, weight, padding=1, mask=mask)
+    args = (2 * out, input, weight, offset, mask, torch.zeros(weight.shape[0], device="cuda"))
+    args += (1, 1, 1, 1, 1, 1, 1, 1, True)
+
+    def step():
+        return torch.ops.torchvision._deform_conv2d_backward(*args)
+
+    for replayed, eager in zip(_replayed(step), step()):
+        assert torch.equal(replayed, eager)
