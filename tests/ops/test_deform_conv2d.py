@@ -98,6 +98,24 @@ def test_batches_past_one_chunk_and_weight_groups_match_torchvision_cpu():
         torch.testing.assert_close(value, torchvision_grad, rtol=1e-10, atol=1e-10)
 
 
+def test_an_empty_batch_and_non_contiguous_inputs_match_torchvision_cpu():
+    input, weight, offset, mask, *rest = _case(batch=0)
+    args = _backward_args(input, weight, offset, mask, *rest, torch.zeros(0, 3, 7, 9, dtype=torch.float64))
+    for mine, theirs in zip(deform_conv2d_backward(*args), torch.ops.torchvision._deform_conv2d_backward(*args)):
+        assert mine.shape == theirs.shape and torch.equal(mine, theirs)
+    input, weight, offset, mask, *rest = _case()
+    grad = torch.randn(2, 3, 7, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def strided(tensor):  # the same values, W-major strides
+        return tensor.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+    channels_last = input.to(memory_format=torch.channels_last)
+    args = _backward_args(channels_last, strided(weight), strided(offset), strided(mask), *rest, strided(grad))
+    assert not any(t.is_contiguous() for t in (args[0], args[1], args[2], args[3], args[4]))
+    for mine, theirs in zip(deform_conv2d_backward(*args), torch.ops.torchvision._deform_conv2d_backward(*args)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-10)
+
+
 def test_opcheck_and_bad_arguments():
     input, weight, offset, mask, *rest = _case()
     grad = torch.randn(2, 3, 7, 9, dtype=torch.float64)
