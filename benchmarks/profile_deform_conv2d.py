@@ -17,6 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._timing import environment, write_json  # noqa: E402
 from benchmarks.bench_torchvision_ops import DCN_STAGES, deform_conv2d_case  # noqa: E402
 
 CALLS = 5
@@ -40,7 +41,7 @@ def main(argv=None):
     parser.add_argument("--out", required=True, type=Path, help="JSON file to write")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        parser.error("needs a GPU")
+        sys.exit("profile_deform_conv2d.py: needs a GPU")
     import torchvision  # noqa: F401 - registers torch.ops.torchvision
 
     from deepep_lightning.ops.deform_conv2d import deform_conv2d_backward
@@ -52,8 +53,8 @@ def main(argv=None):
         profiles[f"{stage}_torchvision"] = kernel_ms(lambda c=case: torch.ops.torchvision._deform_conv2d_backward(*c))
         profiles[f"{stage}_deterministic"] = kernel_ms(lambda c=case: deform_conv2d_backward(*c))
         print(stage, json.dumps(profiles[f"{stage}_deterministic"], indent=1), flush=True)
-    record = {"command": " ".join([sys.executable] + sys.argv), "gpu": torch.cuda.get_device_name(), "ms": profiles}
-    args.out.write_text(json.dumps(record, indent=1))
+    command = " ".join([sys.executable] + sys.argv)
+    write_json(args.out, {"environment": environment(), "command": command, "ms": profiles})
 
 
 if __name__ == "__main__":
