@@ -9,7 +9,8 @@ the median milliseconds of the deepep backward and of torchvision's CUDA kernel 
 side by side in one process), their ratio, the peak memory each adds over its inputs, whether 3
 deepep calls are bitwise equal, and the largest difference of each gradient from torchvision's. Writes JSON::
 
-    PYTHONPATH=$PWD python benchmarks/bench_torchvision_ops.py --out benchmarks/results/torchvision_ops/torchvision_ops.json
+    PYTHONPATH=$PWD python benchmarks/bench_torchvision_ops.py \
+        --out benchmarks/results/torchvision_ops/torchvision_ops.json
 
 ``--quick`` runs one case per op with few repeats (a smoke run); ``--ops`` measures only the ops named.
 """
