@@ -28,8 +28,8 @@
 #
 # Each section writes its result files to /tmp/r/results/<section>/ (the layout of benchmarks/results/) and its
 # logs to /tmp/r/logs/ (<run>.txt, status.txt with one exit code per run). /tmp/r is packed into
-# $OUT/results.tar.gz after every run: one file comes back from the device machine, and a call stopped at its
-# time limit still returns every run that finished.
+# $OUT/results.tar.gz after every run and every 30 s during one: one file comes back from the device machine, and
+# a call stopped at its time limit still returns every run that finished and what a running one had written.
 set -u
 SECTIONS="setup train_step all_action_q sanitize determinism_tax determinism_tax_graph learning fit fit_startup"
 SECTIONS+=" collapse_recovery health_overhead audit refused_ops refused_ops_list torchvision_ops silent_ops ddp"
@@ -59,8 +59,13 @@ run() {  # run NAME LIMIT_S COMMAND...: output to logs/NAME.txt, exit code to RC
   local name=$1 limit=$2
   shift 2
   echo "=== $name ($(date +%T))"
+  # pack every 30 s meanwhile: a call stopped at its time limit still returns what a long run has written so far
+  (while sleep 30; do pack; done) &
+  local packer=$!
   timeout "$limit" "$@" > "$LOGS/$name.txt" 2>&1
   RC=$?
+  kill "$packer" 2>/dev/null
+  wait "$packer" 2>/dev/null
   echo "rc=$RC $name" | tee -a "$LOGS/status.txt"
   tail -n 5 "$LOGS/$name.txt"
   pack
