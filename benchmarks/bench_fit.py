@@ -11,7 +11,8 @@ bar off. What is measured is what the user sees: ``train/episode_return_100`` as
 mean >= threshold — start-up, imports, extension load, CUDA-graph captures and the training loop included.
 
 Per seed: the first step and seconds at >= threshold, the final mean, the minimum after the first crossing and
-the fraction of logged points after the first crossing that are >= threshold.
+the fraction of logged points after the first crossing that are >= threshold. The same figures for the greedy
+policy's return (``eval/greedy_return``, under ``greedy``) where the config evaluates it (``model.env.eval_envs``).
 
 ``--alone N`` first runs the first N seeds one at a time (nothing else on the machine; the seconds to the first
 crossing of *those* runs are the time a user waits), then every seed ``--parallel`` at a time (the learning
@@ -36,6 +37,7 @@ from bench_learning import _median, stay_learned
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "train/episode_return_100"
+GREEDY_TAG = "eval/greedy_return"  # the greedy policy's return (configs with model.env.eval_envs > 0)
 
 
 def fit_command(config: str, seed: int, log_dir: Path, extra: list[str]) -> list[str]:
@@ -71,12 +73,30 @@ def fit_run(job: dict[str, Any]) -> dict[str, Any]:
     with open(log_dir / "output.txt", "w") as output:
         returncode = subprocess.call(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
     wall_s = time.time() - launched
-    curve = read_curve(log_dir)
-    checkpoints = [(step, round(wall - launched, 3), value) for step, wall, value in curve]
+    checkpoints, greedy = (
+        [(step, round(wall - launched, 3), value) for step, wall, value in read_curve(log_dir, tag)]
+        for tag in (TAG, GREEDY_TAG)
+    )
     return {
         "seed": job["seed"], "returncode": returncode, "wall_s": round(wall_s, 3),
         **stay_learned(checkpoints, job["threshold"]), "checkpoints": checkpoints,
+        "greedy": {**stay_learned(greedy, job["threshold"]), "checkpoints": greedy} if greedy else None,
     }  # fmt: skip
+
+
+def summarize(runs: list[dict[str, Any]], alone: list[dict[str, Any]], threshold: float) -> dict[str, Any]:
+    """The stay-learned figures over the seeds: of the runs' own records (``train/episode_return_100``) or of
+    their ``greedy`` records."""
+    reached = [run for run in runs if run["reached"]]
+    return {
+        "seeds": len(runs),
+        "reached": len(reached),
+        "final_at_threshold": sum(run["final"] >= threshold for run in runs),
+        "fraction_95_after_first": sum((run["fraction_at_threshold_after_first"] or 0) >= 0.95 for run in runs),
+        "lowest_after_first": min((run["min_after_first"] for run in reached), default=None),
+        "median_first_step": _median([run["first_step"] for run in reached]),
+        "median_first_s_alone": _median([run["first_s"] for run in alone if run["reached"]]),
+    }
 
 
 def same_bits(first: list[list[Any]], second: list[list[Any]]) -> bool:
@@ -126,18 +146,14 @@ def main() -> None:
     for run in alone:
         run["same_bits_as_parallel"] = same_bits(run["checkpoints"], by_seed[run["seed"]]["checkpoints"])
     for run in alone + runs:
-        print({k: v for k, v in run.items() if k != "checkpoints"}, flush=True)
+        print({k: v for k, v in run.items() if k not in ("checkpoints", "greedy")}, flush=True)
     summary = {
-        "seeds": len(runs),
+        **summarize(runs, alone, args.threshold),
         "failed": sum(run["returncode"] != 0 for run in runs + alone),
-        "reached": sum(run["reached"] for run in runs),
-        "final_at_threshold": sum(run["final"] >= args.threshold for run in runs),
-        "fraction_95_after_first": sum((run["fraction_at_threshold_after_first"] or 0) >= 0.95 for run in runs),
-        "lowest_after_first": min((run["min_after_first"] for run in runs if run["reached"]), default=None),
-        "median_first_step": _median([run["first_step"] for run in runs if run["reached"]]),
-        "median_first_s_alone": _median([run["first_s"] for run in alone if run["reached"]]),
         "alone_same_bits": [run["same_bits_as_parallel"] for run in alone],
     }
+    if all(run["greedy"] for run in runs + alone):
+        summary["greedy"] = summarize([run["greedy"] for run in runs], [run["greedy"] for run in alone], args.threshold)
     print(summary, flush=True)
     payload = {"environment": environment(), "args": vars(args), "total_wall_s": time.perf_counter() - start,
                "summary": summary, "alone": alone, "runs": runs}  # fmt: skip

@@ -69,6 +69,10 @@ class EnvConfig:
         rollout_length: timesteps per training step (T); BPTT runs over them.
         steps_per_epoch: training steps (rollouts) per epoch.
         kwargs: extra environment arguments, e.g. ``{"horizon": 512}`` for ``"memory"``.
+        eval_envs: environments of the greedy evaluation, ``eval/greedy_return``
+            (:func:`~deepep_lightning.deepep.greedy_evaluation.greedy_returns`); 0: none.
+        eval_every_n_steps: optimizer steps between greedy evaluations. An evaluation runs only at a step whose
+            logs Lightning writes: a multiple of the trainer's ``log_every_n_steps`` runs them all.
     """
 
     name: str = "cartpole"
@@ -76,14 +80,21 @@ class EnvConfig:
     rollout_length: int = 32
     steps_per_epoch: int = 50
     kwargs: dict[str, Any] | None = None
+    eval_envs: int = 0
+    eval_every_n_steps: int = 50
 
     def __post_init__(self) -> None:
         if self.name not in ENVIRONMENTS:
             raise MisconfigurationException(
                 f"`EnvConfig(name=...)` must be one of {sorted(ENVIRONMENTS)}, got {self.name!r}"
             )
-        for name in ("num_envs", "rollout_length", "steps_per_epoch"):
+        for name in ("num_envs", "rollout_length", "steps_per_epoch", "eval_every_n_steps"):
             _positive_int("EnvConfig", name, getattr(self, name))
+        if isinstance(self.eval_envs, bool) or not isinstance(self.eval_envs, int) or self.eval_envs < 0:
+            raise MisconfigurationException(
+                f"`EnvConfig(eval_envs=...)` must be a non-negative int (0: no greedy evaluation), "
+                f"got {self.eval_envs!r}"
+            )
         self.probe()  # the environment's own arguments
 
     def probe(self) -> BatchedEnv:

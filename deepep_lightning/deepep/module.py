@@ -33,8 +33,10 @@ from deepep_lightning.deepep.config import (
     OptimConfig,
     group_fields,
 )
+from deepep_lightning.deepep.envs.registry import make_env
 from deepep_lightning.deepep.episode_return import EpisodeReturnMean, RollingEpisodeReturn
 from deepep_lightning.deepep.graph_training import GraphTraining
+from deepep_lightning.deepep.greedy_evaluation import greedy_returns
 from deepep_lightning.deepep.optimizer import deepep_optimizer
 from deepep_lightning.deepep.progress import ProgressLog
 from deepep_lightning.deepep.rollout_loss import fused_bptt_on, fused_rollout_on, rollout_and_loss
@@ -132,6 +134,7 @@ class DeepEPModule(pl.LightningModule):
         self._uncaptured = False  # set by uncaptured_steps()
         self._logs_step = True  # ProgressLog.logs_step of the running step (set by training_step)
         self._monitored: frozenset[str] = frozenset()  # what the callbacks read at any step, logged at every step
+        self._evaluated_at = -1  # the optimizer step of the last greedy evaluation (on_train_batch_end)
 
     # ---------------------------------------------------------------- rollout state
     def ensure_rollout_state(self, virtual_ranks: tuple[int, int] | None = None) -> None:
@@ -309,6 +312,32 @@ class DeepEPModule(pl.LightningModule):
                 self.log("train/grad_norm", checked["grad_norm"], on_step=True, on_epoch=False)
             return checked
         return outputs["loss"]
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Every ``env.eval_every_n_steps`` optimizer steps, at a step whose logs Lightning writes: the greedy
+        policy's mean return over ``env.eval_envs`` fresh environments, ``eval/greedy_return``
+        (:func:`~deepep_lightning.deepep.greedy_evaluation.greedy_returns`)."""
+        env = self.config.env
+        trainer = attached_trainer(self)
+        if not env.eval_envs or trainer is None:
+            return
+        steps = trainer.global_step
+        if (
+            steps % env.eval_every_n_steps
+            or steps == self._evaluated_at
+            or not self.progress.writes_after(trainer, steps - 1)
+        ):
+            return
+        self._evaluated_at = steps
+        evaluation_env = make_env(env.name, env.eval_envs, self.device, **(env.kwargs or {}))
+        returns = greedy_returns(self.agent, evaluation_env, self.config.seed)
+        value = returns.mean()
+        # Written once, at this step: a value given to self.log would be written again at the epoch's later writes.
+        # callback_metrics holds it for monitors (ModelCheckpoint, RegressionTrigger) until the next evaluation.
+        self.log("eval/greedy_return", value, on_step=True, on_epoch=False, logger=False, batch_size=1)
+        for logger in trainer.loggers:
+            logger.log_metrics({"eval/greedy_return": float(value)}, step=steps - 1)  # Lightning's step label
 
     def _virtual_training_step(self, batch_idx: int, writes_logs: bool) -> torch.Tensor:
         """The rollout and loss of one virtual rank: micro-batch ``batch_idx % (K / W)`` of the optimizer step.

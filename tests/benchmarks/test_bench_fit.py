@@ -62,7 +62,8 @@ def test_bad_options_are_refused_by_name(tmp_path, options, message, monkeypatch
 
 @pytest.mark.slow  # three train.py processes
 def test_train_py_runs_give_the_logged_curve_and_an_alone_run_repeats_its_parallel_run_bitwise(tmp_path):
-    tiny = ["--arg=--trainer.max_steps=30", "--arg=--model.env.num_envs=8", "--arg=--model.network.hidden_size=16"]
+    tiny = ["--arg=--trainer.max_steps=30", "--arg=--model.env.num_envs=8", "--arg=--model.network.hidden_size=16",
+            "--arg=--model.env.eval_envs=4", "--arg=--model.env.eval_every_n_steps=10"]  # fmt: skip
     done = _bench(tmp_path, "--seeds", "0", "1", "--parallel", "2", "--alone", "1", "--threshold", "15", *tiny)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "fit_default.json").read_text())
@@ -73,6 +74,10 @@ def test_train_py_runs_give_the_logged_curve_and_an_alone_run_repeats_its_parall
     assert [point[0] for point in runs[0]["checkpoints"]] == [9, 19, 29]
     assert all(0 < point[1] < run["wall_s"] for run in runs.values() for point in run["checkpoints"])
     assert alone["same_bits_as_parallel"] and result["summary"]["alone_same_bits"] == [True]
+    # the greedy evaluation at every logged step, its figures beside the rolling return's
+    assert all([point[0] for point in run["greedy"]["checkpoints"]] == [9, 19, 29] for run in [alone, *runs.values()])
+    assert bench_fit.same_bits(alone["greedy"]["checkpoints"], runs[0]["greedy"]["checkpoints"])
+    assert result["summary"]["greedy"]["seeds"] == 2
     # negative control: another seed's curve is not the same bits
     assert not bench_fit.same_bits(runs[0]["checkpoints"], runs[1]["checkpoints"])
     for run in runs.values():  # the figures are those of the logged curve

@@ -156,8 +156,11 @@ class DeepEPAgent(nn.Module):
 
     def _evaluate(self, obs: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = torch.cat((obs, hidden), dim=-1)  # [B, obs_dim + H]
-        policy_input = self._policy_input(torch.cat((obs, hidden.detach()), dim=-1))
-        return self._bounded(self.policy_net(policy_input)), self.value_head(x), x.detach()
+        return self.policy_logits(obs, hidden), self.value_head(x), x.detach()
+
+    def policy_logits(self, obs: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The policy's logits ``[B, A]`` at ``(obs, hidden)`` without the critic (what :meth:`step` acts on)."""
+        return self._bounded(self.policy_net(self._policy_input(torch.cat((obs, hidden.detach()), dim=-1))))
 
     def target_q(self, features: torch.Tensor) -> torch.Tensor:
         """Q of every action from the target critic at ``features`` ``[..., obs_dim + H]``, no gradient.
@@ -170,10 +173,11 @@ class DeepEPAgent(nn.Module):
         with torch.no_grad():
             return self.target_value_head(features.flatten(0, -2)).unflatten(0, features.shape[:-1])
 
-    def step(self, obs: torch.Tensor, hidden: torch.Tensor, uniform: torch.Tensor) -> AgentStep:
-        """One timestep; ``uniform`` ``[B]`` in [0, 1) drives the action sample (no global RNG)."""
+    def step(self, obs: torch.Tensor, hidden: torch.Tensor, uniform: torch.Tensor | None) -> AgentStep:
+        """One timestep; ``uniform`` ``[B]`` in [0, 1) drives the action sample (no global RNG); ``None``
+        takes the greedy action, the most likely one (the lowest index among equal logits)."""
         logits, q, features = self._evaluate(obs, hidden)
-        action = sample_categorical(logits, uniform)
+        action = logits.detach().argmax(dim=-1) if uniform is None else sample_categorical(logits, uniform)
         one_hot = nn.functional.one_hot(action, self.num_actions).to(obs.dtype)  # [B, A]
         value = (q * one_hot).sum(dim=-1, keepdim=True)  # [B, 1]; a product, so no scatter-add in backward
         if self.detach_feedback:

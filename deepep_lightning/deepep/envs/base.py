@@ -74,6 +74,11 @@ class BatchedEnv:
         """The current observations ``[B, obs_dim]`` without stepping."""
         raise NotImplementedError
 
+    @property
+    def longest_episode(self) -> int:
+        """The most steps an episode can last (every episode has ended within this many steps of a reset)."""
+        raise NotImplementedError
+
     def _state_names(self) -> tuple[str, ...]:
         return ("episode_return", "episode_length")
 

@@ -58,6 +58,10 @@ class BatchedCartPole(BatchedEnv):
         self.max_episode_steps = max_episode_steps
         self.state = torch.zeros(num_envs, 4, device=self.device)  # [B, (x, x_dot, theta, theta_dot)]
 
+    @property
+    def longest_episode(self) -> int:
+        return self.max_episode_steps
+
     def _state_names(self) -> tuple[str, ...]:
         return ("state",) + super()._state_names()
 

@@ -41,6 +41,10 @@ class CueRecall(BatchedEnv):
         self.cue = torch.zeros(num_envs, dtype=torch.long, device=self.device)
         self.clock = torch.zeros(num_envs, dtype=torch.long, device=self.device)
 
+    @property
+    def longest_episode(self) -> int:
+        return self.horizon
+
     def _state_names(self) -> tuple[str, ...]:
         return ("cue", "clock") + super()._state_names()
 

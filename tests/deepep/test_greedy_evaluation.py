@@ -1,0 +1,142 @@
+"""The greedy evaluation: each environment's first episode under argmax actions, logged as eval/greedy_return."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from deepep_lightning.deepep import DeepEPModule
+from deepep_lightning.deepep import module as module_of_deepep
+from deepep_lightning.deepep.config import DeepEPConfig, EnvConfig, NetworkConfig
+from deepep_lightning.deepep.envs.cartpole import BatchedCartPole
+from deepep_lightning.deepep.greedy_evaluation import greedy_returns
+from deepep_lightning.determinism.streams import derive_seed
+
+
+def _agent(policy_reads_hidden: bool, seed: int):
+    config = DeepEPConfig(network=NetworkConfig(hidden_size=16, policy_reads_hidden=policy_reads_hidden), seed=seed)
+    return config.build_agent()
+
+
+def _one_env_at_a_time(agent, start_states: torch.Tensor) -> list[float]:
+    """Reference: each start state alone, stepped until its episode ends, with the agent's full greedy step."""
+    returns = []
+    for state in start_states:
+        env = BatchedCartPole(1)
+        env.reset(torch.Generator().manual_seed(0))
+        env.state.copy_(state.unsqueeze(0))
+        obs, hidden, total = env.observe(), agent.initial_state(1, "cpu"), 0.0
+        while True:
+            with torch.no_grad():
+                step = agent.step(obs, hidden, None)
+            result = env.step(step.action, torch.Generator().manual_seed(1))
+            total += float(result.reward)
+            if bool(result.done):
+                returns.append(total)
+                break
+            obs, hidden = result.obs, step.hidden
+    return returns
+
+
+@pytest.mark.parametrize("policy_reads_hidden", [True, False])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_each_return_is_its_environments_first_episode_under_argmax_actions(policy_reads_hidden, seed):
+    agent = _agent(policy_reads_hidden, seed)
+    with torch.no_grad():  # a policy that balances for a while: push towards the side the pole leans to
+        agent.policy_net[2].weight.zero_()
+        agent.policy_net[2].bias.zero_()
+        agent.policy_net[0].weight.zero_()
+        agent.policy_net[0].weight[0, 2] = 1.0  # hidden unit 0 = tanh(theta)
+        agent.policy_net[0].bias.zero_()
+        agent.policy_net[2].weight[1, 0] = 10.0  # logit of "right" grows with theta
+    env = BatchedCartPole(16)
+    returns = greedy_returns(agent, env, seed=seed)
+    # the same start states: the evaluation's generator reset a fresh env of the same size
+    probe = BatchedCartPole(16)
+    probe.reset(torch.Generator().manual_seed(derive_seed(seed, "greedy_evaluation")))
+    expected = _one_env_at_a_time(agent, probe.state.clone())
+    assert returns.tolist() == expected
+    assert min(expected) > 20  # the planted policy balances: episodes longer than a random policy's ~22 steps
+    assert torch.equal(greedy_returns(agent, BatchedCartPole(16), seed=seed), returns)  # the same start states
+
+
+def test_a_policy_that_always_pushes_right_ends_every_episode_within_a_few_dozen_steps():
+    agent = _agent(False, 0)
+    with torch.no_grad():
+        agent.policy_net[2].weight.zero_()
+        agent.policy_net[2].bias.copy_(torch.tensor([0.0, 5.0]))
+    returns = greedy_returns(agent, BatchedCartPole(32), seed=0)
+    assert returns.shape == (32,) and bool((returns > 0).all()) and float(returns.max()) < 60
+
+
+def _fit(tmp_path, name, eval_envs, max_steps=40):
+    pl.seed_everything(0)
+    model = DeepEPModule(
+        env=EnvConfig(num_envs=8, rollout_length=8, steps_per_epoch=30, eval_envs=eval_envs, eval_every_n_steps=20),
+        network=NetworkConfig(hidden_size=16),
+    )
+    trainer = pl.Trainer(
+        max_steps=max_steps, accelerator="cpu", logger=TensorBoardLogger(tmp_path, name=name, version=0),
+        log_every_n_steps=10, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model)
+    return model, trainer
+
+
+def _scalars(tmp_path, name, tag):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = (tmp_path / name / "version_0").glob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return (
+        [(event.step, event.value) for event in accumulator.Scalars(tag)]
+        if tag in accumulator.Tags()["scalars"]
+        else []
+    )
+
+
+def test_a_fit_with_the_evaluation_trains_the_same_bits_and_logs_each_evaluation_once(tmp_path, monkeypatch):
+    with_evaluation, trainer = _fit(tmp_path, "with", eval_envs=8)
+    without, _ = _fit(tmp_path, "without", eval_envs=0)
+    state = without.state_dict()
+    assert all(torch.equal(value, state[key]) for key, value in with_evaluation.state_dict().items())
+    logged = _scalars(tmp_path, "with", "eval/greedy_return")
+    assert [step for step, _ in logged] == [19, 39]  # every 20 steps, once each (Lightning writes at 9, 19, 29, 39)
+    assert all(0 < value <= 500 for _, value in logged)
+    assert float(trainer.callback_metrics["eval/greedy_return"]) == logged[-1][1]
+    assert _scalars(tmp_path, "without", "eval/greedy_return") == []
+    # negative control: an evaluation that steps the training environments changes what the run trains
+    monkeypatch.setattr(module_of_deepep, "make_env", lambda *args, **kwargs: planted.rollout_state.env)
+    pl.seed_everything(0)
+    planted = DeepEPModule(
+        env=EnvConfig(num_envs=8, rollout_length=8, steps_per_epoch=30, eval_envs=8, eval_every_n_steps=20),
+        network=NetworkConfig(hidden_size=16),
+    )
+    pl.Trainer(
+        max_steps=40, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, log_every_n_steps=10,
+    ).fit(planted)  # fmt: skip
+    planted_state = planted.state_dict()
+    assert not all(torch.equal(value, planted_state[key]) for key, value in state.items())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("eval_envs", -1, "`EnvConfig(eval_envs=...)` must be a non-negative int (0: no greedy evaluation), got -1"),
+        (
+            "eval_envs",
+            True,
+            "`EnvConfig(eval_envs=...)` must be a non-negative int (0: no greedy evaluation), got True",
+        ),
+        ("eval_every_n_steps", 0, "`EnvConfig(eval_every_n_steps=...)` must be a positive int, got 0"),
+    ],
+)
+def test_bad_evaluation_settings_are_refused_by_name(field, value, message):
+    with pytest.raises(MisconfigurationException) as raised:
+        EnvConfig(**{field: value})
+    assert str(raised.value) == message
