@@ -200,3 +200,23 @@ def test_graph_path_under_lr_decay_recaptures_once_per_stair_and_equals_eager():
     torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-4, atol=1e-5)
     _, constant_losses, _ = _train_configured(8, graph=False)
     assert not torch.allclose(eager_losses[-2:], constant_losses[-2:])  # negative control: the decay acts
+
+
+def _fit_with_graph(eval_envs):
+    pl.seed_everything(0)
+    model = DeepEPModule(
+        **grouped(**SIZES, cuda_graph=True, policy_reads_hidden=False, eval_envs=eval_envs, eval_every_n_steps=10)
+    )
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, max_steps=30, logger=False, log_every_n_steps=10, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model)
+    return model.state_dict(), trainer.callback_metrics
+
+
+def test_the_greedy_evaluation_between_graph_replays_leaves_the_training_bits_alone():
+    with_evaluation, metrics = _fit_with_graph(eval_envs=16)
+    without, _ = _fit_with_graph(eval_envs=0)
+    assert all(torch.equal(value, without[key]) for key, value in with_evaluation.items())
+    assert 0 < float(metrics["eval/greedy_return"]) <= 500
