@@ -73,10 +73,11 @@ def fit_run(job: dict[str, Any]) -> dict[str, Any]:
     with open(log_dir / "output.txt", "w") as output:
         returncode = subprocess.call(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
     wall_s = time.time() - launched
-    checkpoints, greedy = (
-        [(step, round(wall - launched, 3), value) for step, wall, value in read_curve(log_dir, tag)]
-        for tag in (TAG, GREEDY_TAG)
-    )
+
+    def since_launch(tag: str) -> list[tuple[int, float, float]]:
+        return [(step, round(wall - launched, 3), value) for step, wall, value in read_curve(log_dir, tag)]
+
+    checkpoints, greedy = since_launch(TAG), since_launch(GREEDY_TAG)
     return {
         "seed": job["seed"], "returncode": returncode, "wall_s": round(wall_s, 3),
         **stay_learned(checkpoints, job["threshold"]), "checkpoints": checkpoints,
