@@ -157,7 +157,7 @@ def cluster_shared_memory_bytes(agent: DeepEPAgent) -> int:
 def runs_on_clusters(agent: DeepEPAgent, env: BatchedEnv) -> bool:
     """Whether :func:`rollout_steps_fused` picks ``deepep::cartpole_rollout_clusters``: float32 on a GPU with
     thread-block clusters (compute capability 9.0+) and the blocks' weights within its shared memory."""
-    if env.device.type != "cuda" or env.state.dtype != torch.float32:
+    if env.device.type != "cuda" or agent.rnn_cell.weight_hh.dtype != torch.float32:
         return False
     properties = torch.cuda.get_device_properties(env.device)
     return properties.major >= 9 and cluster_shared_memory_bytes(agent) <= MAX_SHARED_BYTES
