@@ -216,7 +216,12 @@ def main() -> None:
     parser.add_argument("--top-kernels", type=int, default=30, help="kernel names listed per variant in the census")
     parser.add_argument("--fp32-peak-tflops", type=float, default=H200_FP32_PEAK_TFLOPS)
     parser.add_argument("--quick", action="store_true", help="CPU smoke test: B=8, H=16, T=4, 2 repeats")
-    parser.add_argument("--rollout-rows", type=int, default=None, help="rows per block of the rollout kernel")
+    parser.add_argument(
+        "--rollout-rows",
+        type=int,
+        default=None,
+        help="run the rollout's block kernel with this many rows per block (default: the cluster kernel where it runs)",
+    )
     parser.add_argument(
         "--deterministic",
         action="store_true",
@@ -239,6 +244,7 @@ def main() -> None:
         parser.error("no variant left to run on this device (the graph variants need CUDA)")
 
     if args.rollout_rows is not None:
+        fused_rollout.runs_on_clusters = lambda agent, env: False
         fused_rollout.default_rows_per_block = lambda batch, device: args.rollout_rows
     shapes = [bench_shape(args, horizon) for horizon in args.horizons]
     main_shape = next((s for s in shapes if (s["batch"], s["horizon"], s["hidden"]) == (256, 256, 256)), None)

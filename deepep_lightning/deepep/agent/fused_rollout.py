@@ -11,6 +11,12 @@ uniform, then CartPole's reset noise), so the kernel sees the numbers :func:`rol
 actions, rewards and states equal the op-by-op loop's to rounding (a sum of another order can flip an action
 whose uniform lies within rounding of the CDF: the two paths then follow different trajectories).
 
+That kernel streams every weight from L2 at every timestep. On Hopper, float32 runs
+``deepep::cartpole_rollout_clusters`` instead (``extensions/csrc/deepep/cuda/cartpole_rollout_clusters.cu``): a
+cluster of 8 blocks owns 16 environments and splits each layer's units between its blocks, which keep their
+weights in shared memory for the whole rollout and exchange the head's partial sums and the new recurrent
+states through distributed shared memory. Its sums run in the block kernel's order, so the two give equal bits.
+
 :func:`rollout_steps` (the agent's and the env's own ops) is the reference; :func:`rollout_steps_fused` runs
 the kernel on what :func:`fused_rollout_unsupported_reason` accepts.
 """
@@ -35,6 +41,8 @@ MAX_ROWS_PER_BLOCK = 8
 MAX_SHARED_BYTES = 227 * 1024
 _LANES, _OBS, _ACTIONS = 32, 4, 2
 _FEEDBACK = _OBS + _ACTIONS + 1  # [obs; onehot(a); v]
+#: The cluster kernel's blocks per cluster and environments per cluster (``kCluster``, ``kClusterRows``).
+CLUSTER_BLOCKS, CLUSTER_ROWS = 8, 16
 
 
 @dataclass
@@ -113,6 +121,48 @@ def shared_memory_bytes(agent: DeepEPAgent, dtype: torch.dtype) -> int:
     return scalars * torch.empty((), dtype=dtype).element_size()
 
 
+def cluster_shared_memory_bytes(agent: DeepEPAgent) -> int:
+    """Shared memory per block of the float32 cluster kernel (``Layout`` in cartpole_rollout_clusters.cu)."""
+
+    def units(n: int) -> int:  # the most units a block owns: j = rank + 8 i < n
+        return -(-n // CLUSTER_BLOCKS)
+
+    def padded(n: int) -> int:  # a weight row's stride: 4 x an odd number of float4s
+        quads = -(-n // 4)
+        return 4 * (quads + (quads % 2 == 0))
+
+    def round4(n: int) -> int:
+        return -(-n // 4) * 4
+
+    first = _policy_layers(agent)[0]
+    size, rows = agent.hidden_size, CLUSTER_ROWS
+    up, uv, uh = units(first.out_features), units(agent.value_head.input_layer.out_features), units(size)
+    parts = [
+        up * padded(first.in_features),  # the block's policy, value-head and GRU weights
+        uv * padded(_OBS + size),
+        3 * uh * padded(size),
+        3 * uh * _FEEDBACK,
+        2 * rows * round4(_OBS + size),  # inputs [obs; h] of this timestep and the next
+        rows * up,
+        rows * uv,
+        2 * _ACTIONS * rows * (_LANES // CLUSTER_BLOCKS),
+        rows * 2 * _ACTIONS,
+        rows * _FEEDBACK,
+        rows,
+        rows * (_OBS + 2),
+    ]
+    return 4 * sum(round4(part) for part in parts)
+
+
+def runs_on_clusters(agent: DeepEPAgent, env: BatchedEnv) -> bool:
+    """Whether :func:`rollout_steps_fused` picks ``deepep::cartpole_rollout_clusters``: float32 on a GPU with
+    thread-block clusters (compute capability 9.0+) and the blocks' weights within its shared memory."""
+    if env.device.type != "cuda" or agent.rnn_cell.weight_hh.dtype != torch.float32:
+        return False
+    properties = torch.cuda.get_device_properties(env.device)
+    return properties.major >= 9 and cluster_shared_memory_bytes(agent) <= MAX_SHARED_BYTES
+
+
 def fused_rollout_unsupported_reason(agent: DeepEPAgent, env: BatchedEnv) -> str | None:
     """Why ``deepep::cartpole_rollout`` cannot run ``agent`` on ``env``, or None when it can.
 
@@ -185,7 +235,10 @@ def rollout_steps_fused(
     generator: torch.Generator,
     rows_per_block: int | None = None,
 ) -> RolloutSteps:
-    """:func:`rollout_steps` as one ``deepep::cartpole_rollout`` launch; the env's state moves on in place.
+    """:func:`rollout_steps` as one kernel launch; the env's state moves on in place.
+
+    ``rows_per_block=None`` runs the cluster kernel where :func:`runs_on_clusters`, else the block kernel with
+    :func:`default_rows_per_block`; an int runs the block kernel with that many rows per block.
 
     Raises:
         ValueError: what :func:`fused_rollout_unsupported_reason` names, or ``rows_per_block`` outside
@@ -194,6 +247,7 @@ def rollout_steps_fused(
     reason = fused_rollout_unsupported_reason(agent, env)
     if reason is not None:
         raise ValueError(f"rollout_steps_fused: {reason}. HINT: use rollout_steps")
+    clusters = rows_per_block is None and runs_on_clusters(agent, env)
     if rows_per_block is None:
         rows_per_block = default_rows_per_block(env.num_envs, env.device)
     if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or not 1 <= rows_per_block <= 8:
@@ -208,19 +262,22 @@ def rollout_steps_fused(
         uniforms.append(torch.rand(env.num_envs, device=env.device, generator=generator))
         noise.append(env.draw_step_noise(generator))
     bound = float(agent.logit_bound) if agent.logit_bound is not None else 0.0
+    inputs = (
+        env.state,
+        env.episode_return,
+        env.episode_length,
+        hidden.detach().to(env.state.dtype),
+        torch.stack(uniforms).to(env.state.dtype),
+        torch.stack(noise).to(env.state.dtype),
+        _weights(agent),
+        bound,
+        env.max_episode_steps,
+    )
     with torch.no_grad():
-        out = torch.ops.deepep.cartpole_rollout.default(
-            env.state,
-            env.episode_return,
-            env.episode_length,
-            hidden.detach().to(env.state.dtype),
-            torch.stack(uniforms).to(env.state.dtype),
-            torch.stack(noise).to(env.state.dtype),
-            _weights(agent),
-            bound,
-            env.max_episode_steps,
-            rows_per_block,
-        )
+        if clusters:
+            out = torch.ops.deepep.cartpole_rollout_clusters.default(*inputs)
+        else:
+            out = torch.ops.deepep.cartpole_rollout.default(*inputs, rows_per_block)
     env.state.copy_(out[8])
     env.episode_return.copy_(out[9])
     env.episode_length.copy_(out[10])
@@ -255,8 +312,25 @@ def _fake(
     )
 
 
+def _fake_clusters(
+    state: torch.Tensor,
+    episode_return: torch.Tensor,
+    episode_length: torch.Tensor,
+    hidden: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    weights: list[torch.Tensor],
+    logit_bound: float,
+    max_episode_steps: int,
+) -> tuple[torch.Tensor, ...]:
+    return _fake(
+        state, episode_return, episode_length, hidden, uniforms, noise, weights, logit_bound, max_episode_steps, 1
+    )
+
+
 def _register() -> None:
     torch.library.register_fake("deepep::cartpole_rollout")(_fake)
+    torch.library.register_fake("deepep::cartpole_rollout_clusters")(_fake_clusters)
 
 
 on_extension_loaded(_register)

@@ -207,6 +207,12 @@ TORCH_LIBRARY_FRAGMENT(deepep, m) {
       "cartpole_rollout(Tensor state, Tensor episode_return, Tensor episode_length, Tensor hidden, Tensor uniforms, "
       "Tensor noise, Tensor[] weights, float logit_bound, int max_episode_steps, int rows_per_block) -> (Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The same rollout with each cluster of blocks keeping the weights on chip (CUDA, float32, compute capability
+  // 9.0+; cuda/cartpole_rollout_clusters.cu): the same outputs, bit for bit.
+  m.def(
+      "cartpole_rollout_clusters(Tensor state, Tensor episode_return, Tensor episode_length, Tensor hidden, "
+      "Tensor uniforms, Tensor noise, Tensor[] weights, float logit_bound, int max_episode_steps) -> (Tensor, "
+      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("cartpole_rollout", &cartpole_rollout_cpu); }

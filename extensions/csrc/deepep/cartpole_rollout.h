@@ -128,6 +128,99 @@ inline int64_t shared_scalars(int64_t rows, int64_t hidden, int64_t policy_hidde
          + rows * (kObs + 2);             // CartPole state, episode return and length
 }
 
+// The head's output from its 32 lane partials (summed in lane order): the bounded logit of an action, or its Q.
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t finish_logit(const Args<scalar_t>& a, scalar_t sum, int64_t c) {
+  scalar_t logit = sum + a.policy_b2[c];
+  if (a.logit_bound > scalar_t(0)) logit = a.logit_bound * r_tanh(logit / a.logit_bound);
+  return logit;
+}
+
+// One row's timestep t after the head: the action sampled from `logits` (Q: `logits + kActions`), the feedback
+// [obs; onehot(a); Q[a]] into `f`, CartPole's Euler step of `s` (its state, episode return and length; reset
+// where done) from the observation `obs`, and `keep` = 1 - done. With `publish`, the row's outputs of timestep t
+// go to the op's tensors (b: the row's environment).
+template <typename scalar_t>
+C10_HOST_DEVICE inline void act_and_env_row(const Args<scalar_t>& a, int64_t t, int64_t b, const scalar_t* logits,
+                                            const scalar_t* obs, scalar_t* f, scalar_t* s, scalar_t* keep,
+                                            bool publish) {
+  const int64_t tb = t * a.batch + b;
+  const scalar_t* q = logits + kActions;
+  // torch.softmax(logits).cumsum() < u, counted and clamped (sample_categorical)
+  scalar_t top = logits[0];
+  for (int c = 1; c < kActions; ++c) top = logits[c] > top ? logits[c] : top;
+  scalar_t e[kActions], total = scalar_t(0);
+  for (int c = 0; c < kActions; ++c) {
+    e[c] = r_exp(logits[c] - top);
+    total += e[c];
+  }
+  const scalar_t u = a.uniforms[tb];
+  scalar_t cdf = scalar_t(0);
+  int64_t action = 0;
+  for (int c = 0; c < kActions; ++c) {
+    cdf += e[c] / total;
+    action += cdf < u ? 1 : 0;
+  }
+  action = action < kActions - 1 ? action : kActions - 1;
+  // the feedback [obs; onehot(a); Q[a]] and obs_t
+  for (int k = 0; k < kObs; ++k) f[k] = obs[k];
+  for (int c = 0; c < kActions; ++c) f[kObs + c] = c == action ? scalar_t(1) : scalar_t(0);
+  f[kObs + kActions] = q[action];
+  // CartPole's Euler step (BatchedCartPole.step_with_noise), in the same operation order
+  const scalar_t x = s[0], x_dot = s[1], theta = s[2], theta_dot = s[3];
+  const scalar_t force = action == 1 ? scalar_t(kForceMag) : scalar_t(-kForceMag);
+  const scalar_t cos_t = r_cos(theta), sin_t = r_sin(theta);
+  const scalar_t temp = (force + scalar_t(kPoleMassLength) * (theta_dot * theta_dot) * sin_t) / scalar_t(kTotalMass);
+  const scalar_t theta_acc =
+      (scalar_t(kGravity) * sin_t - cos_t * temp) /
+      (scalar_t(kHalfPoleLength) *
+       (scalar_t(4.0 / 3.0) - scalar_t(kMassPole) * (cos_t * cos_t) / scalar_t(kTotalMass)));
+  const scalar_t x_acc = temp - scalar_t(kPoleMassLength) * theta_acc * cos_t / scalar_t(kTotalMass);
+  const scalar_t tau = scalar_t(kTau);
+  const scalar_t next[kObs] = {x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot,
+                               theta_dot + tau * theta_acc};
+  const scalar_t xt = scalar_t(kXThreshold), tt = scalar_t(kThetaThreshold);
+  const bool terminated = next[0] < -xt || next[0] > xt || next[2] < -tt || next[2] > tt;
+  const bool truncated = s[kObs + 1] + scalar_t(1) >= scalar_t(a.max_episode_steps);
+  const bool done = terminated || truncated;
+  const scalar_t* noise = a.noise + tb * kObs;
+  for (int k = 0; k < kObs; ++k) {
+    s[k] = done ? scalar_t(kResetLow) + scalar_t(kResetHigh - kResetLow) * noise[k] : next[k];
+  }
+  // BatchedEnv._finish: reward 1 on every step, the finished episode's return where done
+  const scalar_t reward = scalar_t(1);
+  s[kObs] += reward;
+  s[kObs + 1] += scalar_t(1);
+  if (publish) {
+    for (int k = 0; k < kObs; ++k) {
+      a.observations[tb * kObs + k] = f[k];
+      a.feedback[tb * kFeedback + k] = f[k];
+    }
+    for (int c = 0; c < kActions + 1; ++c) a.feedback[tb * kFeedback + kObs + c] = f[kObs + c];
+    a.actions[tb] = action;
+    a.rewards[tb] = reward;
+    a.dones[tb] = done;
+    a.terminateds[tb] = terminated;
+    a.returns[tb] = done ? s[kObs] : scalar_t(0);
+  }
+  const scalar_t kept = done ? scalar_t(0) : scalar_t(1);
+  s[kObs] *= kept;
+  s[kObs + 1] *= kept;
+  *keep = kept;
+}
+
+// Unit j of one row's GRU cell (gates [r, z, n] as torch.nn.GRUCell) from its input sums gi and hidden sums gh:
+// h_{t+1} = keep * ((1 - z) n + z h).
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t gru_unit(const Args<scalar_t>& a, int64_t j, const scalar_t gi[3],
+                                         const scalar_t gh[3], scalar_t h, scalar_t keep) {
+  const int64_t size = a.hidden;
+  const scalar_t rg = r_sigmoid(gi[0] + a.gru_bih[j] + (gh[0] + a.gru_bhh[j]));
+  const scalar_t zg = r_sigmoid(gi[1] + a.gru_bih[size + j] + (gh[1] + a.gru_bhh[size + j]));
+  const scalar_t n = r_tanh(gi[2] + a.gru_bih[2 * size + j] + rg * (gh[2] + a.gru_bhh[2 * size + j]));
+  return ((scalar_t(1) - zg) * n + zg * h) * keep;
+}
+
 // One block of the rollout: `count` rows from `row0`, its shared memory at `shared`. Each stage is called
 // for every thread index `tid` in [0, threads) between barriers.
 template <typename scalar_t>
@@ -233,9 +326,7 @@ struct Block {
       if (is_q) {
         head[r * 2 * kActions + kActions + c] = sum + a.value_b2[0];
       } else {
-        scalar_t logit = sum + a.policy_b2[c];
-        if (a.logit_bound > scalar_t(0)) logit = a.logit_bound * r_tanh(logit / a.logit_bound);
-        head[r * 2 * kActions + c] = logit;
+        head[r * 2 * kActions + c] = finish_logit(a, sum, c);
       }
     }
   }
@@ -243,74 +334,8 @@ struct Block {
   // Thread r: row r's action, feedback, CartPole step and outputs of timestep t.
   C10_HOST_DEVICE void act_and_env(int64_t t, int tid, int threads) const {
     for (int64_t r = tid; r < count; r += threads) {
-      const int64_t b = row0 + r, tb = t * a.batch + b;
-      const scalar_t* logits = head + r * 2 * kActions;
-      const scalar_t* q = logits + kActions;
-      // torch.softmax(logits).cumsum() < u, counted and clamped (sample_categorical)
-      scalar_t top = logits[0];
-      for (int c = 1; c < kActions; ++c) top = logits[c] > top ? logits[c] : top;
-      scalar_t e[kActions], total = scalar_t(0);
-      for (int c = 0; c < kActions; ++c) {
-        e[c] = r_exp(logits[c] - top);
-        total += e[c];
-      }
-      const scalar_t u = a.uniforms[tb];
-      scalar_t cdf = scalar_t(0);
-      int64_t action = 0;
-      for (int c = 0; c < kActions; ++c) {
-        cdf += e[c] / total;
-        action += cdf < u ? 1 : 0;
-      }
-      action = action < kActions - 1 ? action : kActions - 1;
-      // the feedback [obs; onehot(a); Q[a]] and obs_t
-      const scalar_t* obs = row_inputs(r);
-      scalar_t* f = fb + r * kFeedback;
-      for (int k = 0; k < kObs; ++k) {
-        f[k] = obs[k];
-        a.observations[tb * kObs + k] = obs[k];
-        a.feedback[tb * kFeedback + k] = obs[k];
-      }
-      for (int c = 0; c < kActions; ++c) {
-        f[kObs + c] = c == action ? scalar_t(1) : scalar_t(0);
-        a.feedback[tb * kFeedback + kObs + c] = f[kObs + c];
-      }
-      f[kObs + kActions] = q[action];
-      a.feedback[tb * kFeedback + kObs + kActions] = q[action];
-      a.actions[tb] = action;
-      // CartPole's Euler step (BatchedCartPole.step_with_noise), in the same operation order
-      scalar_t* s = row_env(r);
-      const scalar_t x = s[0], x_dot = s[1], theta = s[2], theta_dot = s[3];
-      const scalar_t force = action == 1 ? scalar_t(kForceMag) : scalar_t(-kForceMag);
-      const scalar_t cos_t = r_cos(theta), sin_t = r_sin(theta);
-      const scalar_t temp = (force + scalar_t(kPoleMassLength) * (theta_dot * theta_dot) * sin_t) / scalar_t(kTotalMass);
-      const scalar_t theta_acc =
-          (scalar_t(kGravity) * sin_t - cos_t * temp) /
-          (scalar_t(kHalfPoleLength) *
-           (scalar_t(4.0 / 3.0) - scalar_t(kMassPole) * (cos_t * cos_t) / scalar_t(kTotalMass)));
-      const scalar_t x_acc = temp - scalar_t(kPoleMassLength) * theta_acc * cos_t / scalar_t(kTotalMass);
-      const scalar_t tau = scalar_t(kTau);
-      const scalar_t next[kObs] = {x + tau * x_dot, x_dot + tau * x_acc, theta + tau * theta_dot,
-                                   theta_dot + tau * theta_acc};
-      const scalar_t xt = scalar_t(kXThreshold), tt = scalar_t(kThetaThreshold);
-      const bool terminated = next[0] < -xt || next[0] > xt || next[2] < -tt || next[2] > tt;
-      const bool truncated = s[kObs + 1] + scalar_t(1) >= scalar_t(a.max_episode_steps);
-      const bool done = terminated || truncated;
-      const scalar_t* noise = a.noise + tb * kObs;
-      for (int k = 0; k < kObs; ++k) {
-        s[k] = done ? scalar_t(kResetLow) + scalar_t(kResetHigh - kResetLow) * noise[k] : next[k];
-      }
-      // BatchedEnv._finish: reward 1 on every step, the finished episode's return where done
-      const scalar_t reward = scalar_t(1);
-      s[kObs] += reward;
-      s[kObs + 1] += scalar_t(1);
-      a.rewards[tb] = reward;
-      a.dones[tb] = done;
-      a.terminateds[tb] = terminated;
-      a.returns[tb] = done ? s[kObs] : scalar_t(0);
-      const scalar_t kept = done ? scalar_t(0) : scalar_t(1);
-      s[kObs] *= kept;
-      s[kObs + 1] *= kept;
-      keep[r] = kept;
+      act_and_env_row(a, t, row0 + r, head + r * 2 * kActions, row_inputs(r), fb + r * kFeedback, row_env(r),
+                      keep + r, true);
     }
   }
 
@@ -347,12 +372,8 @@ struct Block {
       DEEPEP_ROWS_UNROLL
       for (int r = 0; r < kMaxRows; ++r) {
         if (r < count) {
-          const scalar_t rg = r_sigmoid(gi[0][r] + a.gru_bih[j] + (gh[0][r] + a.gru_bhh[j]));
-          const scalar_t zg = r_sigmoid(gi[1][r] + a.gru_bih[size + j] + (gh[1][r] + a.gru_bhh[size + j]));
-          const scalar_t n =
-              r_tanh(gi[2][r] + a.gru_bih[2 * size + j] + rg * (gh[2][r] + a.gru_bhh[2 * size + j]));
-          const scalar_t h = inputs[r * width + kObs + j];
-          const scalar_t h_next = ((scalar_t(1) - zg) * n + zg * h) * keep[r];
+          const scalar_t row_gi[3] = {gi[0][r], gi[1][r], gi[2][r]}, row_gh[3] = {gh[0][r], gh[1][r], gh[2][r]};
+          const scalar_t h_next = gru_unit(a, j, row_gi, row_gh, inputs[r * width + kObs + j], keep[r]);
           next_h[r * size + j] = h_next;
           a.states[(t * a.batch + row0 + r) * size + j] = h_next;
         }

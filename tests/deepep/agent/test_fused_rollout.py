@@ -3,7 +3,8 @@
 CPU: the CPU kernel (the same stage code as the CUDA kernel) against the agent's and CartPole's own ops in
 float64 and float32, bitwise repeats, the schema (opcheck), the refusals, and the module switch. GPU (marked):
 the CUDA kernel against the op-by-op timesteps and the CPU kernel, bitwise repeats, inside a CUDA graph, and
-the training step with it (eager and graph) repeating bitwise.
+the training step with it (eager and graph) repeating bitwise; the cluster kernel (float32, Hopper) against the
+block kernel's bits.
 """
 
 from __future__ import annotations
@@ -282,29 +283,77 @@ def test_gpu_kernel_in_float32_equals_the_op_by_op_timesteps_to_rounding_and_rep
 
 
 @pytest.mark.gpu
-def test_gpu_kernel_inside_a_cuda_graph_equals_the_eager_launch():
+@pytest.mark.parametrize("rows_per_block", [2, None], ids=["blocks", "default"])
+def test_gpu_kernel_inside_a_cuda_graph_equals_the_eager_launch(rows_per_block):
     _needs_cuda_kernels()
     agent, env, state, generator = _setup(torch.float32, 64, 64, "cuda")
     start = env.state_dict()
-    eager = rollout_steps_fused(agent, env, state, 16, generator.manual_seed(7), 2)
+    eager = rollout_steps_fused(agent, env, state, 16, generator.manual_seed(7), rows_per_block)
     env.load_state_dict(start)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         generator.manual_seed(7)
-        rollout_steps_fused(agent, env, state, 16, generator, 2)  # warm-up outside the capture
+        rollout_steps_fused(agent, env, state, 16, generator, rows_per_block)  # warm-up outside the capture
         env.load_state_dict(start)
         generator.manual_seed(7)
         graph.register_generator_state(generator)
         with torch.cuda.graph(graph):
-            captured = rollout_steps_fused(agent, env, state, 16, generator, 2)
+            captured = rollout_steps_fused(agent, env, state, 16, generator, rows_per_block)
     torch.cuda.current_stream().wait_stream(stream)
     env.load_state_dict(start)
     generator.manual_seed(7)
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(getattr(eager, n), getattr(captured, n)) for n in FIELDS)
+
+
+def _needs_clusters():
+    _needs_cuda_kernels()
+    if torch.cuda.get_device_properties(0).major < 9:
+        pytest.skip("the cluster kernel needs thread-block clusters (compute capability 9.0+)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "batch, hidden, agent_args",
+    [
+        (256, 256, {"policy_reads_hidden": False}),  # configs/gpu.yaml's shape
+        (300, 256, {}),  # a last cluster of 12 rows; the policy reads [obs; h]
+        (37, 90, {"value_hidden_size": 60}),  # sizes that are not multiples of 4 or of 8 units
+    ],
+)
+def test_gpu_cluster_kernel_gives_the_block_kernels_bits(batch, hidden, agent_args):
+    """The same sums in the same order: every output of the cluster kernel equals the block kernel's, bit for bit."""
+    from deepep_lightning.deepep.agent.fused_rollout import _weights, runs_on_clusters
+
+    _needs_clusters()
+    agent, env, state, _ = _setup(torch.float32, batch, hidden, "cuda", logit_bound=3.0, episode=12, **agent_args)
+    assert runs_on_clusters(agent, env)
+    draws = torch.Generator("cuda").manual_seed(4)
+    uniforms = torch.rand(96, batch, device="cuda", generator=draws)
+    noise = torch.rand(96, batch, 4, device="cuda", generator=draws)
+    inputs = [env.state, env.episode_return, env.episode_length, state, uniforms, noise, _weights(agent), 3.0, 12]
+    blocks = torch.ops.deepep.cartpole_rollout.default(*inputs, 4)
+    clusters = torch.ops.deepep.cartpole_rollout_clusters.default(*inputs)
+    assert bool(blocks[5].any()) and bool((blocks[3] == 1).any())  # episodes end; both actions are taken
+    for index, (expected, actual) in enumerate(zip(blocks, clusters)):
+        assert torch.equal(actual, expected), f"output {index}"
+
+
+@pytest.mark.gpu
+def test_gpu_cluster_kernel_refuses_float64_by_name():
+    from deepep_lightning.deepep.agent.fused_rollout import runs_on_clusters
+
+    _needs_clusters()
+    agent, env, state, _ = _setup(torch.float64, 32, 32, "cuda")
+    assert not runs_on_clusters(agent, env)
+    inputs, weights = _op_inputs("cuda", batch=32, hidden=32, steps=4)
+    with pytest.raises(RuntimeError, match="hidden must be float32, got Double"):
+        torch.ops.deepep.cartpole_rollout_clusters.default(
+            *[t.double() for t in inputs], [w.double() for w in weights], 3.0, 12
+        )
 
 
 @pytest.mark.gpu
