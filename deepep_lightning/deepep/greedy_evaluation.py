@@ -10,6 +10,11 @@ without the critic and the cell) and reports the return of that first episode. I
 number from the training streams and changes no training state, so a run with the evaluation trains the
 same bits as one without it.
 
+With ``fused=True`` (CartPole, where the module's rollout runs as one kernel launch) the episodes run as one
+:func:`~deepep_lightning.deepep.agent.fused_rollout.greedy_steps_fused` launch of ``env.longest_episode``
+timesteps instead of op by op: the same math, the action whose softmax probability exceeds one half (the
+argmax but for logits within rounding of a tie), the critic and the cell always run.
+
 Example::
 
     returns = greedy_returns(agent, make_env("cartpole", 64, "cuda"), seed=0)  # [64]
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from deepep_lightning.deepep.agent.fused_rollout import greedy_steps_fused
 from deepep_lightning.deepep.agent.network import DeepEPAgent
 from deepep_lightning.deepep.envs.base import BatchedEnv
 from deepep_lightning.determinism.streams import derive_seed
@@ -30,15 +36,22 @@ _CHECK_EVERY = 50
 
 
 @torch.no_grad()
-def greedy_returns(agent: DeepEPAgent, env: BatchedEnv, seed: int) -> torch.Tensor:
+def greedy_returns(agent: DeepEPAgent, env: BatchedEnv, seed: int, fused: bool = False) -> torch.Tensor:
     """The return ``[B]`` of each environment's first episode under the greedy policy.
 
     ``env`` is reset here (from its own generator, on its device) and stepped until every environment
-    has finished one episode: at most ``env.longest_episode`` steps.
+    has finished one episode: at most ``env.longest_episode`` steps (``fused``: exactly that many, in one launch).
+
+    Raises:
+        ValueError: ``fused`` and the rollout kernel cannot run ``agent`` on ``env`` (the reason named).
     """
     generator = torch.Generator(device=env.device).manual_seed(derive_seed(seed, "greedy_evaluation"))
     obs = env.reset(generator)
     hidden = agent.initial_state(env.num_envs, env.device)
+    if fused:
+        steps = greedy_steps_fused(agent, env, hidden, env.longest_episode)
+        first = steps.dones.to(torch.uint8).argmax(dim=0)  # [B] each environment's first episode end
+        return steps.returns.gather(0, first.unsqueeze(0)).squeeze(0)
     returns = torch.zeros(env.num_envs, device=env.device)
     running = torch.ones(env.num_envs, dtype=torch.bool, device=env.device)
     for t in range(env.longest_episode):

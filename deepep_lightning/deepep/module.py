@@ -182,7 +182,7 @@ class DeepEPModule(pl.LightningModule):
     def fused_rollout_on(self) -> bool:
         """``fused_rollout`` resolved for the next rollout on the module's device (may warn once, see
         :func:`~deepep_lightning.deepep.rollout_loss.fused_rollout_on`)."""
-        return fused_rollout_on(self.config, self.agent, self.rollout_state, self.device)
+        return fused_rollout_on(self.config, self.agent, self.rollout_state.env, self.device)
 
     def seed_rollout(self) -> None:
         """Seed the active rollout state's generator for its step: ``derive_seed(seed, "rollout", rank, step)``."""
@@ -331,7 +331,10 @@ class DeepEPModule(pl.LightningModule):
             return
         self._evaluated_at = steps
         evaluation_env = make_env(env.name, env.eval_envs, self.device, **(env.kwargs or {}))
-        returns = greedy_returns(self.agent, evaluation_env, self.config.seed)
+        fused = fused_bptt_on(self.config, self.device) and fused_rollout_on(
+            self.config, self.agent, evaluation_env, self.device
+        )  # the evaluation runs as one kernel launch where the training's rollout does
+        returns = greedy_returns(self.agent, evaluation_env, self.config.seed, fused=fused)
         value = returns.mean()
         # Written once, at this step: a value given to self.log would be written again at the epoch's later writes.
         # callback_metrics holds it for monitors (ModelCheckpoint, RegressionTrigger) until the next evaluation.

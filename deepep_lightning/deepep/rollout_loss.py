@@ -24,6 +24,7 @@ from deepep_lightning.deepep.agent.targets import adapt_entropy_coef_, polyak_up
 if TYPE_CHECKING:
     from deepep_lightning.deepep.agent import DeepEPAgent
     from deepep_lightning.deepep.config import DeepEPConfig
+    from deepep_lightning.deepep.envs.base import BatchedEnv
     from deepep_lightning.deepep.rollout_state import RolloutState
 
 __all__ = ["fused_bptt_on", "fused_rollout_on", "rollout_and_loss"]
@@ -60,7 +61,7 @@ def rollout_and_loss(
     timestep = state.compiled_timestep if run.compile_step else None
     args = (agent, state.env, state.hidden.clone(), config.env.rollout_length, state.generator, loss.bptt_truncation)
     if fused_bptt_on(config, state.device):
-        kernel = fused_rollout_on(config, agent, state, state.device)
+        kernel = fused_rollout_on(config, agent, state.env, state.device)
         rollout = collect_rollout_fused(*args, timestep=timestep, fused_rollout=kernel)
     else:
         rollout = collect_rollout(*args, timestep=timestep)
@@ -107,9 +108,9 @@ def fused_bptt_on(config: DeepEPConfig, device: torch.device) -> bool:
     return config.network.detach_feedback and device.type == "cuda" and _cuda_kernels_load()
 
 
-def fused_rollout_on(config: DeepEPConfig, agent: DeepEPAgent, state: RolloutState, device: torch.device) -> bool:
-    """``fused_rollout`` resolved for a rollout on ``device`` (None: on with CUDA where the kernel runs the agent and
-    env).
+def fused_rollout_on(config: DeepEPConfig, agent: DeepEPAgent, env: BatchedEnv, device: torch.device) -> bool:
+    """``fused_rollout`` resolved for a rollout of ``agent`` on ``env`` on ``device`` (None: on with CUDA where the
+    kernel runs them).
 
     Under None on CUDA a rollout the kernel cannot run takes the op-by-op timesteps after one warning per
     agent naming why (none when the CUDA kernels were not built: the extension's loader has said so).
@@ -120,7 +121,7 @@ def fused_rollout_on(config: DeepEPConfig, agent: DeepEPAgent, state: RolloutSta
     choice = config.execution.fused_rollout
     if choice is False or config.execution.compile_step or (choice is None and device.type != "cuda"):
         return False
-    reason = fused_rollout_unsupported_reason(agent, state.env)
+    reason = fused_rollout_unsupported_reason(agent, env)
     if reason is None:
         return True
     if choice:

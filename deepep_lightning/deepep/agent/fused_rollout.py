@@ -33,7 +33,13 @@ from deepep_lightning.deepep.envs.base import BatchedEnv
 from deepep_lightning.deepep.envs.cartpole import BatchedCartPole
 from deepep_lightning.ops import on_extension_loaded
 
-__all__ = ["RolloutSteps", "fused_rollout_unsupported_reason", "rollout_steps", "rollout_steps_fused"]
+__all__ = [
+    "RolloutSteps",
+    "fused_rollout_unsupported_reason",
+    "greedy_steps_fused",
+    "rollout_steps",
+    "rollout_steps_fused",
+]
 
 #: Rows per block of the CUDA kernel, at most (``kMaxRows`` in cartpole_rollout.h).
 MAX_ROWS_PER_BLOCK = 8
@@ -244,31 +250,65 @@ def rollout_steps_fused(
         ValueError: what :func:`fused_rollout_unsupported_reason` names, or ``rows_per_block`` outside
             ``[1, 8]``; both before the compiled op runs.
     """
-    reason = fused_rollout_unsupported_reason(agent, env)
-    if reason is not None:
-        raise ValueError(f"rollout_steps_fused: {reason}. HINT: use rollout_steps")
-    clusters = rows_per_block is None and runs_on_clusters(agent, env)
-    if rows_per_block is None:
-        rows_per_block = default_rows_per_block(env.num_envs, env.device)
-    if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or not 1 <= rows_per_block <= 8:
-        raise ValueError(f"rollout_steps_fused: rows_per_block must be an int in [1, 8], got {rows_per_block!r}")
-    if tuple(hidden.shape) != (env.num_envs, agent.hidden_size):
-        raise ValueError(
-            f"rollout_steps_fused: hidden must be [{env.num_envs}, {agent.hidden_size}], got {tuple(hidden.shape)}"
-        )
-    assert isinstance(env, BatchedCartPole)
+    clusters, rows = _kernel_choice("rollout_steps_fused", agent, env, hidden, rows_per_block)
     uniforms, noise = [], []
     for _ in range(length):  # the op-by-op order of draws: the action's uniform, then the env's step noise
         uniforms.append(torch.rand(env.num_envs, device=env.device, generator=generator))
         noise.append(env.draw_step_noise(generator))
+    return _launch(agent, env, hidden, torch.stack(uniforms), torch.stack(noise), clusters, rows)
+
+
+def greedy_steps_fused(
+    agent: DeepEPAgent, env: BatchedEnv, hidden: torch.Tensor, length: int, rows_per_block: int | None = None
+) -> RolloutSteps:
+    """``length`` timesteps of the greedy policy as one kernel launch; no number is drawn.
+
+    Every action's uniform is 1/2, so the kernel takes the action whose softmax probability exceeds one half:
+    with CartPole's two actions the argmax of the logits, but for logits within rounding of a tie. An
+    environment whose episode ends resets to the middle of CartPole's reset box (all of its noise 1/2).
+    Arguments and errors as :func:`rollout_steps_fused`.
+    """
+    clusters, rows = _kernel_choice("greedy_steps_fused", agent, env, hidden, rows_per_block)
+    assert isinstance(env, BatchedCartPole)
+    half = torch.full((length, env.num_envs), 0.5, dtype=env.state.dtype, device=env.device)
+    return _launch(agent, env, hidden, half, half.unsqueeze(-1).expand(-1, -1, _OBS), clusters, rows)
+
+
+def _kernel_choice(
+    caller: str, agent: DeepEPAgent, env: BatchedEnv, hidden: torch.Tensor, rows_per_block: int | None
+) -> tuple[bool, int]:
+    """(whether the cluster kernel runs, the block kernel's rows per block), after the checks the callers document."""
+    reason = fused_rollout_unsupported_reason(agent, env)
+    if reason is not None:
+        raise ValueError(f"{caller}: {reason}. HINT: use rollout_steps")
+    clusters = rows_per_block is None and runs_on_clusters(agent, env)
+    if rows_per_block is None:
+        rows_per_block = default_rows_per_block(env.num_envs, env.device)
+    if isinstance(rows_per_block, bool) or not isinstance(rows_per_block, int) or not 1 <= rows_per_block <= 8:
+        raise ValueError(f"{caller}: rows_per_block must be an int in [1, 8], got {rows_per_block!r}")
+    if tuple(hidden.shape) != (env.num_envs, agent.hidden_size):
+        raise ValueError(f"{caller}: hidden must be [{env.num_envs}, {agent.hidden_size}], got {tuple(hidden.shape)}")
+    return clusters, rows_per_block
+
+
+def _launch(
+    agent: DeepEPAgent,
+    env: BatchedEnv,
+    hidden: torch.Tensor,
+    uniforms: torch.Tensor,
+    noise: torch.Tensor,
+    clusters: bool,
+    rows_per_block: int,
+) -> RolloutSteps:
+    assert isinstance(env, BatchedCartPole)
     bound = float(agent.logit_bound) if agent.logit_bound is not None else 0.0
     inputs = (
         env.state,
         env.episode_return,
         env.episode_length,
         hidden.detach().to(env.state.dtype),
-        torch.stack(uniforms).to(env.state.dtype),
-        torch.stack(noise).to(env.state.dtype),
+        uniforms.to(env.state.dtype),
+        noise.to(env.state.dtype),
         _weights(agent),
         bound,
         env.max_episode_steps,
