@@ -334,7 +334,7 @@ def _fake(
     weights: list[torch.Tensor],
     logit_bound: float,
     max_episode_steps: int,
-    rows_per_block: int,
+    rows_per_block: int = 1,  # deepep::cartpole_rollout_clusters has no such argument
 ) -> tuple[torch.Tensor, ...]:
     steps, (batch, size) = uniforms.shape[0], hidden.shape
     return (
@@ -352,25 +352,9 @@ def _fake(
     )
 
 
-def _fake_clusters(
-    state: torch.Tensor,
-    episode_return: torch.Tensor,
-    episode_length: torch.Tensor,
-    hidden: torch.Tensor,
-    uniforms: torch.Tensor,
-    noise: torch.Tensor,
-    weights: list[torch.Tensor],
-    logit_bound: float,
-    max_episode_steps: int,
-) -> tuple[torch.Tensor, ...]:
-    return _fake(
-        state, episode_return, episode_length, hidden, uniforms, noise, weights, logit_bound, max_episode_steps, 1
-    )
-
-
 def _register() -> None:
     torch.library.register_fake("deepep::cartpole_rollout")(_fake)
-    torch.library.register_fake("deepep::cartpole_rollout_clusters")(_fake_clusters)
+    torch.library.register_fake("deepep::cartpole_rollout_clusters")(_fake)
 
 
 on_extension_loaded(_register)

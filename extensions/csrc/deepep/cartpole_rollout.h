@@ -221,6 +221,24 @@ C10_HOST_DEVICE inline scalar_t gru_unit(const Args<scalar_t>& a, int64_t j, con
   return ((scalar_t(1) - zg) * n + zg * h) * keep;
 }
 
+// The op's last outputs for `count` rows from `row0`: each row's CartPole state, episode return and length from
+// `env` ([count][kObs + 2]) after the last timestep. Thread `tid` of `threads` stores every threads-th value.
+template <typename scalar_t>
+C10_HOST_DEVICE inline void store_env(const Args<scalar_t>& a, int64_t row0, int64_t count, const scalar_t* env,
+                                      int tid, int threads) {
+  for (int64_t i = tid; i < count * (kObs + 2); i += threads) {
+    const int64_t r = i / (kObs + 2), k = i - r * (kObs + 2), b = row0 + r;
+    const scalar_t v = env[i];
+    if (k < kObs) {
+      a.next_state[b * kObs + k] = v;
+    } else if (k == kObs) {
+      a.next_episode_return[b] = v;
+    } else {
+      a.next_episode_length[b] = v;
+    }
+  }
+}
+
 // One block of the rollout: `count` rows from `row0`, its shared memory at `shared`. Each stage is called
 // for every thread index `tid` in [0, threads) between barriers.
 template <typename scalar_t>
@@ -391,19 +409,7 @@ struct Block {
   }
 
   // The CartPole states and episode accumulators after the last timestep.
-  C10_HOST_DEVICE void store(int tid, int threads) const {
-    for (int64_t i = tid; i < count * (kObs + 2); i += threads) {
-      const int64_t r = i / (kObs + 2), k = i - r * (kObs + 2), b = row0 + r;
-      const scalar_t v = row_env(r)[k];
-      if (k < kObs) {
-        a.next_state[b * kObs + k] = v;
-      } else if (k == kObs) {
-        a.next_episode_return[b] = v;
-      } else {
-        a.next_episode_length[b] = v;
-      }
-    }
-  }
+  C10_HOST_DEVICE void store(int tid, int threads) const { store_env(a, row0, count, env, tid, threads); }
 };
 
 // Throws c10::Error naming the argument when a shape, dtype or device does not fit (the Python wrapper checks

@@ -290,19 +290,7 @@ __global__ void __launch_bounds__(kThreads) cartpole_rollout_clusters_kernel(con
     cluster.sync();
     cur ^= 1;
   }
-  if (rank == 0) {
-    for (int64_t n = tid; n < count * (kObs + 2); n += kThreads) {
-      const int64_t r = n / (kObs + 2), k = n % (kObs + 2), b = row0 + r;
-      const float v = env[n];
-      if (k < kObs) {
-        a.next_state[b * kObs + k] = v;
-      } else if (k == kObs) {
-        a.next_episode_return[b] = v;
-      } else {
-        a.next_episode_length[b] = v;
-      }
-    }
-  }
+  if (rank == 0) store_env(a, row0, count, env, tid, kThreads);
 #endif
 }
 
