@@ -6,6 +6,7 @@
 # Sections (BENCHMARKS.md describes each):
 #   setup             build the extension once (cached in TORCH_EXTENSIONS_DIR); install the wheels in .whl/
 #   train_step        bench_train_step.py         all_action_q      bench_all_action_q.py
+#   rollout_kernels   bench_rollout_kernels.py: the block and cluster rollout kernels alone, B = 16 to 512
 #   sanitize          CSAN + memcheck runs        determinism_tax   bench_determinism_tax.py (the eager step)
 #   determinism_tax_graph  the shipped CUDA-graph step of configs/gpu.yaml with and without configure(0)
 #   learning          bench_learning.py           health_overhead   bench_health_overhead.py (CUDA graph)
@@ -31,7 +32,7 @@
 # $OUT/results.tar.gz after every run and every 30 s during one: one file comes back from the device machine, and
 # a call stopped at its time limit still returns every run that finished and what a running one had written.
 set -u
-SECTIONS="setup train_step all_action_q sanitize determinism_tax determinism_tax_graph learning fit fit_startup"
+SECTIONS="setup train_step rollout_kernels all_action_q sanitize determinism_tax determinism_tax_graph learning fit fit_startup"
 SECTIONS+=" collapse_recovery health_overhead audit refused_ops refused_ops_list torchvision_ops silent_ops ddp"
 SECTIONS+=" ddp_ablation tax_ablation zoo gpu-tests gpu-tests-multi"
 for section in "$@"; do
@@ -254,6 +255,8 @@ assert cuda_kernels_available(), extension_error()
 print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;;
     train_step)
       run bench_train_step 300 python3 benchmarks/bench_train_step.py --out "$RESULTS/train_step" ;;
+    rollout_kernels)
+      run bench_rollout_kernels 240 python3 benchmarks/bench_rollout_kernels.py --out "$RESULTS/train_step" ;;
     all_action_q)
       run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$RESULTS/all_action_q" ;;
     sanitize)
