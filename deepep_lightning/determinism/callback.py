@@ -292,6 +292,8 @@ class DeterminismCallback(Callback):
             world_size=self._data_size,
             strict=self.strict,
             made=self._own_loaders,
+            # the reseed before every batch overwrites what loading a batch leaves in the global RNGs
+            restore_global_rng=not self.reseed_every_step,
         )
 
     # ---------------------------------------------------------------- training stream

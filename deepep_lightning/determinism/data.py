@@ -48,15 +48,28 @@ class SeededDataset(Dataset):
     """Wrap a map-style dataset: ``dataset[SampleKey(epoch, i)]`` runs with RNGs seeded from (seed, epoch, i).
 
     Plain integer keys are passed through untouched. In a worker process the global RNGs are the
-    worker's own and are simply reseeded; in the main process (``num_workers=0``) the samples are
+    worker's own and are simply reseeded. In the main process (``num_workers=0``) the samples are
     loaded inside :class:`~deepep_lightning.determinism.rng.fork_global_rng` so the training stream is
     not shifted: once per batch (the DataLoader's fetcher calls :meth:`__getitems__` with a batch's
     keys), since putting the states back costs more than reseeding them.
+
+    The fork saves and restores four generators' states (numpy's alone takes about 75 us of host time
+    a batch). ``restore_global_rng=False`` leaves the global RNGs at the last sample's streams instead:
+    for a caller that reseeds them from the batch position before every step
+    (``DeterminismCallback(reseed_every_step=True)``; Lightning fetches a batch before the step's
+    ``on_train_batch_start``), so the fork would put back states that the reseed overwrites.
+
+    Args:
+        dataset: the map-style dataset.
+        seed: the run seed the per-sample streams are derived from.
+        restore_global_rng: put the global RNG states back after a batch loaded in the main process
+            (default ``True``).
     """
 
-    def __init__(self, dataset: Dataset, seed: int) -> None:
+    def __init__(self, dataset: Dataset, seed: int, restore_global_rng: bool = True) -> None:
         self.dataset = dataset
         self.seed = int(seed)
+        self.restore_global_rng = bool(restore_global_rng)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -72,7 +85,11 @@ class SeededDataset(Dataset):
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """The samples of ``keys``, each with its own seeded streams (one batch of the DataLoader's fetcher)."""
-        if torch.utils.data.get_worker_info() is not None or not any(isinstance(key, SampleKey) for key in keys):
+        if (
+            not self.restore_global_rng
+            or torch.utils.data.get_worker_info() is not None
+            or not any(isinstance(key, SampleKey) for key in keys)
+        ):
             return [self._load(key) for key in keys]
         with fork_global_rng():
             return [self._load(key) for key in keys]
@@ -160,7 +177,9 @@ def _is_plain_map_loader(dataloader: DataLoader) -> str | None:
     return None
 
 
-def make_seekable(dataloader: Any, *, seed: int, rank: int = 0, world_size: int = 1) -> tuple[Any, str | None]:
+def make_seekable(
+    dataloader: Any, *, seed: int, rank: int = 0, world_size: int = 1, restore_global_rng: bool = True
+) -> tuple[Any, str | None]:
     """Rebuild a plain map-style DataLoader (or torchdata ``StatefulDataLoader``) as a :class:`SeekableDataLoader`.
 
     The order becomes ``derive_seed(seed, "order", epoch)`` (shuffled iff the original sampler was
@@ -168,6 +187,7 @@ def make_seekable(dataloader: Any, *, seed: int, rank: int = 0, world_size: int 
     argument is kept (a ``StatefulDataLoader``'s ``snapshot_every_n_steps`` has nothing left to
     snapshot). Returns ``(loader, None)``, or ``(dataloader, reason)`` unchanged when it cannot be
     rebuilt (custom samplers, iterable or stateful datasets, other DataLoader subclasses).
+    ``restore_global_rng`` is :class:`SeededDataset`'s.
 
     Example::
 
@@ -210,7 +230,8 @@ def make_seekable(dataloader: Any, *, seed: int, rank: int = 0, world_size: int 
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     if hasattr(dataloader, "in_order"):
         kwargs["in_order"] = dataloader.in_order
-    return SeekableDataLoader(SeededDataset(dataloader.dataset, seed), **kwargs), None
+    dataset = SeededDataset(dataloader.dataset, seed, restore_global_rng=restore_global_rng)
+    return SeekableDataLoader(dataset, **kwargs), None
 
 
 def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:

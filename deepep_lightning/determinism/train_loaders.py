@@ -24,20 +24,29 @@ __all__ = ["make_train_loaders_seekable"]
 
 
 def make_train_loaders_seekable(
-    loaders: Any, *, seed: int, rank: int, world_size: int, strict: bool, made: weakref.WeakSet[Any]
+    loaders: Any,
+    *,
+    seed: int,
+    rank: int,
+    world_size: int,
+    strict: bool,
+    made: weakref.WeakSet[Any],
+    restore_global_rng: bool = True,
 ) -> Any:
     """``loaders`` with every plain map-style loader rebuilt as a seekable one, added to ``made``.
 
     Returns a single loader for a single ``DataLoader``, the same ``CombinedLoader`` (its loaders
     replaced) for a ``CombinedLoader``, and a ``"max_size_cycle"`` ``CombinedLoader`` for any other
-    collection.
+    collection. ``restore_global_rng`` is :class:`~deepep_lightning.determinism.data.SeededDataset`'s.
 
     Raises:
         MisconfigurationException: under ``strict``, a loader can be neither rebuilt nor checkpointed.
     """
 
     def convert(loader: Any) -> Any:
-        new, reason = make_seekable(loader, seed=seed, rank=rank, world_size=world_size)
+        new, reason = make_seekable(
+            loader, seed=seed, rank=rank, world_size=world_size, restore_global_rng=restore_global_rng
+        )
         if new is not loader:
             made.add(new)
         if reason is not None and hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict"):

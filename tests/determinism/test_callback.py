@@ -263,3 +263,12 @@ def test_resume_at_epoch_boundary_with_workers_keeps_the_epoch_order(
     first.save_checkpoint(tmp_path / "epoch0.ckpt")
     resumed, _ = _fit_epochs(quiet_trainer, 2, sampler, with_callback, ckpt=tmp_path / "epoch0.ckpt")
     assert ([s for s in full.seen if s[0] == 1] == resumed.seen) is equal
+
+
+@pytest.mark.parametrize("reseed_every_step", [True, False])
+def test_sample_loading_restores_the_global_rng_only_without_the_per_step_reseed(reseed_every_step: bool) -> None:
+    """With the reseed before every batch the fork of the global RNGs around a batch's loading is work the reseed
+    undoes, so the callback's loaders skip it; without the reseed they keep it (the training stream must not move)."""
+    loader = torch.utils.data.DataLoader(torch.zeros(8, 4), batch_size=4, shuffle=True)
+    seekable = DeterminismCallback(0, reseed_every_step=reseed_every_step)._make_seekable(loader)
+    assert seekable.dataset.restore_global_rng is (not reseed_every_step)

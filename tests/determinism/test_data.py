@@ -88,6 +88,32 @@ def test_a_batch_forks_the_global_streams_once_and_seeds_each_sample_from_its_ke
     assert len(list(loader)) == 3 and len(forks) == 3  # the fetcher hands SeededDataset whole batches
 
 
+def test_without_restoring_a_batch_leaves_the_last_samples_streams_and_the_same_samples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``restore_global_rng=False`` (what the callback asks for when it reseeds before every batch): no fork, the
+    samples' bits are those of the forking dataset, and the global streams are left where the last sample's
+    draws left them (the negative control of the fork: the outer draws differ)."""
+    keys = [SampleKey(0, index) for index in (7, 2, 9)]
+    forking = SeededDataset(_AllStreams(), seed=1).__getitems__(keys)
+    seed_everything_from(3, "outer")
+    expected = _outer_draws()
+    forks = []
+    real_fork = data_module.fork_global_rng
+    monkeypatch.setattr(data_module, "fork_global_rng", lambda: forks.append(1) or real_fork())
+    seed_everything_from(3, "outer")
+    batch = SeededDataset(_AllStreams(), seed=1, restore_global_rng=False).__getitems__(keys)
+    assert forks == []
+    assert all(torch.equal(a, b) for a, b in zip(batch, forking))
+    left = _outer_draws()
+    assert left != expected
+    seed_everything_from(1, "sample", 0, 9)  # the last sample's streams, after its draws
+    _AllStreams()[9]
+    assert _outer_draws() == left
+    loader, _ = make_seekable(DataLoader(_AllStreams(), batch_size=4, shuffle=True), seed=5, restore_global_rng=False)
+    assert loader.dataset.restore_global_rng is False and len(list(loader)) == 3 and forks == []
+
+
 def test_loader_state_seeks_mid_epoch() -> None:
     loader, _ = make_seekable(DataLoader(_Noisy(), batch_size=2, shuffle=True), seed=9)
     loader.sampler.set_epoch(1)
