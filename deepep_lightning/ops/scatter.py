@@ -281,10 +281,11 @@ def _row_index(self: Tensor, dim: int, index: Tensor) -> Tensor | None:
     outside ``dim`` and ``self``'s extent there: ``scatter_add`` is then an ``index_add`` of whole rows, which
     sorts ``index.shape[dim]`` keys instead of one per element.
     """
-    for d in range(self.dim()):
-        if d != dim and (index.shape[d] != self.shape[d] or (index.shape[d] > 1 and index.stride(d) != 0)):
+    shape, strides, self_shape = index.shape, index.stride(), self.shape
+    for d in range(len(shape)):
+        if d != dim and (shape[d] != self_shape[d] or (shape[d] > 1 and strides[d] != 0)):
             return None
-    return index[tuple(slice(None) if d == dim else 0 for d in range(self.dim()))]
+    return index.as_strided((shape[dim],), (strides[dim],))
 
 
 def _row_terms(self: Tensor, dim: int, index: Tensor, src: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -292,7 +293,8 @@ def _row_terms(self: Tensor, dim: int, index: Tensor, src: Tensor) -> tuple[Tens
     rows = _row_index(self, dim, index) if index.numel() else None
     if rows is None:
         return None
-    return src[tuple(slice(0, n) for n in index.shape)], rows  # the kernel asserts the rows lie in [0, size)
+    values = src if src.shape == index.shape else src[tuple(slice(0, n) for n in index.shape)]
+    return values, rows  # the kernel asserts the rows lie in [0, size)
 
 
 def _scatter_add(self, dim, index, src):
