@@ -66,18 +66,30 @@ def _outer_draws() -> list[float]:
     return [torch.rand(1).item(), float(np.random.rand()), random.random()]
 
 
+def _outer_draws_then_reseed() -> list[float]:
+    """The outer stream's first draws from a fixed seed; the stream is then seeded again, ready to draw them."""
+    seed_everything_from(3, "outer")
+    draws = _outer_draws()
+    seed_everything_from(3, "outer")
+    return draws
+
+
+def _count_forks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one whenever the data module enters ``fork_global_rng``."""
+    forks: list[int] = []
+    real_fork = data_module.fork_global_rng
+    monkeypatch.setattr(data_module, "fork_global_rng", lambda: forks.append(1) or real_fork())
+    return forks
+
+
 def test_a_batch_forks_the_global_streams_once_and_seeds_each_sample_from_its_key(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     dataset = SeededDataset(_AllStreams(), seed=1)
     keys = [SampleKey(0, index) for index in (7, 2, 9)]
     one_by_one = [dataset[key] for key in keys]
-    seed_everything_from(3, "outer")
-    expected = _outer_draws()
-    forks = []
-    real_fork = data_module.fork_global_rng
-    monkeypatch.setattr(data_module, "fork_global_rng", lambda: forks.append(1) or real_fork())
-    seed_everything_from(3, "outer")
+    expected = _outer_draws_then_reseed()
+    forks = _count_forks(monkeypatch)
     batch = dataset.__getitems__(keys)
     assert len(forks) == 1
     assert all(torch.equal(a, b) for a, b in zip(batch, one_by_one))
@@ -96,12 +108,8 @@ def test_without_restoring_a_batch_leaves_the_last_samples_streams_and_the_same_
     draws left them (the negative control of the fork: the outer draws differ)."""
     keys = [SampleKey(0, index) for index in (7, 2, 9)]
     forking = SeededDataset(_AllStreams(), seed=1).__getitems__(keys)
-    seed_everything_from(3, "outer")
-    expected = _outer_draws()
-    forks = []
-    real_fork = data_module.fork_global_rng
-    monkeypatch.setattr(data_module, "fork_global_rng", lambda: forks.append(1) or real_fork())
-    seed_everything_from(3, "outer")
+    expected = _outer_draws_then_reseed()
+    forks = _count_forks(monkeypatch)
     batch = SeededDataset(_AllStreams(), seed=1, restore_global_rng=False).__getitems__(keys)
     assert forks == []
     assert all(torch.equal(a, b) for a, b in zip(batch, forking))
