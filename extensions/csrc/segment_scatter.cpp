@@ -6,6 +6,15 @@
 //   index  [n]                   int64 or int32, values in [0, size)
 //   base   [*outer, size, *inner], src's dtype and device, or None (zeros)
 //   out    [*outer, size, *inner]
+//   plan   int32 [2 n + size + 1] from segment_sort_plan(index, size), or None (the op sorts index itself)
+//
+//   segment_sort_plan(index, size) -> int32 [2 n + size + 1], the sort of index that the CUDA kernel sums in:
+//     [0, n)           the keys index[i] in ascending order (stable)
+//     [n, 2 n)         the entry ids i in that order (equal keys keep entry order)
+//     [2 n, 3 n + 1)   segment_start[r] = the first sorted position whose key is >= r, r in [0, size]
+//   A function of index and size alone, so a caller that scatters along one index several times (a graph
+//   network's layers, forward and backward) sorts it once and passes the plan (deepep_lightning/ops/
+//   sort_plans.py). The CPU kernel checks a plan's shape and does not need it.
 //
 // It is the one scatter-add that the argmax-scatter backwards (max pooling, fractional / adaptive
 // max pooling, embedding_bag mode "max") and the index_add_ / scatter_add_ / index_put_(accumulate)
@@ -21,6 +30,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <optional>
 #include <vector>
 
@@ -51,18 +61,43 @@ std::vector<int64_t> segment_scatter_output_shape(const at::Tensor& src, const a
   return shape;
 }
 
+void check_sort_plan(const std::optional<at::Tensor>& plan, const at::Tensor& index, int64_t size) {
+  if (!plan.has_value()) return;
+  TORCH_CHECK(plan->scalar_type() == at::kInt && plan->dim() == 1 && plan->is_contiguous() &&
+                  plan->numel() == 2 * index.numel() + size + 1 && plan->device() == index.device(),
+              "segment_scatter_add: plan must be the contiguous int32 [", 2 * index.numel() + size + 1,
+              "] of segment_sort_plan(index, size) on ", index.device(), ", got ", plan->scalar_type(), " ",
+              plan->sizes(), " on ", plan->device());
+}
+
 namespace {
 
+at::Tensor segment_sort_plan_cpu(const at::Tensor& index, int64_t size) {
+  TORCH_CHECK(index.dim() == 1 && (index.scalar_type() == at::kLong || index.scalar_type() == at::kInt),
+              "segment_sort_plan: index must be 1-D int64 or int32, got ", index.scalar_type(), " ", index.sizes());
+  TORCH_CHECK(size >= 0 && size < INT32_MAX && index.numel() < INT32_MAX,
+              "segment_sort_plan: size and index.numel() must be below 2^31 - 1, got ", size, " and ", index.numel());
+  const at::Tensor keys = index.to(at::kLong);
+  TORCH_CHECK(index.numel() == 0 || (keys.min().item<int64_t>() >= 0 && keys.max().item<int64_t>() < size),
+              "segment_sort_plan: index must lie in [0, ", size, ")");
+  const auto [sorted, order] = keys.sort(/*stable=*/std::optional<bool>(true), /*dim=*/0, /*descending=*/false);
+  const at::Tensor starts = at::searchsorted(sorted, at::arange(size + 1, keys.options()));
+  return at::cat({sorted, order, starts}).to(at::kInt);
+}
+
 at::Tensor segment_scatter_add_cpu(const at::Tensor& src, const at::Tensor& index, int64_t size, int64_t dim,
-                                   const std::optional<at::Tensor>& base, double alpha) {
+                                   const std::optional<at::Tensor>& base, double alpha,
+                                   const std::optional<at::Tensor>& plan) {
   const std::vector<int64_t> shape = segment_scatter_output_shape(src, index, size, dim, base);
+  check_sort_plan(plan, index, size);
   at::Tensor out = base.has_value() ? base->clone(at::MemoryFormat::Contiguous) : at::zeros(shape, src.options());
   return out.index_add_(dim, index, src, alpha);
 }
 
 void segment_scatter_add_inplace_cpu(const at::Tensor& self, const at::Tensor& src, const at::Tensor& index,
-                                     int64_t dim, double alpha) {
+                                     int64_t dim, double alpha, const std::optional<at::Tensor>& plan) {
   segment_scatter_output_shape(src, index, self.dim() > dim ? self.size(dim) : 0, dim, self);
+  check_sort_plan(plan, index, self.size(dim));
   self.index_add_(dim, index, src, alpha);
 }
 
@@ -70,17 +105,21 @@ void segment_scatter_add_inplace_cpu(const at::Tensor& self, const at::Tensor& s
 
 TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
-      "segment_scatter_add(Tensor src, Tensor index, int size, int dim=0, Tensor? base=None, float alpha=1.0) "
-      "-> Tensor");
+      "segment_scatter_add(Tensor src, Tensor index, int size, int dim=0, Tensor? base=None, float alpha=1.0, "
+      "Tensor? plan=None) -> Tensor");
   // self.index_add_(dim, index, src, alpha=alpha), deterministic: the sums written into self (in place where
   // self is contiguous and src does not overlap it, on CUDA). No output: torch.compile functionalizes a custom
   // op's mutation only without an alias-annotated one.
-  m.def("segment_scatter_add_(Tensor(a!) self, Tensor src, Tensor index, int dim=0, float alpha=1.0) -> ()");
+  m.def(
+      "segment_scatter_add_(Tensor(a!) self, Tensor src, Tensor index, int dim=0, float alpha=1.0, "
+      "Tensor? plan=None) -> ()");
+  m.def("segment_sort_plan(Tensor index, int size) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("segment_scatter_add", &segment_scatter_add_cpu);
   m.impl("segment_scatter_add_", &segment_scatter_add_inplace_cpu);
+  m.impl("segment_sort_plan", &segment_sort_plan_cpu);
 }
 
 }  // namespace deepep_lightning

@@ -280,3 +280,99 @@ def test_inplace_index_add_writes_into_self_and_matches_the_functional_op(dim):
     strided = self.clone().transpose(0, 2).contiguous().transpose(0, 2)
     torch.ops.deepep_lightning.segment_scatter_add_.default(strided, source, index, dim, 0.5)
     assert torch.equal(strided, expected)
+
+
+# ---- sort plans: one sort per live, unchanged index ------------------------------------------------------
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("entries,size", [(0, 5), (1000, 10), (200_000, 3), (64, 100_000), (300_000, 70_000)])
+def test_cuda_sort_plan_is_the_cpu_plan(entries, size, index_dtype):
+    from deepep_lightning.ops.scatter import segment_sort_plan, segment_sort_plan_reference
+
+    generator = torch.Generator(device="cuda").manual_seed(entries)
+    index = torch.randint(0, size, (entries,), device="cuda", generator=generator, dtype=index_dtype)
+    plan = segment_sort_plan(index, size)
+    assert plan.device == index.device and plan.dtype == torch.int32
+    assert torch.equal(plan.cpu(), segment_sort_plan_reference(index.cpu(), size))
+    assert torch.equal(plan.cpu(), segment_sort_plan(index.cpu(), size))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,dim,size,description", SHAPES)
+def test_a_plan_gives_the_bits_of_the_sort_inline(shape, dim, size, description, dtype):
+    from deepep_lightning.ops.scatter import segment_scatter_add, segment_sort_plan
+
+    src, index = _inputs(shape, dim, size, dtype)
+    plan = segment_sort_plan(index, size)
+    inline = segment_scatter_add(src, index, size, dim)
+    for _ in range(20):
+        assert torch.equal(segment_scatter_add(src, index, size, dim, plan=plan), inline)
+
+
+def test_routes_sort_an_edge_row_once_and_again_after_a_write(deterministic_routing):
+    """A 3-layer message-passing step through the routed aten ops: two sorts for six scatters. After an in-place
+    write to edge_index the routes sort again and the sums follow the new index; the stale plan, passed by hand,
+    gives other sums (the negative control)."""
+    from deepep_lightning.ops.scatter import segment_scatter_add
+    from deepep_lightning.ops.sort_plans import SORT_PLANS
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    nodes, edges, features = 2000, 30_000, 16
+    edge_index = torch.randint(0, nodes, (2, edges), device="cuda", generator=generator)
+    x = torch.randn(nodes, features, device="cuda", generator=generator, requires_grad=True)
+
+    def step():
+        h = x
+        for _ in range(3):
+            messages = h.index_select(0, edge_index[0])
+            h = torch.zeros_like(h).scatter_add_(0, edge_index[1].view(-1, 1).expand_as(messages), messages)
+        (grad,) = torch.autograd.grad(h.square().sum(), x)
+        return h.detach(), grad
+
+    SORT_PLANS.clear()
+    before = SORT_PLANS.sorts
+    first = step()
+    assert SORT_PLANS.sorts - before == 2
+    for _ in range(5):
+        assert all(torch.equal(a, b) for a, b in zip(step(), first))
+    assert SORT_PLANS.sorts - before == 2
+    old_plan = SORT_PLANS.plan(edge_index[1], nodes)
+    edge_index[1, : edges // 2] = edge_index[1, edges // 2 :].flip(0)[: edges // 2]
+    moved = step()
+    assert SORT_PLANS.sorts - before == 4
+    SORT_PLANS.enabled = False
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(step(), moved))  # every call sorting inline: the same bits
+    finally:
+        SORT_PLANS.enabled = True
+    values = torch.randn(edges, features, device="cuda", generator=generator)
+    stale = segment_scatter_add(values, edge_index[1], nodes, plan=old_plan)
+    assert not torch.equal(stale, segment_scatter_add(values, edge_index[1], nodes))
+
+
+def test_no_plan_is_cached_or_read_while_capturing(deterministic_routing):
+    """A captured scatter sorts inside the graph, so a replay after the index changes in place sums along the new
+    index, even though an eager call cached a plan of the old one."""
+    from deepep_lightning.ops.sort_plans import SORT_PLANS
+
+    self, index, source = _route_inputs(entries=50_000)
+    self.index_add(0, index, source)  # caches a plan of index on the current stream
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        self.index_add(0, index, source)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    sorts = SORT_PLANS.sorts
+    with torch.cuda.graph(graph):
+        captured = self.index_add(0, index, source)
+    assert SORT_PLANS.sorts == sorts
+    index.copy_(index.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    SORT_PLANS.enabled = False
+    try:
+        assert torch.equal(captured, self.index_add(0, index, source))
+    finally:
+        SORT_PLANS.enabled = True

@@ -7,6 +7,7 @@
 //   2. a stable LSD radix sort (cub, only the bits a key in [0, size) can use) orders the ids by key;
 //      equal keys keep entry order, so the sorted order is a function of index alone;
 //   3. a binary search per output row r gives its segment [start, end) of the sorted entries;
+//      steps 1-3 are index's sort plan (segment_sort_plan): a caller that passes one skips them;
 //   4. a segment of L entries splits into L / K full chunks of K sorted entries from its own start and
 //      a tail of L % K; one thread per (chunk, o, c) sums its chunk in sorted order, in double, into the
 //      fixed slot chunk_start / K (full chunks are disjoint runs of K entries: no two share a slot);
@@ -44,6 +45,7 @@ namespace deepep_lightning {
 // Defined in ../segment_scatter.cpp.
 std::vector<int64_t> segment_scatter_output_shape(const at::Tensor& src, const at::Tensor& index, int64_t size,
                                                   int64_t dim, const std::optional<at::Tensor>& base);
+void check_sort_plan(const std::optional<at::Tensor>& plan, const at::Tensor& index, int64_t size);
 
 namespace {
 
@@ -188,11 +190,48 @@ int32_t chunk_size_for(int64_t num_entries, int64_t size) {
   return chunk;
 }
 
+// Writes index's sort plan into plan (int32 [2 n + size + 1], layout in ../segment_scatter.cpp): the keys
+// (asserted in [0, size)) sorted stably with their entry ids, then each row's first sorted position.
+void sort_into_plan(const at::Tensor& index, int64_t size, int32_t* plan, cudaStream_t stream) {
+  const int64_t num_entries = index.numel();
+  const at::Tensor index_c = index.contiguous();
+  const int32_t entries = static_cast<int32_t>(num_entries);
+  int end_bit = 1;
+  while (end_bit < 32 && (static_cast<uint64_t>(size - 1) >> end_bit) != 0) ++end_bit;
+  auto* sorted_keys = reinterpret_cast<uint32_t*>(plan);
+  int32_t* order = plan + num_entries;
+  int32_t* segment_start = plan + 2 * num_entries;
+  if (num_entries > 0) {
+    size_t sort_bytes = 0;
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const uint32_t*>(nullptr),
+                                                   sorted_keys, static_cast<const int32_t*>(nullptr), order, entries,
+                                                   0, end_bit, stream));
+    ScratchLayout layout;
+    const size_t keys_at = layout.add(sizeof(uint32_t) * num_entries);
+    const size_t ids_at = layout.add(sizeof(int32_t) * num_entries);
+    const size_t sort_at = layout.add(sort_bytes);
+    const at::Tensor scratch = empty_unfilled({static_cast<int64_t>(layout.total)}, at::kByte, index.device());
+    auto* bytes = static_cast<unsigned char*>(scratch.data_ptr());
+    auto* keys = reinterpret_cast<uint32_t*>(bytes + keys_at);
+    auto* ids = reinterpret_cast<int32_t*>(bytes + ids_at);
+    AT_DISPATCH_INDEX_TYPES(index_c.scalar_type(), "segment_sort_plan_keys", [&] {
+      segment_key_kernel<index_t><<<blocks_for(num_entries), kThreads, 0, stream>>>(
+          entries, size, index_c.data_ptr<index_t>(), keys, ids);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(bytes + sort_at, sort_bytes, keys, sorted_keys, ids, order,
+                                                   entries, 0, end_bit, stream));
+  }
+  segment_start_kernel<<<blocks_for(size + 1), kThreads, 0, stream>>>(entries, size, sorted_keys, segment_start);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // out = base + alpha * (the sums of src's entries by index), out contiguous of the output shape. base is
 // undefined (zeros) or contiguous of that shape; it may be out itself (each output element reads its own base
-// element, then writes it) but src must not overlap out. Checked by the callers.
+// element, then writes it) but src must not overlap out. plan is index's sort plan or undefined (sorted here).
+// Checked by the callers.
 void segment_scatter_add_into(const at::Tensor& src, const at::Tensor& index, int64_t size, int64_t dim,
-                              const at::Tensor& base_c, double alpha, at::Tensor& out) {
+                              const at::Tensor& base_c, double alpha, const at::Tensor& plan, at::Tensor& out) {
   const int64_t num_entries = src.size(dim);
   TORCH_CHECK(num_entries < INT_MAX && size < static_cast<int64_t>(UINT32_MAX),
               "segment_scatter_add: src.size(dim) must be below 2^31 - 1 and size below 2^32 - 1, got ",
@@ -210,84 +249,79 @@ void segment_scatter_add_into(const at::Tensor& src, const at::Tensor& index, in
     return;
   }
   const at::Tensor src_c = src.contiguous();
-  const at::Tensor index_c = index.contiguous();
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int32_t entries = static_cast<int32_t>(num_entries);
   const int32_t chunk_size = chunk_size_for(num_entries, size);
   const int64_t num_slots = num_entries / chunk_size;
   const int64_t outer_inner = outer * inner;
-  int end_bit = 1;
-  while (end_bit < 32 && (static_cast<uint64_t>(size - 1) >> end_bit) != 0) ++end_bit;
 
-  cub::DoubleBuffer<uint32_t> key_buffers(nullptr, nullptr);
-  cub::DoubleBuffer<int32_t> id_buffers(nullptr, nullptr);
-  size_t sort_bytes = 0;
-  C10_CUDA_CHECK(
-      cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, key_buffers, id_buffers, entries, 0, end_bit, stream));
-  ScratchLayout layout;
-  const size_t key_bytes = sizeof(uint32_t) * num_entries;
-  const size_t keys_current = layout.add(key_bytes), keys_alternate = layout.add(key_bytes);
-  const size_t ids_current = layout.add(key_bytes), ids_alternate = layout.add(key_bytes);
-  const size_t starts_at = layout.add(sizeof(int32_t) * (size + 1));
-  const size_t partials_at = layout.add(sizeof(double) * num_slots * outer_inner);
-  const size_t sort_at = layout.add(sort_bytes);
-  const at::Tensor scratch = empty_unfilled({static_cast<int64_t>(layout.total)}, at::kByte, src.device());
-  auto* bytes = static_cast<unsigned char*>(scratch.data_ptr());
-  auto* keys = reinterpret_cast<uint32_t*>(bytes + keys_current);
-  auto* ids = reinterpret_cast<int32_t*>(bytes + ids_current);
-  auto* segment_start = reinterpret_cast<int32_t*>(bytes + starts_at);
-  auto* partials = reinterpret_cast<double*>(bytes + partials_at);
-
-  AT_DISPATCH_INDEX_TYPES(index_c.scalar_type(), "segment_scatter_add_keys", [&] {
-    segment_key_kernel<index_t><<<blocks_for(num_entries), kThreads, 0, stream>>>(
-        entries, size, index_c.data_ptr<index_t>(), keys, ids);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  key_buffers = cub::DoubleBuffer<uint32_t>(keys, reinterpret_cast<uint32_t*>(bytes + keys_alternate));
-  id_buffers = cub::DoubleBuffer<int32_t>(ids, reinterpret_cast<int32_t*>(bytes + ids_alternate));
-  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(bytes + sort_at, sort_bytes, key_buffers, id_buffers, entries, 0,
-                                                 end_bit, stream));
-  segment_start_kernel<<<blocks_for(size + 1), kThreads, 0, stream>>>(entries, size, key_buffers.Current(),
-                                                                       segment_start);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor own_plan;
+  if (!plan.defined()) {
+    own_plan = empty_unfilled({2 * num_entries + size + 1}, at::kInt, src.device());
+    sort_into_plan(index, size, own_plan.data_ptr<int32_t>(), stream);
+  }
+  const int32_t* sorted = plan.defined() ? plan.data_ptr<int32_t>() : own_plan.data_ptr<int32_t>();
+  const auto* sorted_keys = reinterpret_cast<const uint32_t*>(sorted);
+  const int32_t* order = sorted + num_entries;
+  const int32_t* segment_start = sorted + 2 * num_entries;
+  at::Tensor partials;
+  if (num_slots > 0) partials = empty_unfilled({num_slots * outer_inner}, at::kDouble, src.device());
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_c.scalar_type(), "segment_scatter_add_cuda", [&] {
     const scalar_t* src_data = src_c.data_ptr<scalar_t>();
+    double* partial_data = num_slots > 0 ? partials.data_ptr<double>() : nullptr;
     if (num_slots > 0) {
       const int64_t chunk_items = num_slots * outer_inner;
       segment_chunk_kernel<scalar_t><<<blocks_for(chunk_items), kThreads, 0, stream>>>(
-          chunk_items, outer_inner, inner, num_entries, chunk_size, key_buffers.Current(), segment_start,
-          id_buffers.Current(), src_data, partials);
+          chunk_items, outer_inner, inner, num_entries, chunk_size, sorted_keys, segment_start, order, src_data,
+          partial_data);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     const int64_t row_items = out.numel();
     segment_row_kernel<scalar_t><<<blocks_for(row_items), kThreads, 0, stream>>>(
-        row_items, size, inner, num_entries, chunk_size, segment_start, id_buffers.Current(), src_data, partials,
+        row_items, size, inner, num_entries, chunk_size, segment_start, order, src_data, partial_data,
         base_c.defined() ? base_c.data_ptr<scalar_t>() : nullptr, alpha, outer_inner, out.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
+at::Tensor segment_sort_plan_cuda(const at::Tensor& index, int64_t size) {
+  TORCH_CHECK(index.is_cuda() && index.dim() == 1 &&
+                  (index.scalar_type() == at::kLong || index.scalar_type() == at::kInt),
+              "segment_sort_plan: index must be a 1-D int64 or int32 CUDA tensor, got ", index.scalar_type(), " ",
+              index.sizes(), " on ", index.device());
+  TORCH_CHECK(size >= 0 && size < INT_MAX && index.numel() < INT_MAX,
+              "segment_sort_plan: size and index.numel() must be below 2^31 - 1, got ", size, " and ", index.numel());
+  const c10::cuda::CUDAGuard device_guard(index.device());
+  at::Tensor plan = empty_unfilled({2 * index.numel() + size + 1}, at::kInt, index.device());
+  sort_into_plan(index, size, plan.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream());
+  return plan;
+}
+
 at::Tensor segment_scatter_add_cuda(const at::Tensor& src, const at::Tensor& index, int64_t size, int64_t dim,
-                                    const std::optional<at::Tensor>& base, double alpha) {
+                                    const std::optional<at::Tensor>& base, double alpha,
+                                    const std::optional<at::Tensor>& plan) {
   const std::vector<int64_t> shape = segment_scatter_output_shape(src, index, size, dim, base);
+  check_sort_plan(plan, index, size);
   TORCH_CHECK(src.is_cuda(), "segment_scatter_add: src must be a CUDA tensor, got ", src.device());
   const c10::cuda::CUDAGuard device_guard(src.device());
   at::Tensor out = empty_unfilled(shape, src.scalar_type(), src.device());
-  segment_scatter_add_into(src, index, size, dim, base.has_value() ? base->contiguous() : at::Tensor(), alpha, out);
+  segment_scatter_add_into(src, index, size, dim, base.has_value() ? base->contiguous() : at::Tensor(), alpha,
+                           plan.value_or(at::Tensor()), out);
   return out;
 }
 
 // self += alpha * the sums of src's entries by index along dim: written in place where self is contiguous and src
 // does not overlap it, else into a contiguous buffer copied back into self.
 void segment_scatter_add_inplace_cuda(const at::Tensor& self, const at::Tensor& src, const at::Tensor& index,
-                                      int64_t dim, double alpha) {
+                                      int64_t dim, double alpha, const std::optional<at::Tensor>& plan) {
   segment_scatter_output_shape(src, index, self.dim() > dim ? self.size(dim) : 0, dim, self);
+  check_sort_plan(plan, index, self.size(dim));
   TORCH_CHECK(src.is_cuda(), "segment_scatter_add_: src must be a CUDA tensor, got ", src.device());
   const c10::cuda::CUDAGuard device_guard(src.device());
   const bool in_place = self.is_contiguous() && at::get_overlap_status(self, src) == at::MemOverlapStatus::No;
   at::Tensor out = in_place ? self : empty_unfilled(self.sizes(), self.scalar_type(), self.device());
-  segment_scatter_add_into(src, index, self.size(dim), dim, in_place ? self : self.contiguous(), alpha, out);
+  segment_scatter_add_into(src, index, self.size(dim), dim, in_place ? self : self.contiguous(), alpha,
+                           plan.value_or(at::Tensor()), out);
   if (!in_place) self.copy_(out);
 }
 
@@ -296,6 +330,7 @@ void segment_scatter_add_inplace_cuda(const at::Tensor& self, const at::Tensor& 
 TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("segment_scatter_add", &segment_scatter_add_cuda);
   m.impl("segment_scatter_add_", &segment_scatter_add_inplace_cuda);
+  m.impl("segment_sort_plan", &segment_sort_plan_cuda);
 }
 
 }  // namespace deepep_lightning

@@ -1,0 +1,154 @@
+"""Sort each scatter index once while it is alive and unchanged: :class:`SortPlanCache`.
+
+A graph network scatters along the same ``edge_index`` row in every layer: forward (``scatter_add_`` of the
+messages into their targets) and backward (``index_add_``, the gradient of ``x.index_select(0, source)``).
+:func:`~deepep_lightning.ops.scatter.segment_scatter_add` sorts its index on every call; on a small graph
+that sort is most of the op (a key kernel, cub's radix sort with its memset, a search per row: five to six
+launches and their host time against the one or two that sum). The plan of a sort depends on the index's
+values and the row count alone, so the routed ``index_add_`` / ``scatter_add_`` calls ask this cache for it.
+
+A plan is reused only while all of these hold, checked on every call from metadata alone (no device read,
+no synchronisation):
+
+* the tensor the index is a view of (its ``_base``, or itself) is alive: a weak reference, whose callback
+  drops the plan when it is freed, so new memory at the same address never meets an old plan;
+* the index's address, shape, strides and dtype, the row count and the current CUDA stream are those the
+  plan was made for;
+* the index's version counter (shared by every view of one tensor) has not moved: any in-place write
+  through any view (``copy_``, ``index_fill_``, a ``DataLoader``'s ``non_blocking`` copy into it) makes a
+  new plan.
+
+What the version counter cannot see is a write through ``Tensor.data`` (which has its own counter) or
+through memory shared outside PyTorch (DLPack, a raw pointer). An index written so must not be scattered
+along through the routes with the cache on: :meth:`SortPlanCache.clear` drops every plan, and
+``SortPlanCache.enabled = False`` (``deepep_lightning.ops.sort_plans.SORT_PLANS.enabled``) stops caching.
+
+Nothing is cached or read while a CUDA graph is being captured (a replay would keep the captured plan
+whatever its index holds then), for inference tensors (no version counter) or for tensor subclasses.
+"""
+
+import collections
+import weakref
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from deepep_lightning.ops.extension_loader import cuda_kernels_available
+
+__all__ = ["SortPlanCache", "SORT_PLANS", "MAX_PLAN_LENGTH"]
+
+#: The largest row count and index length a plan holds (it is int32).
+MAX_PLAN_LENGTH = 2**31 - 2
+
+
+class _Key(NamedTuple):
+    root: int  # id() of the tensor the index views
+    data_ptr: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    size: int
+    device: int
+    stream: int
+
+
+class _Entry(NamedTuple):
+    root: weakref.ref
+    version: int
+    plan: Tensor
+
+
+class SortPlanCache:
+    """The sort plans of live, unchanged CUDA index tensors, at most ``capacity`` of them (least recent out).
+
+    Args:
+        capacity: how many plans to keep (``>= 1``).
+        device_type: the device whose indices it keeps plans for: ``"cuda"`` (the routes), or ``"cpu"``, where
+            the plan is not needed to sum and only the cache's own logic is exercised (tests).
+
+    Raises:
+        ValueError: ``capacity`` is not an int ``>= 1`` or ``device_type`` not ``"cuda"``/``"cpu"``.
+
+    Example::
+
+        >>> cache = SortPlanCache()
+        >>> cache.plan(torch.tensor([1, 0]), 2) is None  # a CPU index: the routes sum on CUDA only
+        True
+    """
+
+    def __init__(self, capacity: int = 64, device_type: str = "cuda") -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"SortPlanCache: capacity must be an int >= 1, got {capacity!r}")
+        if device_type not in ("cuda", "cpu"):
+            raise ValueError(f"SortPlanCache: device_type must be 'cuda' or 'cpu', got {device_type!r}")
+        self.capacity = capacity
+        self.device_type = device_type
+        self.enabled = True
+        self.sorts = 0  # plans made (a miss), for tests and benchmarks
+        self._entries: collections.OrderedDict[_Key, _Entry] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        """Drop every plan."""
+        self._entries.clear()
+
+    def plan(self, index: Tensor, size: int) -> Tensor | None:
+        """``segment_sort_plan(index, size)``, made once while ``index`` is alive and unchanged; None to sort inline.
+
+        None where nothing may be cached: an index on another device type, caching off, CUDA-graph capture, an
+        inference tensor, a tensor subclass, a row count or length beyond a plan's int32, no CUDA kernels.
+        ``index`` is a 1-D int64/int32 tensor whose values lie in ``[0, size)`` (checked on the device, as the
+        scatter does).
+        """
+        if not self.enabled or index.device.type != self.device_type or type(index) is not Tensor:
+            return None
+        if index.is_inference() or size > MAX_PLAN_LENGTH or index.shape[0] > MAX_PLAN_LENGTH:
+            return None
+        device = index.device.index
+        if index.is_cuda:
+            if torch.cuda.is_current_stream_capturing() or not cuda_kernels_available():
+                return None
+            stream = torch._C._cuda_getCurrentRawStream(device)
+        else:
+            stream = 0
+        root = index._base if index._base is not None else index
+        key = _Key(
+            id(root),
+            index.data_ptr(),
+            tuple(index.shape),
+            index.stride(),
+            index.dtype,
+            size,
+            -1 if device is None else device,
+            stream,
+        )
+        version = index._version
+        entry = self._entries.get(key)
+        if entry is not None and entry.version == version and entry.root() is root:
+            self._entries.move_to_end(key)
+            return entry.plan
+        plan = torch.ops.deepep_lightning.segment_sort_plan.default(index, size)
+        self.sorts += 1
+        self._entries[key] = _Entry(weakref.ref(root, self._forget(key)), version, plan)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return plan
+
+    def _forget(self, key: _Key):
+        """The weak reference's callback: drop ``key``'s plan when its root tensor is freed."""
+        entries = weakref.ref(self._entries)
+
+        def forget(_reference: weakref.ref) -> None:
+            live = entries()
+            if live is not None:
+                live.pop(key, None)
+
+        return forget
+
+
+#: The process's cache, used by the ``index_add`` / ``scatter_add`` routes (:mod:`deepep_lightning.ops.scatter`).
+SORT_PLANS = SortPlanCache()
