@@ -3,8 +3,10 @@
 One launch of T timesteps of B CartPole environments at H=256, per batch size: the median milliseconds of the
 launch and the microseconds per timestep of each kernel, and whether the cluster kernel's outputs equal the block
 kernel's bit for bit. Batch sizes below and above the GPU's capacity for clusters show how a timestep's time
-scales with the number of clusters in flight: 16 environments are one cluster of 8 blocks, 256 are 16 clusters
-(128 blocks), 512 are 32. The policy reads the observation alone (``configs/gpu.yaml``) or ``[obs; h]``.
+scales with the number of clusters in flight. The cluster kernel runs with its own choice of environments per
+cluster (``clusters_*``: the fewest with which every cluster is resident at once) and with 16, 24 and 32 fixed
+(``clusters16_*``, ...): at 16, 256 environments are 16 clusters of 8 blocks (128 blocks), 512 are 32. The policy
+reads the observation alone (``configs/gpu.yaml``) or ``[obs; h]``.
 
     python3 benchmarks/bench_rollout_kernels.py --out benchmarks/results/train_step
     python3 benchmarks/bench_rollout_kernels.py --out /tmp/r --quick   # CPU: the block kernel, tiny shapes
@@ -23,13 +25,25 @@ import torch
 from _timing import median_ms, write_json
 
 from deepep_lightning.deepep.agent import DeepEPAgent
-from deepep_lightning.deepep.agent.fused_rollout import _weights, runs_on_clusters
+from deepep_lightning.deepep.agent.fused_rollout import (
+    MAX_SHARED_BYTES,
+    MIN_CLUSTER_ROWS,
+    _weights,
+    cluster_shared_memory_bytes,
+    runs_on_clusters,
+)
 from deepep_lightning.deepep.envs import BatchedCartPole
 from deepep_lightning.ops import extension_available
 
+#: The cluster kernel's environments per cluster that each batch runs with: 0 (the kernel's choice), 16, 24, 32.
+CLUSTER_ROWS = (0, 16, 24, 32)
 
-def op_inputs(batch: int, steps: int, hidden: int, reads_hidden: bool, device: str) -> tuple[list[Any], bool]:
-    """The op's arguments (episodes of 200 steps, so that resets happen) and whether the cluster kernel runs them."""
+
+def op_inputs(
+    batch: int, steps: int, hidden: int, reads_hidden: bool, device: str
+) -> tuple[list[Any], DeepEPAgent, bool]:
+    """The op's arguments (episodes of 200 steps, so that resets happen), the agent, and whether the cluster kernel
+    runs them."""
     torch.manual_seed(0)
     agent = DeepEPAgent(4, 2, hidden, logit_bound=3.0, policy_reads_hidden=reads_hidden).to(device)
     env = BatchedCartPole(batch, device, max_episode_steps=200)
@@ -40,31 +54,35 @@ def op_inputs(batch: int, steps: int, hidden: int, reads_hidden: bool, device: s
     noise = torch.rand(steps, batch, 4, device=device, generator=generator)
     weights = [w.detach() for w in _weights(agent)]
     args = [env.state, env.episode_return, env.episode_length, state, uniforms, noise, weights, 3.0, 200]
-    return args, runs_on_clusters(agent, env)
+    return args, agent, runs_on_clusters(agent, env)
 
 
 def measure(batch: int, steps: int, hidden: int, reads_hidden: bool, device: str, repeats: int) -> dict[str, Any]:
-    args, clusters = op_inputs(batch, steps, hidden, reads_hidden, device)
+    args, agent, clusters = op_inputs(batch, steps, hidden, reads_hidden, device)
     record: dict[str, Any] = {"batch": batch, "steps": steps, "policy_reads_hidden": reads_hidden}
     for rows in (4, 8):
         median, _ = median_ms(lambda rows=rows: torch.ops.deepep.cartpole_rollout.default(*args, rows), repeats)
         record[f"blocks{rows}_ms"] = round(median, 4)
         record[f"blocks{rows}_us_per_timestep"] = round(1000 * median / steps, 2)
-    record["clusters_ms"] = record["clusters_us_per_timestep"] = record["clusters_equal_blocks"] = None
-    if clusters:
-        median, _ = median_ms(lambda: torch.ops.deepep.cartpole_rollout_clusters.default(*args), repeats)
-        record["clusters_ms"] = round(median, 4)
-        record["clusters_us_per_timestep"] = round(1000 * median / steps, 2)
-        blocks = torch.ops.deepep.cartpole_rollout.default(*args, 4)
-        on_clusters = torch.ops.deepep.cartpole_rollout_clusters.default(*args)
-        record["clusters_equal_blocks"] = all(torch.equal(a, b) for a, b in zip(blocks, on_clusters))
+    blocks = torch.ops.deepep.cartpole_rollout.default(*args, 4)
+    launch = torch.ops.deepep.cartpole_rollout_clusters.default
+    for rows in CLUSTER_ROWS:  # 0: the kernel's own choice from cluster residency
+        name = "clusters" if rows == 0 else f"clusters{rows}"
+        record[f"{name}_ms"] = record[f"{name}_us_per_timestep"] = record[f"{name}_equal_blocks"] = None
+        if not clusters or cluster_shared_memory_bytes(agent, max(rows, MIN_CLUSTER_ROWS)) > MAX_SHARED_BYTES:
+            continue
+        median, _ = median_ms(lambda rows=rows: launch(*args, rows), repeats)
+        record[f"{name}_ms"] = round(median, 4)
+        record[f"{name}_us_per_timestep"] = round(1000 * median / steps, 2)
+        on_clusters = torch.ops.deepep.cartpole_rollout_clusters.default(*args, rows)
+        record[f"{name}_equal_blocks"] = all(torch.equal(a, b) for a, b in zip(blocks, on_clusters))
     return record
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder of the result JSON")
-    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 256, 512])
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64, 128, 224, 240, 256, 512])
     parser.add_argument("--steps", type=int, default=128, help="timesteps of one launch")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7, help="timed launches per kernel and shape")

@@ -13,9 +13,11 @@ whose uniform lies within rounding of the CDF: the two paths then follow differe
 
 That kernel streams every weight from L2 at every timestep. On Hopper, float32 runs
 ``deepep::cartpole_rollout_clusters`` instead (``extensions/csrc/deepep/cuda/cartpole_rollout_clusters.cu``): a
-cluster of 8 blocks owns 16 environments and splits each layer's units between its blocks, which keep their
+cluster of 8 blocks owns a few environments and splits each layer's units between its blocks, which keep their
 weights in shared memory for the whole rollout and exchange the head's partial sums and the new recurrent
-states through distributed shared memory. Its sums run in the block kernel's order, so the two give equal bits.
+states through distributed shared memory. The kernel picks the environments per cluster (16 for 256
+environments where 16 clusters of 8 blocks are resident at once) from the GPU's cluster residency. Its sums
+run in the block kernel's order, so the two give equal bits.
 
 :func:`rollout_steps` (the agent's and the env's own ops) is the reference; :func:`rollout_steps_fused` runs
 the kernel on what :func:`fused_rollout_unsupported_reason` accepts.
@@ -47,8 +49,9 @@ MAX_ROWS_PER_BLOCK = 8
 MAX_SHARED_BYTES = 227 * 1024
 _LANES, _OBS, _ACTIONS = 32, 4, 2
 _FEEDBACK = _OBS + _ACTIONS + 1  # [obs; onehot(a); v]
-#: The cluster kernel's blocks per cluster and environments per cluster (``kCluster``, ``kClusterRows``).
-CLUSTER_BLOCKS, CLUSTER_ROWS = 8, 16
+#: The cluster kernel's blocks per cluster and its fewest and most environments per cluster (``kCluster``,
+#: ``kMinClusterRows``, ``kMaxClusterRows``); the environments per cluster are a multiple of 4.
+CLUSTER_BLOCKS, MIN_CLUSTER_ROWS, MAX_CLUSTER_ROWS = 8, 4, 64
 
 
 @dataclass
@@ -127,8 +130,9 @@ def shared_memory_bytes(agent: DeepEPAgent, dtype: torch.dtype) -> int:
     return scalars * torch.empty((), dtype=dtype).element_size()
 
 
-def cluster_shared_memory_bytes(agent: DeepEPAgent) -> int:
-    """Shared memory per block of the float32 cluster kernel (``Layout`` in cartpole_rollout_clusters.cu)."""
+def cluster_shared_memory_bytes(agent: DeepEPAgent, rows: int = MIN_CLUSTER_ROWS) -> int:
+    """Shared memory per block of the float32 cluster kernel with ``rows`` environments per cluster (``Layout`` in
+    cartpole_rollout_clusters.cu)."""
 
     def units(n: int) -> int:  # the most units a block owns: j = rank + 8 i < n
         return -(-n // CLUSTER_BLOCKS)
@@ -141,7 +145,7 @@ def cluster_shared_memory_bytes(agent: DeepEPAgent) -> int:
         return -(-n // 4) * 4
 
     first = _policy_layers(agent)[0]
-    size, rows = agent.hidden_size, CLUSTER_ROWS
+    size = agent.hidden_size
     up, uv, uh = units(first.out_features), units(agent.value_head.input_layer.out_features), units(size)
     parts = [
         up * padded(first.in_features),  # the block's policy, value-head and GRU weights
@@ -162,7 +166,8 @@ def cluster_shared_memory_bytes(agent: DeepEPAgent) -> int:
 
 def runs_on_clusters(agent: DeepEPAgent, env: BatchedEnv) -> bool:
     """Whether :func:`rollout_steps_fused` picks ``deepep::cartpole_rollout_clusters``: float32 on a GPU with
-    thread-block clusters (compute capability 9.0+) and the blocks' weights within its shared memory."""
+    thread-block clusters (compute capability 9.0+) and the blocks' weights, with the fewest environments per
+    cluster, within its shared memory."""
     if env.device.type != "cuda" or agent.rnn_cell.weight_hh.dtype != torch.float32:
         return False
     properties = torch.cuda.get_device_properties(env.device)

@@ -208,11 +208,13 @@ TORCH_LIBRARY_FRAGMENT(deepep, m) {
       "Tensor noise, Tensor[] weights, float logit_bound, int max_episode_steps, int rows_per_block) -> (Tensor, "
       "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // The same rollout with each cluster of blocks keeping the weights on chip (CUDA, float32, compute capability
-  // 9.0+; cuda/cartpole_rollout_clusters.cu): the same outputs, bit for bit.
+  // 9.0+; cuda/cartpole_rollout_clusters.cu): the same outputs, bit for bit. rows_per_cluster: environments per
+  // cluster, 0 for the kernel's choice from cluster residency, else a multiple of 4 in [4, 64].
   m.def(
       "cartpole_rollout_clusters(Tensor state, Tensor episode_return, Tensor episode_length, Tensor hidden, "
-      "Tensor uniforms, Tensor noise, Tensor[] weights, float logit_bound, int max_episode_steps) -> (Tensor, "
-      "Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "Tensor uniforms, Tensor noise, Tensor[] weights, float logit_bound, int max_episode_steps, "
+      "int rows_per_cluster=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+      "Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(deepep, CPU, m) { m.impl("cartpole_rollout", &cartpole_rollout_cpu); }

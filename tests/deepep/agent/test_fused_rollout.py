@@ -317,15 +317,20 @@ def _needs_clusters():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "batch, hidden, agent_args",
+    "batch, hidden, agent_args, rows_per_cluster",
     [
-        (256, 256, {"policy_reads_hidden": False}),  # configs/gpu.yaml's shape
-        (300, 256, {}),  # a last cluster of 12 rows; the policy reads [obs; h]
-        (37, 90, {"value_hidden_size": 60}),  # sizes that are not multiples of 4 or of 8 units
+        (256, 256, {"policy_reads_hidden": False}, 0),  # configs/gpu.yaml's shape, the kernel's choice of rows
+        (256, 256, {"policy_reads_hidden": False}, 4),  # 64 clusters: more than are resident at once
+        (256, 256, {"policy_reads_hidden": False}, 16),
+        (256, 256, {"policy_reads_hidden": False}, 24),  # a last cluster of 16 rows
+        (300, 256, {}, 16),  # a last cluster of 12 rows; the policy reads [obs; h]
+        (300, 256, {}, 0),
+        (37, 90, {"value_hidden_size": 60}, 0),  # sizes that are not multiples of 4 or of 8 units
     ],
 )
-def test_gpu_cluster_kernel_gives_the_block_kernels_bits(batch, hidden, agent_args):
-    """The same sums in the same order: every output of the cluster kernel equals the block kernel's, bit for bit."""
+def test_gpu_cluster_kernel_gives_the_block_kernels_bits(batch, hidden, agent_args, rows_per_cluster):
+    """The same sums in the same order: every output of the cluster kernel equals the block kernel's, bit for bit,
+    however many environments a cluster owns."""
     from deepep_lightning.deepep.agent.fused_rollout import _weights, runs_on_clusters
 
     _needs_clusters()
@@ -336,10 +341,19 @@ def test_gpu_cluster_kernel_gives_the_block_kernels_bits(batch, hidden, agent_ar
     noise = torch.rand(96, batch, 4, device="cuda", generator=draws)
     inputs = [env.state, env.episode_return, env.episode_length, state, uniforms, noise, _weights(agent), 3.0, 12]
     blocks = torch.ops.deepep.cartpole_rollout.default(*inputs, 4)
-    clusters = torch.ops.deepep.cartpole_rollout_clusters.default(*inputs)
+    clusters = torch.ops.deepep.cartpole_rollout_clusters.default(*inputs, rows_per_cluster)
     assert bool(blocks[5].any()) and bool((blocks[3] == 1).any())  # episodes end; both actions are taken
     for index, (expected, actual) in enumerate(zip(blocks, clusters)):
         assert torch.equal(actual, expected), f"output {index}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows_per_cluster", [-4, 2, 6, 68])
+def test_gpu_cluster_kernel_refuses_rows_per_cluster_out_of_range(rows_per_cluster):
+    _needs_clusters()
+    inputs, weights = _op_inputs("cuda", batch=32, hidden=32, steps=4)
+    with pytest.raises(RuntimeError, match=r"rows_per_cluster must be 0 \(automatic\) or a multiple of 4 in \[4, 64\]"):
+        torch.ops.deepep.cartpole_rollout_clusters.default(*inputs, weights, 3.0, 12, rows_per_cluster)
 
 
 @pytest.mark.gpu

@@ -3,7 +3,7 @@
 //
 // The block kernel gives each block a few environments and all units, so every block streams all 1.3 MB of
 // weights (H=256) from L2 at every timestep, and a timestep is bound by the latency of those loads. Here a
-// cluster of kCluster blocks owns kClusterRows environments and splits every layer's units between its
+// cluster of kCluster blocks owns `rows` environments and splits every layer's units between its
 // blocks: block `rank` owns the units j = rank + kCluster * i of the policy's and the value head's hidden
 // layers and of the GRU cell, and keeps their weights in its shared memory (about 170 KB at H=256) for all
 // T timesteps. A timestep is
@@ -19,6 +19,13 @@
 //   gru       h_{t+1} of the block's units, written into every block's input buffer of the next timestep
 //   -- cluster barrier --
 //
+// Rows per cluster: a cluster runs all T timesteps once it starts, so a cluster that is not resident with the
+// others waits for a whole rollout to end, which doubles the launch. A block needs most of an SM's shared memory
+// (one block per SM), and a cluster's 8 blocks must share a GPC, so how many clusters are resident at once depends
+// on the chip's GPCs, not only on its SM count; the launch asks cudaOccupancyMaxActiveClusters and takes the fewest
+// rows per cluster with which the whole batch is resident (automatic_rows). Each row's sums are the row's own, so
+// the bits do not depend on how rows are grouped into clusters.
+//
 // Every sum has the block kernel's order: a unit's sum over its inputs in input order, a lane's over its
 // units in unit order, an output's over its lanes in lane order, and the element code is the header's. So
 // the two kernels give equal bits, and both repeat bitwise: no atomics, nothing depends on timing.
@@ -30,13 +37,18 @@
 #include <cooperative_groups.h>
 #include <torch/library.h>
 
+#include <array>
+#include <map>
+#include <mutex>
+
 namespace deepep::rollout {
 namespace {
 
 namespace cg = cooperative_groups;
 
 constexpr int kCluster = 8;                // blocks per cluster (the portable maximum)
-constexpr int kClusterRows = 16;           // environments per cluster
+constexpr int kMinClusterRows = 4;         // environments per cluster: a multiple of kRowTile in [4, 64]
+constexpr int kMaxClusterRows = 64;
 constexpr int kRowTile = 4;                // rows per thread in a layer's sums
 constexpr int kSlots = kLanes / kCluster;  // head lanes per block: lane l is block l % kCluster's slot l / kCluster
 
@@ -59,11 +71,13 @@ struct Layout {
   int64_t up, uv, uh;           // units per block: policy, value head, GRU cell
   int64_t sp, sv, sh, width;    // row strides: policy and value weights, GRU hidden weights, inputs [obs; h]
   int64_t wp, wv, wh, wi;       // weights: [up][sp], [uv][sv], [3][uh][sh], [3][uh][kFeedback]
-  int64_t inputs, p1, z;        // [2][kClusterRows][width] (this timestep's and the next's), [rows][up], [rows][uv]
+  int64_t inputs, p1, z;        // [2][rows][width] (this timestep's and the next's), [rows][up], [rows][uv]
   int64_t partial, head, fb;    // [2 A rows][kSlots], [rows][2 A], [rows][kFeedback]
   int64_t keep, env, total;     // [rows], [rows][kObs + 2]
+  int64_t rows;                 // environments per cluster
 
-  Layout(int64_t hidden, int64_t policy_in, int64_t policy_hidden, int64_t value_hidden) {
+  Layout(int64_t hidden, int64_t policy_in, int64_t policy_hidden, int64_t value_hidden, int64_t cluster_rows)
+      : rows(cluster_rows) {
     up = owned(policy_hidden, 0);
     uv = owned(value_hidden, 0);
     uh = owned(hidden, 0);
@@ -81,16 +95,18 @@ struct Layout {
     wv = take(uv * sv);
     wh = take(3 * uh * sh);
     wi = take(3 * uh * kFeedback);
-    inputs = take(2 * kClusterRows * width);
-    p1 = take(kClusterRows * up);
-    z = take(kClusterRows * uv);
-    partial = take(2 * kActions * kClusterRows * kSlots);
-    head = take(kClusterRows * 2 * kActions);
-    fb = take(kClusterRows * kFeedback);
-    keep = take(kClusterRows);
-    env = take(kClusterRows * (kObs + 2));
+    inputs = take(2 * rows * width);
+    p1 = take(rows * up);
+    z = take(rows * uv);
+    partial = take(2 * kActions * rows * kSlots);
+    head = take(rows * 2 * kActions);
+    fb = take(rows * kFeedback);
+    keep = take(rows);
+    env = take(rows * (kObs + 2));
     total = at;
   }
+
+  int64_t bytes() const { return total * static_cast<int64_t>(sizeof(float)); }
 };
 
 // acc[rr] += sum over k < in of x[rr * stride + k] * w[k], k in order, for the kRowTile rows at x (w and x
@@ -161,15 +177,15 @@ __global__ void __launch_bounds__(kThreads) cartpole_rollout_clusters_kernel(con
   cg::cluster_group cluster = cg::this_cluster();
   const int rank = static_cast<int>(cluster.block_rank());
   const int tid = static_cast<int>(threadIdx.x);
-  const int64_t row0 = static_cast<int64_t>(blockIdx.x / kCluster) * kClusterRows;
-  const int64_t count = a.batch - row0 < kClusterRows ? a.batch - row0 : kClusterRows;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x / kCluster) * L.rows;
+  const int64_t count = a.batch - row0 < L.rows ? a.batch - row0 : L.rows;
   const int64_t H = a.hidden, gates = 3 * H, up = owned(a.policy_hidden, rank), uv = owned(a.value_hidden, rank),
                 uh = owned(H, rank);
   float *const wp = shared + L.wp, *const wv = shared + L.wv, *const wh = shared + L.wh, *const wi = shared + L.wi;
   float *const p1 = shared + L.p1, *const z = shared + L.z, *const partial = shared + L.partial;
   float *const head = shared + L.head, *const fb = shared + L.fb, *const keep = shared + L.keep;
   float* const env = shared + L.env;
-  float* inputs[2] = {shared + L.inputs, shared + L.inputs + kClusterRows * L.width};
+  float* inputs[2] = {shared + L.inputs, shared + L.inputs + L.rows * L.width};
 
   // The block's weights, once; its rows' inputs and CartPole states (rows past `count` are zeros).
   for (int64_t n = tid; n < up * a.policy_in; n += kThreads) {
@@ -188,15 +204,15 @@ __global__ void __launch_bounds__(kThreads) cartpole_rollout_clusters_kernel(con
     const int64_t i = n % uh, g = (n / uh) % 3, k = n / (3 * uh);
     wi[(g * L.uh + i) * kFeedback + k] = a.gru_wiht[k * gates + g * H + rank + kCluster * i];
   }
-  for (int64_t n = tid; n < 2 * kClusterRows * L.width; n += kThreads) {
-    const int64_t r = (n / L.width) % kClusterRows, k = n % L.width, b = row0 + r;
+  for (int64_t n = tid; n < 2 * L.rows * L.width; n += kThreads) {
+    const int64_t r = (n / L.width) % L.rows, k = n % L.width, b = row0 + r;
     float v = 0.0f;
-    if (n < kClusterRows * L.width && r < count && k < kObs + H) {
+    if (n < L.rows * L.width && r < count && k < kObs + H) {
       v = k < kObs ? a.state[b * kObs + k] : a.h0[b * H + (k - kObs)];
     }
     inputs[0][n] = v;
   }
-  for (int64_t n = tid; n < kClusterRows * (kObs + 2); n += kThreads) {
+  for (int64_t n = tid; n < L.rows * (kObs + 2); n += kThreads) {
     const int64_t r = n / (kObs + 2), k = n % (kObs + 2), b = row0 + r;
     env[n] = r >= count ? 0.0f : (k < kObs ? a.state[b * kObs + k] : (k == kObs ? a.episode_return[b] : a.episode_length[b]));
   }
@@ -294,42 +310,81 @@ __global__ void __launch_bounds__(kThreads) cartpole_rollout_clusters_kernel(con
 #endif
 }
 
-void launch(const Args<float>& args) {
+cudaLaunchConfig_t launch_config(const Args<float>& args, const Layout& layout, cudaLaunchAttribute* cluster) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned int>((args.batch + layout.rows - 1) / layout.rows * kCluster));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(layout.bytes());
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cluster->id = cudaLaunchAttributeClusterDimension;
+  cluster->val.clusterDim.x = kCluster;
+  cluster->val.clusterDim.y = 1;
+  cluster->val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  return config;
+}
+
+// The rows per cluster of an automatic launch: the fewest (a multiple of kRowTile, from kMinClusterRows) with which
+// every cluster of the batch is resident at once, so that no cluster waits for another's whole rollout; where no
+// count gets there, the most that fit in shared memory (the fewest waves). Fewer rows per cluster spread a batch over
+// more SMs. Remembered per device, batch and layer sizes (the occupancy query costs host time).
+int64_t automatic_rows(const Args<float>& args, int64_t max_shared_bytes) {
+  static std::mutex mutex;
+  static std::map<std::array<int64_t, 6>, int64_t> chosen;
+  const std::array<int64_t, 6> key = {at::cuda::current_device(), args.batch,          args.hidden,
+                                      args.policy_in,             args.policy_hidden, args.value_hidden};
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = chosen.find(key);
+  if (found != chosen.end()) return found->second;
+  int64_t rows = kMinClusterRows;
+  for (int64_t r = kMinClusterRows; r <= kMaxClusterRows; r += kRowTile) {
+    const Layout layout(args.hidden, args.policy_in, args.policy_hidden, args.value_hidden, r);
+    if (layout.bytes() > max_shared_bytes) break;
+    rows = r;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cartpole_rollout_clusters_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(layout.bytes())));
+    cudaLaunchAttribute cluster[1];
+    const cudaLaunchConfig_t config = launch_config(args, layout, cluster);
+    int resident = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&resident, cartpole_rollout_clusters_kernel, &config));
+    if ((args.batch + r - 1) / r <= resident) break;
+  }
+  chosen.emplace(key, rows);
+  return rows;
+}
+
+void launch(const Args<float>& args, int64_t rows_per_cluster) {
   const cudaDeviceProp* device = at::cuda::getCurrentDeviceProperties();
   TORCH_CHECK(device->major >= 9, "deepep::cartpole_rollout_clusters needs thread-block clusters (compute capability ",
               "9.0 or later), got ", device->major, ".", device->minor);
-  const Layout layout(args.hidden, args.policy_in, args.policy_hidden, args.value_hidden);
-  const int64_t bytes = layout.total * static_cast<int64_t>(sizeof(float));
-  TORCH_CHECK(bytes <= static_cast<int64_t>(device->sharedMemPerBlockOptin), "deepep::cartpole_rollout_clusters: ",
-              bytes, " bytes of shared memory per block for H=", args.hidden, " exceed the device's ",
-              device->sharedMemPerBlockOptin);
-  auto kernel = cartpole_rollout_clusters_kernel;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned int>((args.batch + kClusterRows - 1) / kClusterRows * kCluster));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(bytes);
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = kCluster;
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args, layout));
+  const auto max_shared_bytes = static_cast<int64_t>(device->sharedMemPerBlockOptin);
+  TORCH_CHECK(rows_per_cluster == 0 || (rows_per_cluster % kRowTile == 0 && rows_per_cluster >= kMinClusterRows &&
+                                        rows_per_cluster <= kMaxClusterRows),
+              "deepep::cartpole_rollout_clusters: rows_per_cluster must be 0 (automatic) or a multiple of ", kRowTile,
+              " in [", kMinClusterRows, ", ", kMaxClusterRows, "], got ", rows_per_cluster);
+  const int64_t rows = rows_per_cluster == 0 ? automatic_rows(args, max_shared_bytes) : rows_per_cluster;
+  const Layout layout(args.hidden, args.policy_in, args.policy_hidden, args.value_hidden, rows);
+  TORCH_CHECK(layout.bytes() <= max_shared_bytes, "deepep::cartpole_rollout_clusters: ", layout.bytes(),
+              " bytes of shared memory per block for H=", args.hidden, " and ", rows,
+              " rows per cluster exceed the device's ", max_shared_bytes);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(cartpole_rollout_clusters_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      static_cast<int>(layout.bytes())));
+  cudaLaunchAttribute cluster[1];
+  const cudaLaunchConfig_t config = launch_config(args, layout, cluster);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, cartpole_rollout_clusters_kernel, args, layout));
 }
 
 Outputs cartpole_rollout_clusters_cuda(const at::Tensor& state, const at::Tensor& episode_return,
                                        const at::Tensor& episode_length, const at::Tensor& hidden,
                                        const at::Tensor& uniforms, const at::Tensor& noise, at::TensorList weights,
-                                       double logit_bound, int64_t max_episode_steps) {
+                                       double logit_bound, int64_t max_episode_steps, int64_t rows_per_cluster) {
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   TORCH_CHECK(hidden.scalar_type() == at::kFloat, "deepep::cartpole_rollout_clusters: hidden must be float32, got ",
               hidden.scalar_type(), " (deepep::cartpole_rollout runs float64)");
   return cartpole_rollout_impl(
       state, episode_return, episode_length, hidden, uniforms, noise, weights, logit_bound, max_episode_steps,
-      kMaxRows, [](const Args<float>& args) { launch(args); },
+      kMaxRows, [rows_per_cluster](const Args<float>& args) { launch(args, rows_per_cluster); },
       [](const Args<double>&) { TORCH_CHECK(false, "deepep::cartpole_rollout_clusters runs float32 only"); });
 }
 
