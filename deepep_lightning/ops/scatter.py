@@ -228,15 +228,7 @@ def _is_plan_for(plan: object, index: Tensor, size: int) -> bool:
     )
 
 
-def _fake(
-    src: Tensor,
-    index: Tensor,
-    size: int,
-    dim: int = 0,
-    base: Tensor | None = None,
-    alpha: float = 1.0,
-    plan: Tensor | None = None,
-):
+def _fake(src: Tensor, index: Tensor, size: int, dim: int = 0, base=None, alpha: float = 1.0, plan=None) -> Tensor:
     torch._check(0 <= dim < src.dim(), lambda: f"segment_scatter_add: dim {dim} out of range for {src.dim()}-D src")
     torch._check(
         index.dim() == 1 and index.shape[0] == src.shape[dim],
