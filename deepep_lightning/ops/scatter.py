@@ -396,7 +396,7 @@ def _scatter_add(self, dim, index, src):
     if terms is not None:
         values, rows = terms
         size = base.shape[dim]
-        plan = SORT_PLANS.plan(rows, size)
+        plan = SORT_PLANS.plan(rows, size, view_of=index)
         return torch.ops.deepep_lightning.segment_scatter_add.default(values, rows, size, dim, base, 1.0, plan)
     return _scatter_add_elements(base, dim, index, src)
 
@@ -427,7 +427,7 @@ def _scatter_add_inplace(self, dim, index, src):
     if terms is None:  # one key per element: summed over a flat copy of self
         return self.copy_(_scatter_add_elements(self.contiguous(), dim, index, src))
     values, rows = terms
-    plan = SORT_PLANS.plan(rows, self.shape[dim])
+    plan = SORT_PLANS.plan(rows, self.shape[dim], view_of=index)
     torch.ops.deepep_lightning.segment_scatter_add_.default(self, values, rows, dim, 1.0, plan)
     return self
 

@@ -11,7 +11,8 @@ A plan is reused only while all of these hold, checked on every call from metada
 no synchronisation):
 
 * the tensor the index is a view of (its ``_base``, or itself) is alive: a weak reference, whose callback
-  drops the plan when it is freed, so new memory at the same address never meets an old plan;
+  drops the plan when it is freed, so new memory at the same address never meets an old plan (a route that
+  takes a view of its argument below autograd, where views record no base, names the argument: ``view_of``);
 * the index's address, shape, strides and dtype, the row count and the current CUDA stream are those the
   plan was made for;
 * the index's version counter (shared by every view of one tensor) has not moved: any in-place write
@@ -95,8 +96,12 @@ class SortPlanCache:
         """Drop every plan."""
         self._entries.clear()
 
-    def plan(self, index: Tensor, size: int) -> Tensor | None:
+    def plan(self, index: Tensor, size: int, view_of: Tensor | None = None) -> Tensor | None:
         """``segment_sort_plan(index, size)``, made once while ``index`` is alive and unchanged; None to sort inline.
+
+        ``view_of``: the tensor ``index`` was taken from, where ``index`` was made below autograd (inside a routed
+        op's kernel), where a view records neither its base nor its base's version counter: the liveness and the
+        version are then read from ``view_of``. ``index`` must lie within ``view_of``'s memory.
 
         None where nothing may be cached: an index on another device type, caching off, CUDA-graph capture, an
         inference tensor, a tensor subclass, a row count or length beyond a plan's int32, no CUDA kernels.
@@ -114,7 +119,8 @@ class SortPlanCache:
             stream = torch._C._cuda_getCurrentRawStream(device)
         else:
             stream = 0
-        root = index._base if index._base is not None else index
+        anchor = index if view_of is None else view_of
+        root = anchor._base if anchor._base is not None else anchor
         key = _Key(
             id(root),
             index.data_ptr(),
@@ -125,7 +131,7 @@ class SortPlanCache:
             -1 if device is None else device,
             stream,
         )
-        version = index._version
+        version = anchor._version
         entry = self._entries.get(key)
         if entry is not None and entry.version == version and entry.root() is root:
             self._entries.move_to_end(key)

@@ -187,23 +187,40 @@ def test_bad_cache_arguments(kwargs, match):
 
 @needs_extension
 def test_three_gnn_layers_sort_each_edge_row_once(monkeypatch):
-    """A 3-layer message-passing step as the routes see it: per layer a ``scatter_add_`` of messages along the
-    target row (forward) and an ``index_add_`` along the source row (the gradient of ``index_select``). Two sorts
-    in six calls, and every sum equals PyTorch's."""
+    """A 3-layer message-passing step through the dispatcher (the routes installed at the CPU key, in deterministic
+    mode): per layer a ``scatter_add_`` of messages along the target row with PyG's expanded index, whose row view the
+    route takes below autograd, and in the backward an ``index_add_`` along the source row. Two sorts for the whole
+    step, and every sum equals PyTorch's. Run again after an in-place write to ``edge_index``: two new sorts."""
+    from deepep_lightning.ops import _routes, routing
+
     cache = SortPlanCache(device_type="cpu")
     monkeypatch.setattr(scatter_module, "SORT_PLANS", cache)
+    monkeypatch.setattr(scatter_module, "_route_reason", lambda self, *others: None)  # CPU tensors, CPU kernels
+    routing.routed_aten_ops()
     generator = torch.Generator().manual_seed(1)
     nodes, edges, features = 6, 15, 4
     edge_index = torch.randint(0, nodes, (2, edges), generator=generator)
-    source, target = edge_index[0], edge_index[1]
-    for _ in range(3):
-        messages = torch.randn(edges, features, dtype=torch.float64, generator=generator)
-        aggregated = torch.zeros(nodes, features, dtype=torch.float64)
-        expected = aggregated.clone().scatter_add_(0, target.view(-1, 1).expand_as(messages), messages)
-        scatter_module._scatter_add_inplace(aggregated, 0, target.view(-1, 1).expand_as(messages), messages)
-        assert torch.equal(aggregated, expected)
-        grad = torch.zeros(nodes, features, dtype=torch.float64)
-        expected = grad.clone().index_add_(0, source, messages)
-        scatter_module._index_add_inplace(grad, 0, source, messages)
-        assert torch.equal(grad, expected)
-    assert cache.sorts == 2
+    x = torch.randn(nodes, features, dtype=torch.float64, generator=generator, requires_grad=True)
+
+    def step():
+        h = x
+        for _ in range(3):
+            messages = h.index_select(0, edge_index[0])
+            target = edge_index[1].view(-1, 1).expand_as(messages)
+            h = torch.zeros_like(h).scatter_add_(0, target, messages)
+        return h, torch.autograd.grad(h.square().sum(), x)[0]
+
+    expected = step()
+    torch.use_deterministic_algorithms(True)
+    _routes.enable_routes("CPU")
+    try:
+        routed = step()
+        assert cache.sorts == 2
+        edge_index[1, 0] = (edge_index[1, 0] + 1) % nodes
+        moved = step()
+        assert cache.sorts == 4
+    finally:
+        _routes.disable_routes()
+    assert all(torch.equal(a, b) for a, b in zip(routed, expected))
+    torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(a, b) for a, b in zip(moved, step()))

@@ -348,15 +348,6 @@ def test_gpu_cluster_kernel_gives_the_block_kernels_bits(batch, hidden, agent_ar
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows_per_cluster", [-4, 2, 6, 68])
-def test_gpu_cluster_kernel_refuses_rows_per_cluster_out_of_range(rows_per_cluster):
-    _needs_clusters()
-    inputs, weights = _op_inputs("cuda", batch=32, hidden=32, steps=4)
-    with pytest.raises(RuntimeError, match=r"rows_per_cluster must be 0 \(automatic\) or a multiple of 4 in \[4, 64\]"):
-        torch.ops.deepep.cartpole_rollout_clusters.default(*inputs, weights, 3.0, 12, rows_per_cluster)
-
-
-@pytest.mark.gpu
 def test_gpu_cluster_kernel_refuses_float64_by_name():
     from deepep_lightning.deepep.agent.fused_rollout import runs_on_clusters
 

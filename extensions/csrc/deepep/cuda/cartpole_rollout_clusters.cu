@@ -359,10 +359,6 @@ void launch(const Args<float>& args, int64_t rows_per_cluster) {
   TORCH_CHECK(device->major >= 9, "deepep::cartpole_rollout_clusters needs thread-block clusters (compute capability ",
               "9.0 or later), got ", device->major, ".", device->minor);
   const auto max_shared_bytes = static_cast<int64_t>(device->sharedMemPerBlockOptin);
-  TORCH_CHECK(rows_per_cluster == 0 || (rows_per_cluster % kRowTile == 0 && rows_per_cluster >= kMinClusterRows &&
-                                        rows_per_cluster <= kMaxClusterRows),
-              "deepep::cartpole_rollout_clusters: rows_per_cluster must be 0 (automatic) or a multiple of ", kRowTile,
-              " in [", kMinClusterRows, ", ", kMaxClusterRows, "], got ", rows_per_cluster);
   const int64_t rows = rows_per_cluster == 0 ? automatic_rows(args, max_shared_bytes) : rows_per_cluster;
   const Layout layout(args.hidden, args.policy_in, args.policy_hidden, args.value_hidden, rows);
   TORCH_CHECK(layout.bytes() <= max_shared_bytes, "deepep::cartpole_rollout_clusters: ", layout.bytes(),
@@ -382,6 +378,10 @@ Outputs cartpole_rollout_clusters_cuda(const at::Tensor& state, const at::Tensor
   const c10::cuda::CUDAGuard device_guard(hidden.device());
   TORCH_CHECK(hidden.scalar_type() == at::kFloat, "deepep::cartpole_rollout_clusters: hidden must be float32, got ",
               hidden.scalar_type(), " (deepep::cartpole_rollout runs float64)");
+  TORCH_CHECK(rows_per_cluster == 0 || (rows_per_cluster % kRowTile == 0 && rows_per_cluster >= kMinClusterRows &&
+                                        rows_per_cluster <= kMaxClusterRows),
+              "deepep::cartpole_rollout_clusters: rows_per_cluster must be 0 (automatic) or a multiple of ", kRowTile,
+              " in [", kMinClusterRows, ", ", kMaxClusterRows, "], got ", rows_per_cluster);
   return cartpole_rollout_impl(
       state, episode_return, episode_length, hidden, uniforms, noise, weights, logit_bound, max_episode_steps,
       kMaxRows, [rows_per_cluster](const Args<float>& args) { launch(args, rows_per_cluster); },
