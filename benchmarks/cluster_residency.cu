@@ -18,7 +18,11 @@ __global__ void k(float* p) {
 
 int main() {
   cudaDeviceProp prop;
-  cudaGetDeviceProperties(&prop, 0);
+  const cudaError_t found = cudaGetDeviceProperties(&prop, 0);
+  if (found != cudaSuccess) {
+    fprintf(stderr, "cluster_residency: no CUDA device (%s)\n", cudaGetErrorString(found));
+    return 1;
+  }
   printf("%s SMs %d smemOptin %zu smemPerSM %zu\n", prop.name, prop.multiProcessorCount, prop.sharedMemPerBlockOptin,
          prop.sharedMemPerMultiprocessor);
   int threads[] = {256, 512};

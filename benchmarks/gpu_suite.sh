@@ -6,7 +6,8 @@
 # Sections (BENCHMARKS.md describes each):
 #   setup             build the extension once (cached in TORCH_EXTENSIONS_DIR); install the wheels in .whl/
 #   train_step        bench_train_step.py         all_action_q      bench_all_action_q.py
-#   rollout_kernels   bench_rollout_kernels.py: the block and cluster rollout kernels alone, B = 16 to 512
+#   rollout_kernels   cluster_residency.cu (resident clusters by size), then bench_rollout_kernels.py: the block and
+#                     cluster rollout kernels alone, B = 16 to 512
 #   sanitize          CSAN + memcheck runs        determinism_tax   bench_determinism_tax.py (the eager step)
 #   determinism_tax_graph  the shipped CUDA-graph step of configs/gpu.yaml with and without configure(0)
 #   learning          bench_learning.py           health_overhead   bench_health_overhead.py (CUDA graph)
@@ -256,6 +257,10 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
     train_step)
       run bench_train_step 300 python3 benchmarks/bench_train_step.py --out "$RESULTS/train_step" ;;
     rollout_kernels)
+      mkdir -p "$RESULTS/train_step"
+      run cluster_residency 120 bash -c "nvcc -O2 -std=c++17 -gencode arch=compute_90,code=sm_90 \
+        benchmarks/cluster_residency.cu -o /tmp/cluster_residency && /tmp/cluster_residency \
+        > $RESULTS/train_step/cluster_residency.txt"
       run bench_rollout_kernels 240 python3 benchmarks/bench_rollout_kernels.py --out "$RESULTS/train_step" ;;
     all_action_q)
       run bench_all_action_q 240 python3 benchmarks/bench_all_action_q.py --out "$RESULTS/all_action_q" ;;
