@@ -46,12 +46,12 @@ from torch import Tensor
 from deepep_lightning.ops._guards import FLOAT_DTYPES
 from deepep_lightning.ops._routes import Route, register_route
 from deepep_lightning.ops.extension_loader import cuda_kernels_available, extension_available, on_extension_loaded
-from deepep_lightning.ops.sort_plans import MAX_PLAN_LENGTH, SORT_PLANS
+from deepep_lightning.ops.segments import INDEX_DTYPES
+from deepep_lightning.ops.sort_plans import SORT_PLANS, is_plan_for
 
-__all__ = ["segment_scatter_add", "segment_scatter_add_reference", "segment_sort_plan", "segment_sort_plan_reference"]
+__all__ = ["segment_scatter_add", "segment_scatter_add_reference"]
 
 _DTYPES = FLOAT_DTYPES
-_INDEX_DTYPES = (torch.int64, torch.int32)
 _MAX_ENTRIES = 2**31 - 2  # entry ids are int32 in the kernel
 _MAX_ROWS = 2**32 - 2  # sort keys are uint32
 
@@ -64,60 +64,6 @@ def segment_scatter_add_reference(
     shape[dim] = size
     out = base.clone() if base is not None else src.new_zeros(shape)
     return out.index_add_(dim, index, src, alpha=alpha)
-
-
-def segment_sort_plan_reference(index: Tensor, size: int) -> Tensor:
-    """The pure-PyTorch definition of :func:`segment_sort_plan`: stable sort, entry ids, each row's first position."""
-    keys = index.to(torch.int64)
-    sorted_keys, order = torch.sort(keys, stable=True)
-    starts = torch.searchsorted(sorted_keys, torch.arange(size + 1, device=index.device))
-    return torch.cat([sorted_keys, order, starts]).to(torch.int32)
-
-
-def segment_sort_plan(index: Tensor, size: int) -> Tensor:
-    """The sort of ``index`` that :func:`segment_scatter_add` sums in, to pass to it as ``plan``.
-
-    A plan depends on ``index`` and ``size`` alone. A caller that scatters along one index several times (a
-    graph network's layers, forward and backward, along one ``edge_index`` row) sorts it once:
-    :class:`~deepep_lightning.ops.sort_plans.SortPlanCache` keeps the plans of the routed ``index_add_`` /
-    ``scatter_add_`` calls. A plan must be used only while ``index`` holds the values it was made from: a stale
-    plan sums the wrong entries.
-
-    Args:
-        index: ``[n]`` int64/int32 rows in ``[0, size)`` (out of range: a device-side assert on CUDA).
-        size: number of rows, ``0 <= size < 2**31 - 1``.
-
-    Returns:
-        int32 ``[2 n + size + 1]`` on ``index``'s device: the keys in ascending order (stable), the entry ids in
-        that order, then for each row ``r`` in ``[0, size]`` the first sorted position whose key is ``>= r``.
-
-    Raises:
-        TypeError: ``index`` is not a tensor or ``size`` not an int.
-        ValueError: ``index`` is not 1-D int64/int32 on the CPU or a CUDA device, or ``size`` is out of range.
-
-    Example::
-
-        >>> segment_sort_plan(torch.tensor([2, 0, 2]), 3).tolist()
-        [0, 2, 2, 1, 0, 2, 0, 1, 1, 3]
-    """
-    if not isinstance(index, Tensor):
-        raise TypeError(f"segment_sort_plan: index must be a tensor, got {type(index)!r}")
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise TypeError(f"segment_sort_plan: size must be an int, got {size!r}")
-    if not 0 <= size <= MAX_PLAN_LENGTH:
-        raise ValueError(f"segment_sort_plan: size must be in [0, {MAX_PLAN_LENGTH}], got {size}")
-    if index.dim() != 1 or index.dtype not in _INDEX_DTYPES or index.device.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"segment_sort_plan: index must be 1-D int64/int32 on the CPU or a CUDA device, got {index.dtype} of "
-            f"shape {tuple(index.shape)} on {index.device}"
-        )
-    if index.shape[0] > MAX_PLAN_LENGTH:
-        raise ValueError(f"segment_sort_plan: index has {index.shape[0]} entries, more than {MAX_PLAN_LENGTH}")
-    if not extension_available() or (index.is_cuda and not cuda_kernels_available()):
-        return segment_sort_plan_reference(index, size)
-    if not index.is_cuda and index.numel() and not (0 <= int(index.min()) and int(index.max()) < size):
-        raise ValueError(f"segment_sort_plan: index must lie in [0, {size})")
-    return torch.ops.deepep_lightning.segment_sort_plan.default(index, size)
 
 
 def _unsupported_reason(src, index, size, dim, base) -> str | None:
@@ -159,8 +105,8 @@ def segment_scatter_add(
         dim: the dimension of ``src`` that ``index`` runs along (default 0; negative counts from the end).
         base: ``[*outer, size, *inner]`` tensor to add to (default: zeros), same dtype and device as ``src``.
         alpha: scale of ``src`` (default 1).
-        plan: ``segment_sort_plan(index, size)``, made while ``index`` held its present values, or None (the
-            op sorts ``index`` itself). The result is the same bits either way.
+        plan: ``segment_sort_plan(index, size)`` (:mod:`deepep_lightning.ops.sort_plans`), made while ``index``
+            held its present values, or None (the op sorts ``index`` itself). The same bits either way.
 
     Returns:
         A new contiguous ``[*outer, size, *inner]`` tensor. On CUDA every element is summed in one fixed
@@ -193,7 +139,7 @@ def segment_scatter_add(
     dim %= src.dim()
     if not src.is_floating_point():
         raise ValueError(f"segment_scatter_add: src must be floating point, got {src.dtype}")
-    if index.dim() != 1 or index.shape[0] != src.shape[dim] or index.dtype not in _INDEX_DTYPES:
+    if index.dim() != 1 or index.shape[0] != src.shape[dim] or index.dtype not in INDEX_DTYPES:
         raise ValueError(
             f"segment_scatter_add: index must be 1-D int64/int32 of length src.shape[{dim}] = {src.shape[dim]}, "
             f"got {index.dtype} of shape {tuple(index.shape)}"
@@ -207,7 +153,7 @@ def segment_scatter_add(
             f"segment_scatter_add: base must be {src.dtype} of shape {tuple(shape)} on {src.device}, "
             f"got {base.dtype} of shape {tuple(base.shape)} on {base.device}"
         )
-    if plan is not None and not _is_plan_for(plan, index, size):
+    if plan is not None and not is_plan_for(plan, index, size):
         raise ValueError(
             f"segment_scatter_add: plan must be segment_sort_plan(index, {size}): contiguous int32 of shape "
             f"({2 * index.shape[0] + size + 1},) on {index.device}, got {plan!r:.80}"
@@ -215,17 +161,6 @@ def segment_scatter_add(
     if _unsupported_reason(src, index, size, dim, base) is not None:
         return segment_scatter_add_reference(src, index, size, dim, base, float(alpha))
     return torch.ops.deepep_lightning.segment_scatter_add.default(src, index, size, dim, base, float(alpha), plan)
-
-
-def _is_plan_for(plan: object, index: Tensor, size: int) -> bool:
-    return (
-        isinstance(plan, Tensor)
-        and plan.dtype == torch.int32
-        and plan.device == index.device
-        and plan.dim() == 1
-        and plan.shape[0] == 2 * index.shape[0] + size + 1
-        and plan.is_contiguous()
-    )
 
 
 def _fake(src: Tensor, index: Tensor, size: int, dim: int = 0, base=None, alpha: float = 1.0, plan=None) -> Tensor:
@@ -237,10 +172,6 @@ def _fake(src: Tensor, index: Tensor, size: int, dim: int = 0, base=None, alpha:
     shape = list(src.shape)
     shape[dim] = size
     return src.new_empty(shape)
-
-
-def _plan_fake(index: Tensor, size: int) -> Tensor:
-    return index.new_empty(2 * index.shape[0] + size + 1, dtype=torch.int32)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -268,7 +199,6 @@ def _in_place_fake(self: Tensor, *args, **kwargs) -> None:
 def _register() -> None:
     torch.library.register_fake("deepep_lightning::segment_scatter_add")(_fake)
     torch.library.register_fake("deepep_lightning::segment_scatter_add_")(_in_place_fake)
-    torch.library.register_fake("deepep_lightning::segment_sort_plan")(_plan_fake)
     torch.library.register_autograd("deepep_lightning::segment_scatter_add", _backward, setup_context=_setup_context)
 
 
@@ -305,7 +235,7 @@ def _index_add_covers(self, dim, index, source, *, alpha=1, out=None) -> str | N
     if not -self.dim() <= dim < self.dim():
         return f"dim {dim} out of range"
     dim %= self.dim()
-    if index.dim() != 1 or index.dtype not in _INDEX_DTYPES or source.dtype != self.dtype:
+    if index.dim() != 1 or index.dtype not in INDEX_DTYPES or source.dtype != self.dtype:
         return "index must be 1-D int32/int64 and source of self's dtype"
     if source.dim() != self.dim() or source.shape[dim] != index.shape[0] or source.shape[dim] > _MAX_ENTRIES:
         return "source must have self's rank and index.numel() entries along dim"

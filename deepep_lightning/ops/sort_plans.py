@@ -1,4 +1,4 @@
-"""Sort each scatter index once while it is alive and unchanged: :class:`SortPlanCache`.
+"""Sort each scatter index once while it is alive and unchanged: :func:`segment_sort_plan` and :class:`SortPlanCache`.
 
 A graph network scatters along the same ``edge_index`` row in every layer: forward (``scatter_add_`` of the
 messages into their targets) and backward (``index_add_``, the gradient of ``x.index_select(0, source)``).
@@ -35,12 +35,93 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from deepep_lightning.ops.extension_loader import cuda_kernels_available
+from deepep_lightning.ops.extension_loader import cuda_kernels_available, extension_available, on_extension_loaded
+from deepep_lightning.ops.segments import INDEX_DTYPES
 
-__all__ = ["SortPlanCache", "SORT_PLANS", "MAX_PLAN_LENGTH"]
+__all__ = [
+    "MAX_PLAN_LENGTH",
+    "SORT_PLANS",
+    "SortPlanCache",
+    "is_plan_for",
+    "segment_sort_plan",
+    "segment_sort_plan_reference",
+]
 
 #: The largest row count and index length a plan holds (it is int32).
 MAX_PLAN_LENGTH = 2**31 - 2
+
+
+def segment_sort_plan_reference(index: Tensor, size: int) -> Tensor:
+    """The pure-PyTorch definition of :func:`segment_sort_plan`: stable sort, entry ids, each row's first position."""
+    keys = index.to(torch.int64)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    starts = torch.searchsorted(sorted_keys, torch.arange(size + 1, device=index.device))
+    return torch.cat([sorted_keys, order, starts]).to(torch.int32)
+
+
+def segment_sort_plan(index: Tensor, size: int) -> Tensor:
+    """The sort of ``index`` that :func:`~deepep_lightning.ops.scatter.segment_scatter_add` sums in (its ``plan``).
+
+    A plan depends on ``index`` and ``size`` alone. A caller that scatters along one index several times (a
+    graph network's layers, forward and backward, along one ``edge_index`` row) sorts it once:
+    :class:`SortPlanCache` keeps the plans of the routed ``index_add_`` /
+    ``scatter_add_`` calls. A plan must be used only while ``index`` holds the values it was made from: a stale
+    plan sums the wrong entries.
+
+    Args:
+        index: ``[n]`` int64/int32 rows in ``[0, size)`` (out of range: a device-side assert on CUDA).
+        size: number of rows, ``0 <= size < 2**31 - 1``.
+
+    Returns:
+        int32 ``[2 n + size + 1]`` on ``index``'s device: the keys in ascending order (stable), the entry ids in
+        that order, then for each row ``r`` in ``[0, size]`` the first sorted position whose key is ``>= r``.
+
+    Raises:
+        TypeError: ``index`` is not a tensor or ``size`` not an int.
+        ValueError: ``index`` is not 1-D int64/int32 on the CPU or a CUDA device, or ``size`` is out of range.
+
+    Example::
+
+        >>> segment_sort_plan(torch.tensor([2, 0, 2]), 3).tolist()
+        [0, 2, 2, 1, 0, 2, 0, 1, 1, 3]
+    """
+    if not isinstance(index, Tensor):
+        raise TypeError(f"segment_sort_plan: index must be a tensor, got {type(index)!r}")
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"segment_sort_plan: size must be an int, got {size!r}")
+    if not 0 <= size <= MAX_PLAN_LENGTH:
+        raise ValueError(f"segment_sort_plan: size must be in [0, {MAX_PLAN_LENGTH}], got {size}")
+    if index.dim() != 1 or index.dtype not in INDEX_DTYPES or index.device.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"segment_sort_plan: index must be 1-D int64/int32 on the CPU or a CUDA device, got {index.dtype} of "
+            f"shape {tuple(index.shape)} on {index.device}"
+        )
+    if index.shape[0] > MAX_PLAN_LENGTH:
+        raise ValueError(f"segment_sort_plan: index has {index.shape[0]} entries, more than {MAX_PLAN_LENGTH}")
+    if not extension_available() or (index.is_cuda and not cuda_kernels_available()):
+        return segment_sort_plan_reference(index, size)
+    if not index.is_cuda and index.numel() and not (0 <= int(index.min()) and int(index.max()) < size):
+        raise ValueError(f"segment_sort_plan: index must lie in [0, {size})")
+    return torch.ops.deepep_lightning.segment_sort_plan.default(index, size)
+
+
+def is_plan_for(plan: object, index: Tensor, size: int) -> bool:
+    """Whether ``plan`` has the shape, dtype, layout and device of ``segment_sort_plan(index, size)``."""
+    return (
+        isinstance(plan, Tensor)
+        and plan.dtype == torch.int32
+        and plan.device == index.device
+        and plan.dim() == 1
+        and plan.shape[0] == 2 * index.shape[0] + size + 1
+        and plan.is_contiguous()
+    )
+
+
+def _plan_fake(index: Tensor, size: int) -> Tensor:
+    return index.new_empty(2 * index.shape[0] + size + 1, dtype=torch.int32)
+
+
+on_extension_loaded(lambda: torch.library.register_fake("deepep_lightning::segment_sort_plan")(_plan_fake))
 
 
 class _Key(NamedTuple):

@@ -288,7 +288,7 @@ def test_inplace_index_add_writes_into_self_and_matches_the_functional_op(dim):
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
 @pytest.mark.parametrize("entries,size", [(0, 5), (1000, 10), (200_000, 3), (64, 100_000), (300_000, 70_000)])
 def test_cuda_sort_plan_is_the_cpu_plan(entries, size, index_dtype):
-    from deepep_lightning.ops.scatter import segment_sort_plan, segment_sort_plan_reference
+    from deepep_lightning.ops.sort_plans import segment_sort_plan, segment_sort_plan_reference
 
     generator = torch.Generator(device="cuda").manual_seed(entries)
     index = torch.randint(0, size, (entries,), device="cuda", generator=generator, dtype=index_dtype)
@@ -301,7 +301,8 @@ def test_cuda_sort_plan_is_the_cpu_plan(entries, size, index_dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape,dim,size,description", SHAPES)
 def test_a_plan_gives_the_bits_of_the_sort_inline(shape, dim, size, description, dtype):
-    from deepep_lightning.ops.scatter import segment_scatter_add, segment_sort_plan
+    from deepep_lightning.ops.scatter import segment_scatter_add
+    from deepep_lightning.ops.sort_plans import segment_sort_plan
 
     src, index = _inputs(shape, dim, size, dtype)
     plan = segment_sort_plan(index, size)

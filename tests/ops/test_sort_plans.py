@@ -11,8 +11,8 @@ import torch
 
 from deepep_lightning.ops import extension_available
 from deepep_lightning.ops import scatter as scatter_module
-from deepep_lightning.ops.scatter import segment_scatter_add, segment_sort_plan, segment_sort_plan_reference
-from deepep_lightning.ops.sort_plans import SortPlanCache
+from deepep_lightning.ops.scatter import segment_scatter_add
+from deepep_lightning.ops.sort_plans import SortPlanCache, segment_sort_plan, segment_sort_plan_reference
 
 needs_extension = pytest.mark.skipif(not extension_available(), reason="needs the compiled deepep_lightning extension")
 
