@@ -3,16 +3,15 @@
 torchvision's CUDA ``_ps_roi_align_backward`` adds into ``grad_input`` with float ``atomicAdd`` and refuses
 deterministic mode. Its bins are sampled as ``roi_align``'s with ``aligned=True`` (the kernels share the
 formulas), and bin ``b`` of output channel ``c`` reads input channel ``c * PH * PW + b`` (the forward's
-``channel_mapping`` always holds that). ``torch.ops.deepep_lightning.ps_roi_align_backward`` takes float16,
-bfloat16 and float32 gradients through torchvision's one pass over the bins with every term added as a 64-bit
-fixed-point integer (``extensions/csrc/roi_fixed_point.h``, ``fixed_point_sum.h``): the same bits in every
-order of the atomics, on the CPU and on CUDA, no host sync (CUDA-graph capturable). float64, whose precision
-64 bits of fixed point cannot hold, takes the :mod:`deepep_lightning.ops.roi_align` gather with one more field
-in each entry's key: the bin's plane (``extensions/csrc/roi_csr_gather.h``).
+``channel_mapping`` always holds that). ``torch.ops.deepep_lightning.ps_roi_align_backward``
+(``extensions/csrc/ps_roi_tiles.h``) writes every ``grad_input`` element once: a tile of pixels of one bin's
+plane lists, in RoI order, the bins whose samples' bilinear corners can reach it, and each pixel sums
+``grad * w / count`` over the corners that land on it in torchvision's CPU order (RoI, sample, corner), whose
+float32 bits it gives. No atomics, no host synchronisation (CUDA-graph capturable), the same bits on the CPU
+and CUDA.
 
-Covered: float16/bfloat16/float32/float64, every ``sampling_ratio`` (in float64, adaptive ``<= 0`` reads its
-sample count on the host, so it is left to torchvision inside CUDA-graph capture), empty RoI lists,
-non-contiguous gradients. Without torchvision nothing is registered.
+Covered: float16/bfloat16/float32/float64 (16-bit terms summed in float, rounded once), every
+``sampling_ratio``, empty RoI lists, non-contiguous gradients. Without torchvision nothing is registered.
 """
 
 import torch
@@ -63,10 +62,8 @@ def ps_roi_align_backward_unsupported_reason(
         width,
         sampling_ratio,
         True,
-        gathered=isinstance(grad, Tensor) and grad.dtype == torch.float64,
+        gathered=False,
     )
-    if reason is None and batch_size * channels * height * width >= 2**31 - 1:
-        reason = "batch_size * channels * height * width must be below 2^31 - 1 (int32 keys)"
     return reason
 
 

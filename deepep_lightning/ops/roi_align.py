@@ -53,8 +53,8 @@ def roi_align_backward_unsupported_reason(
     """Why :func:`roi_align_backward` leaves these arguments to torchvision, or ``None`` when it covers them.
 
     Metadata only (no tensor values, no host sync), so the route may ask it inside CUDA-graph capture.
-    ``gathered=False``: the caller's kernel is a fixed-point scatter (``ps_roi_align`` in 16/32 bits), which
-    neither shares the gather's half-precision CUDA path nor reads a sample count on the host.
+    ``gathered=False``: the caller's kernel is not the gather (``ps_roi_align``'s tile gather), so it neither
+    shares the gather's half-precision CUDA path nor reads a sample count on the host.
     """
     if not isinstance(grad, Tensor) or not isinstance(rois, Tensor):
         return "grad and rois must be torch.Tensor"

@@ -1,23 +1,8 @@
-// deepep_lightning::roi_align_backward and deepep_lightning::ps_roi_align_backward: torchvision::_roi_align_backward and
-// _ps_roi_align_backward (same schemas, same results up to the order of the additions), deterministic on
-// every device.
+// deepep_lightning::roi_align_backward: torchvision::_roi_align_backward (same schema, same result up to the order
+// of the additions), deterministic on every device.
 //
 //   roi_align_backward(grad [K, C, PH, PW], rois [K, 5], spatial_scale, pooled_height, pooled_width,
 //                      batch_size, channels, height, width, sampling_ratio, aligned) -> [N, C, H, W]
-//   ps_roi_align_backward(grad [K, C / (PH * PW), PH, PW], rois, channel_mapping, spatial_scale,
-//                         pooled_height, pooled_width, sampling_ratio, batch_size, channels, height, width)
-//                         -> [N, C, H, W]
-//
-//   roi_csr_gather(keys, sources, weights, grad [K, C, PH, PW], batch, planes = PH * PW, channels = C, height,
-//                  width) -> [N, C * PH * PW, H, W]: steps 2-4 for entries that the caller built (the
-//                  position-sensitive layout; deepep_lightning/ops/ps_roi_pool.py builds ps_roi_pool's).
-//
-// ps_roi_align samples its bins as roi_align with aligned=True does (torchvision's kernels share the
-// formulas) and sends bin b of output channel c to input channel c * PH * PW + b, which is what its
-// forward's channel_mapping always holds; the mapping is therefore not read (it is in the schema so that
-// the route can pass torchvision's arguments through). float16, bfloat16 and float32 ps_roi_align gradients go
-// to the fixed-point scatter of roi_fixed_point.h (torchvision's one pass over the bins, integer atomics);
-// float64 ones, and roi_align, to the sparse map below.
 //
 // torchvision's CUDA kernel adds grad * w / count into grad_input with float atomicAdd (run-to-run
 // different last bits; it refuses deterministic mode). Here the sparse map from samples to pixels is built
@@ -32,7 +17,6 @@
 // Arguments are validated in Python before this op runs (DESIGN.md section 7); the checks here guard
 // direct torch.ops callers.
 #include "roi_align_backward.h"
-#include "roi_fixed_point.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -59,9 +43,8 @@ namespace {
 
 void check_roi_align_backward_args(const at::Tensor& grad, const at::Tensor& rois, int64_t pooled_height,
                                    int64_t pooled_width, int64_t batch_size, int64_t channels, int64_t height,
-                                   int64_t width, bool position_sensitive) {
-  const char* op = position_sensitive ? "ps_roi_align_backward" : "roi_align_backward";
-  const int64_t planes = position_sensitive ? pooled_height * pooled_width : 1;
+                                   int64_t width) {
+  const char* op = "roi_align_backward";
   TORCH_CHECK(grad.dim() == 4, op, ": grad must be 4-D [K, C, PH, PW], got shape ", grad.sizes());
   TORCH_CHECK(rois.dim() == 2 && rois.size(1) == 5 && rois.size(0) == grad.size(0), op,
               ": rois must be [K, 5] with K = ", grad.size(0), ", got shape ", rois.sizes());
@@ -72,11 +55,11 @@ void check_roi_align_backward_args(const at::Tensor& grad, const at::Tensor& roi
   TORCH_CHECK(pooled_height > 0 && pooled_width > 0 && grad.size(2) == pooled_height && grad.size(3) == pooled_width,
               op, ": pooled_height, pooled_width must be positive and match grad's shape ", grad.sizes(), ", got ",
               pooled_height, ", ", pooled_width);
-  TORCH_CHECK(batch_size >= 0 && height >= 0 && width >= 0 && channels == grad.size(1) * planes, op,
-              ": batch_size, height, width must be >= 0 and channels = ", grad.size(1) * planes, ", got ",
-              batch_size, ", ", channels, ", ", height, ", ", width);
-  TORCH_CHECK(batch_size * planes * height * width < INT32_MAX && grad.size(0) * pooled_height * pooled_width < INT32_MAX,
-              op, ": batch_size * planes * height * width and K * PH * PW must be below 2^31 - 1");
+  TORCH_CHECK(batch_size >= 0 && height >= 0 && width >= 0 && channels == grad.size(1), op,
+              ": batch_size, height, width must be >= 0 and channels = ", grad.size(1), ", got ", batch_size, ", ",
+              channels, ", ", height, ", ", width);
+  TORCH_CHECK(batch_size * height * width < INT32_MAX && grad.size(0) * pooled_height * pooled_width < INT32_MAX, op,
+              ": batch_size * height * width and K * PH * PW must be below 2^31 - 1");
 }
 
 }  // namespace
@@ -84,18 +67,16 @@ void check_roi_align_backward_args(const at::Tensor& grad, const at::Tensor& roi
 at::Tensor roi_align_backward_with(const RoiAlignLaunches& launches, const at::Tensor& grad, const at::Tensor& rois,
                                    double spatial_scale, int64_t pooled_height, int64_t pooled_width,
                                    int64_t batch_size, int64_t channels, int64_t height, int64_t width,
-                                   int64_t sampling_ratio, bool aligned, bool position_sensitive) {
-  check_roi_align_backward_args(grad, rois, pooled_height, pooled_width, batch_size, channels, height, width,
-                                position_sensitive);
+                                   int64_t sampling_ratio, bool aligned) {
+  check_roi_align_backward_args(grad, rois, pooled_height, pooled_width, batch_size, channels, height, width);
   const at::Device device = grad.device();
   const int64_t num_rois = rois.size(0);
-  const int64_t planes = position_sensitive ? pooled_height * pooled_width : 1;
-  const int64_t destinations = batch_size * planes * height * width;
+  const int64_t destinations = batch_size * height * width;
   at::Tensor out = launches.empty({batch_size, channels, height, width}, grad.scalar_type(), device);
   const at::Tensor grad_c = grad.contiguous();
   const at::Tensor rois_c = rois.contiguous();
-  RoiAlignArgs args{num_rois, height, width, pooled_height, pooled_width, sampling_ratio, /*samples_per_roi=*/0,
-                    planes,   destinations, aligned};
+  RoiAlignArgs args{num_rois,       height,       width,  pooled_height, pooled_width,
+                    sampling_ratio, /*samples_per_roi=*/0, destinations, aligned};
   at::Tensor sample_offsets;
   int64_t total = 0;
   if (sampling_ratio > 0) {
@@ -109,9 +90,8 @@ at::Tensor roi_align_backward_with(const RoiAlignLaunches& launches, const at::T
   }
   if (total == 0 || channels == 0 || destinations == 0) return out.zero_();
   const int64_t chunk = max_chunk_samples(out.numel() * static_cast<int64_t>(out.element_size()));
-  const int64_t group_channels = channels / planes;  // gathered per (pixel, plane): C, or ps_roi_align's C_out
-  const GatherArgs gather_args{batch_size, (group_channels + kGroup - 1) / kGroup, group_channels, planes,
-                               height * width, pooled_height * pooled_width, /*accumulate=*/false,
+  const GatherArgs gather_args{batch_size,     (channels + kGroup - 1) / kGroup, channels, /*planes_per_image=*/1,
+                               height * width, pooled_height * pooled_width,     /*accumulate=*/false,
                                /*plane_major=*/false};
   for (int64_t first = 0; first < total; first += chunk) {
     const int64_t count = std::min(chunk, total - first);
@@ -134,31 +114,6 @@ void sort_and_gather(const at::Tensor& keys, const at::Tensor& sources, const at
       at::arange(destinations + 1, at::TensorOptions().dtype(at::kInt).device(keys.device()));
   const at::Tensor offsets = at::searchsorted(sorted, positions);
   gather(offsets, order, sources, weights, grad, args, out);
-}
-
-at::Tensor roi_csr_gather_with(GatherLaunch gather, at::Tensor (*empty)(at::IntArrayRef, at::ScalarType, at::Device),
-                               const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
-                               const at::Tensor& grad, int64_t batch, int64_t planes, int64_t channels,
-                               int64_t height, int64_t width) {
-  TORCH_CHECK(grad.dim() == 4 && grad.size(1) == channels && grad.size(2) * grad.size(3) == planes,
-              "roi_csr_gather: grad must be [K, channels, PH, PW] with PH * PW = planes, got ", grad.sizes());
-  TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == at::kInt && sources.sizes() == keys.sizes() &&
-                  sources.scalar_type() == at::kInt && weights.sizes() == keys.sizes() &&
-                  weights.scalar_type() == (grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat),
-              "roi_csr_gather: keys and sources must be 1-D int32 and weights float (double for double grad) of "
-              "one length");
-  TORCH_CHECK(keys.device() == grad.device() && sources.device() == grad.device() &&
-                  weights.device() == grad.device(),
-              "roi_csr_gather: keys, sources, weights and grad must be on one device");
-  const int64_t destinations = batch * planes * height * width;
-  TORCH_CHECK(batch >= 0 && height >= 0 && width >= 0 && destinations < INT32_MAX,
-              "roi_csr_gather: batch, height, width must be >= 0 with batch * planes * height * width < 2^31 - 1");
-  at::Tensor out = empty({batch, channels * planes, height, width}, grad.scalar_type(), grad.device());
-  if (keys.numel() == 0 || destinations == 0 || channels == 0) return out.zero_();
-  const GatherArgs args{batch, (channels + kGroup - 1) / kGroup, channels, planes, height * width, planes,
-                        /*accumulate=*/false, /*plane_major=*/false};
-  sort_and_gather(keys, sources, weights, destinations, grad.contiguous(), args, gather, out);
-  return out;
 }
 
 void csr_gather_cpu(const at::Tensor& offsets, const at::Tensor& order, const at::Tensor& sources,
@@ -214,30 +169,7 @@ at::Tensor roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois
   TORCH_CHECK(grad.is_cpu(), "roi_align_backward_cpu: grad must be a CPU tensor, got ", grad.device());
   static const RoiAlignLaunches launches{&sample_counts_cpu, &entries_cpu, &csr_gather_cpu, &empty_cpu};
   return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
-                                 channels, height, width, sampling_ratio, aligned, /*position_sensitive=*/false);
-}
-
-at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& channel_mapping,
-                                     double spatial_scale, int64_t pooled_height, int64_t pooled_width,
-                                     int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height,
-                                     int64_t width) {
-  TORCH_CHECK(grad.is_cpu(), "ps_roi_align_backward_cpu: grad must be a CPU tensor, got ", grad.device());
-  if (grad.scalar_type() != at::kDouble) {  // fixed-point sums (roi_fixed_point.h); float64 keeps the gather
-    return roi_fixed_point::ps_roi_align_backward_cpu(grad, rois, spatial_scale, pooled_height, pooled_width,
-                                                      sampling_ratio, batch_size, channels, height, width);
-  }
-  static const RoiAlignLaunches launches{&sample_counts_cpu, &entries_cpu, &csr_gather_cpu, &empty_cpu};
-  return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
-                                 channels, height, width, sampling_ratio, /*aligned=*/true,
-                                 /*position_sensitive=*/true);
-}
-
-at::Tensor roi_csr_gather_cpu(const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
-                              const at::Tensor& grad, int64_t batch, int64_t planes, int64_t channels, int64_t height,
-                              int64_t width) {
-  TORCH_CHECK(grad.is_cpu(), "roi_csr_gather_cpu: grad must be a CPU tensor, got ", grad.device());
-  return roi_csr_gather_with(&csr_gather_cpu, &empty_cpu, keys, sources, weights, grad, batch, planes, channels,
-                             height, width);
+                                 channels, height, width, sampling_ratio, aligned);
 }
 
 }  // namespace
@@ -246,19 +178,10 @@ TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "roi_align_backward(Tensor grad, Tensor rois, float spatial_scale, int pooled_height, int pooled_width, "
       "int batch_size, int channels, int height, int width, int sampling_ratio, bool aligned) -> Tensor");
-  m.def(
-      "ps_roi_align_backward(Tensor grad, Tensor rois, Tensor channel_mapping, float spatial_scale, "
-      "int pooled_height, int pooled_width, int sampling_ratio, int batch_size, int channels, int height, "
-      "int width) -> Tensor");
-  m.def(
-      "roi_csr_gather(Tensor keys, Tensor sources, Tensor weights, Tensor grad, int batch, int planes, "
-      "int channels, int height, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("roi_align_backward", &roi_align_backward_cpu);
-  m.impl("ps_roi_align_backward", &ps_roi_align_backward_cpu);
-  m.impl("roi_csr_gather", &roi_csr_gather_cpu);
 }
 
 }  // namespace deepep_lightning::roi

@@ -1,4 +1,4 @@
-// deepep_lightning::roi_align_backward and deepep_lightning::ps_roi_align_backward: the host side shared by the CPU and CUDA
+// deepep_lightning::roi_align_backward: the host side shared by the CPU and CUDA
 // kernels (roi_align_backward.cpp, cuda/roi_align_backward.cu). The math is in roi_csr_gather.h; a device
 // supplies the launches.
 #pragma once
@@ -42,17 +42,11 @@ void sort_and_gather(const at::Tensor& keys, const at::Tensor& sources, const at
                      int64_t destinations, const at::Tensor& grad, const GatherArgs& args, GatherLaunch gather,
                      at::Tensor& out);
 
-// deepep_lightning::roi_csr_gather: steps 2-4 for entries built by the caller (ps_roi_pool's, in Python).
-at::Tensor roi_csr_gather_with(GatherLaunch gather, at::Tensor (*empty)(at::IntArrayRef, at::ScalarType, at::Device),
-                               const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
-                               const at::Tensor& grad, int64_t batch, int64_t planes, int64_t channels,
-                               int64_t height, int64_t width);
-
 // Steps 1-4 of roi_csr_gather.h in chunks of at most max_chunk_samples(...) samples, the chunks' sums added
-// in chunk order. position_sensitive: ps_roi_align (grad [K, channels / (PH * PW), PH, PW], aligned).
+// in chunk order.
 at::Tensor roi_align_backward_with(const RoiAlignLaunches& launches, const at::Tensor& grad, const at::Tensor& rois,
                                    double spatial_scale, int64_t pooled_height, int64_t pooled_width,
                                    int64_t batch_size, int64_t channels, int64_t height, int64_t width,
-                                   int64_t sampling_ratio, bool aligned, bool position_sensitive);
+                                   int64_t sampling_ratio, bool aligned);
 
 }  // namespace deepep_lightning::roi

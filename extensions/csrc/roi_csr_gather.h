@@ -4,8 +4,7 @@
 // w / count into the 4 pixels around the sample, in every channel c. Which pixels a sample touches and with
 // which bilinear weight depend on the RoI box alone, never on c. So:
 //   1. one thread per sample writes its 4 entries: key = destination pixel (n * H + y) * W + x (the
-//      sentinel D = N * H * W when torchvision skips the corner; ps_roi_align's key also names the plane
-//      of the sample's bin, ((n * PH * PW + bin) * H + y) * W + x), source = r * PH * PW + ph * PW + pw,
+//      sentinel D = N * H * W when torchvision skips the corner), source = r * PH * PW + ph * PW + pw,
 //      weight = w / count (torchvision's bilinear_interpolate_gradient, its formulas and their order);
 //   2. a stable sort of the keys (entry order kept among equal keys) groups the entries of each pixel;
 //   3. a binary search per pixel gives its segment [start, end) of the sorted entries (CSR offsets);
@@ -18,8 +17,7 @@
 //
 // Generic layout of the gather: destination d = (n * B + b) * HW + p writes out[((n * C + c) * B + b) * HW
 // + p] (or, plane-major, out[((n * B + b) * C + c) * HW + p]) from grad[(source / bins) * C * bins + c *
-// bins + source % bins]; roi_align has B = 1, the position-sensitive ops B = PH * PW (grad_input channel
-// c * B + b holds output channel c at bin b), deform_conv2d B = offset groups, plane-major.
+// bins + source % bins]; roi_align has B = 1, deform_conv2d B = offset groups, plane-major.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -152,8 +150,7 @@ C10_HOST_DEVICE inline int64_t roi_of_sample(int64_t s, const int64_t* sample_of
 
 struct RoiAlignArgs {
   int64_t num_rois, height, width, pooled_h, pooled_w, sampling_ratio, samples_per_roi;
-  int64_t planes_per_image;  // 1 (roi_align), or PH * PW (ps_roi_align: bin b feeds plane b of its group)
-  int64_t num_destinations;  // D = N * planes_per_image * H * W: the sentinel key
+  int64_t num_destinations;  // D = N * H * W: the sentinel key
   bool aligned;
 };
 
@@ -181,7 +178,7 @@ C10_HOST_DEVICE inline void roi_align_sample_entries(int64_t s, int64_t e0, cons
   T w[kCorners];
   int64_t pixel[kCorners];
   const bool inside = bilinear_corners<T>(a.height, a.width, y, x, w, pixel);
-  const int64_t plane = (box.batch * a.planes_per_image + (a.planes_per_image > 1 ? bin : 0)) * a.height * a.width;
+  const int64_t plane = box.batch * a.height * a.width;
   const int32_t source = static_cast<int32_t>(r * a.pooled_h * a.pooled_w + bin);
   for (int k = 0; k < kCorners; ++k) {
     keys[e0 + k] = static_cast<int32_t>(inside ? plane + pixel[k] : a.num_destinations);

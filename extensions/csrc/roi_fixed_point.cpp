@@ -1,17 +1,14 @@
-// deepep_lightning::roi_pool_backward and deepep_lightning::ps_roi_pool_backward: torchvision's
-// _roi_pool_backward and _ps_roi_pool_backward (their arguments but spatial_scale, which roi_pool's backward
-// does not read, and ps_roi_pool's channel_mapping, which always holds c * PH * PW + b), as fixed-point
-// scatter-adds (roi_fixed_point.h, fixed_point_sum.h): bitwise reproducible, the same bits on the CPU and
-// CUDA, no host synchronisation and no data-dependent allocation (CUDA-graph capturable).
+// deepep_lightning::roi_pool_backward: torchvision's _roi_pool_backward (its arguments but spatial_scale, which
+// the backward does not read) as a fixed-point scatter-add (roi_fixed_point.h, fixed_point_sum.h): bitwise
+// reproducible, the same bits on the CPU and CUDA, no host synchronisation and no data-dependent allocation
+// (CUDA-graph capturable).
 //
 //   roi_pool_backward(grad [K, C, PH, PW], rois [K, 5], argmax [K, C, PH, PW] int32, batch_size, channels,
 //                     height, width) -> [N, C, H, W]
-//   ps_roi_pool_backward(grad [K, C / (PH * PW), PH, PW], rois [K, 5], spatial_scale, pooled_height,
-//                        pooled_width, batch_size, channels, height, width) -> [N, C, H, W]
 //
 // float16, bfloat16 and float32 (a 64-bit fixed-point sum holds about 46 bits below the largest term, more
-// than float32 and less than float64: float64 stays with the sorted double sums of ops/roi_pool.py and
-// ops/ps_roi_pool.py). The CPU loops run the per-thread functions of the header in order.
+// than float32 and less than float64: float64 stays with the sorted double sums of ops/roi_pool.py). The CPU
+// loops run the per-thread functions of the header in order.
 //
 // Arguments are validated in Python before this op runs; the checks here guard direct torch.ops callers.
 #include "roi_fixed_point.h"
@@ -29,15 +26,9 @@ namespace deepep_lightning::roi_fixed_point {
 
 namespace {
 
-const char* op_name(Op op) {
-  return op == Op::kRoiPool ? "roi_pool_backward" : (op == Op::kPsRoiPool ? "ps_roi_pool_backward" : "ps_roi_align_backward");
-}
-
-void check_args(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
-                int64_t pooled_height, int64_t pooled_width, int64_t batch_size, int64_t channels, int64_t height,
-                int64_t width) {
-  const char* name = op_name(op);
-  const int64_t bins = pooled_height * pooled_width;
+void check_args(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax, int64_t batch_size,
+                int64_t channels, int64_t height, int64_t width) {
+  const char* name = "roi_pool_backward";
   TORCH_CHECK(grad.dim() == 4, name, ": grad must be 4-D [K, C, PH, PW], got shape ", grad.sizes());
   TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kHalf ||
                   grad.scalar_type() == at::kBFloat16,
@@ -46,19 +37,13 @@ void check_args(Op op, const at::Tensor& grad, const at::Tensor& rois, const at:
               ": rois must be [K, 5] with K = ", grad.size(0), ", got shape ", rois.sizes());
   TORCH_CHECK(rois.scalar_type() == grad.scalar_type() && rois.device() == grad.device(), name,
               ": rois must have grad's dtype and device, got ", rois.scalar_type(), " on ", rois.device());
-  TORCH_CHECK(pooled_height > 0 && pooled_width > 0 && grad.size(2) == pooled_height && grad.size(3) == pooled_width,
-              name, ": pooled_height, pooled_width must be positive and match grad's shape ", grad.sizes(), ", got ",
-              pooled_height, ", ", pooled_width);
-  const int64_t expected_channels = op == Op::kRoiPool ? grad.size(1) : grad.size(1) * bins;
-  TORCH_CHECK(batch_size >= 0 && height >= 0 && width >= 0 && channels == expected_channels, name,
-              ": batch_size, height, width must be >= 0 and channels = ", expected_channels, ", got ", batch_size,
-              ", ", channels, ", ", height, ", ", width);
+  TORCH_CHECK(batch_size >= 0 && height >= 0 && width >= 0 && channels == grad.size(1), name,
+              ": batch_size, height, width must be >= 0 and channels = ", grad.size(1), ", got ", batch_size, ", ",
+              channels, ", ", height, ", ", width);
   TORCH_CHECK(height < INT32_MAX && width < INT32_MAX, name, ": height and width must be below 2^31 - 1");
-  if (op == Op::kRoiPool) {
-    TORCH_CHECK(argmax.sizes() == grad.sizes() && argmax.scalar_type() == at::kInt && argmax.device() == grad.device(),
-                name, ": argmax must be int32 of grad's shape and device, got ", argmax.scalar_type(), " ",
-                argmax.sizes(), " on ", argmax.device());
-  }
+  TORCH_CHECK(argmax.sizes() == grad.sizes() && argmax.scalar_type() == at::kInt && argmax.device() == grad.device(),
+              name, ": argmax must be int32 of grad's shape and device, got ", argmax.scalar_type(), " ",
+              argmax.sizes(), " on ", argmax.device());
 }
 
 // ---------------------------------------------------------------- CPU launches
@@ -71,56 +56,21 @@ void add_term(int64_t* sums, uint32_t* flags, const Shape& shape, const Slot& sl
   }
 }
 
-void accumulate_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
-                    double spatial_scale, const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits,
-                    at::Tensor& sums, at::Tensor& flags) {
+void accumulate_cpu(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax, const Shape& shape,
+                    const Chunk& chunk, const at::Tensor& max_bits, at::Tensor& sums, at::Tensor& flags) {
   const int s = fixed_point::scale_exponent(fixed_point::max_finite_abs_of(max_bits), shape.terms_bits);
   int64_t* sum_data = sums.data_ptr<int64_t>();
   uint32_t* flag_data = reinterpret_cast<uint32_t*>(flags.data_ptr<int32_t>());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cpu", [&] {
     const scalar_t* grad_data = grad.const_data_ptr<scalar_t>();
     const scalar_t* roi_data = rois.const_data_ptr<scalar_t>();
+    const int32_t* argmax_data = argmax.const_data_ptr<int32_t>();
     Slot slot{0, 0};
     int64_t source = 0;
-    if (op == Op::kRoiPool) {
-      const int32_t* argmax_data = argmax.const_data_ptr<int32_t>();
-      const int64_t threads = shape.num_rois * chunk.count * shape.pooled_h * shape.pooled_w;
-      for (int64_t i = 0; i < threads; ++i) {
-        if (roi_pool_term(i, roi_data, argmax_data, shape, chunk, &slot, &source)) {
-          add_term(sum_data, flag_data, shape, slot, static_cast<double>(grad_data[source]), s);
-        }
-      }
-      return;
-    }
-    if (op == Op::kPsRoiAlign) {
-      using T = at::opmath_type<scalar_t>;
-      for (int64_t i = 0; i < shape.num_rois * chunk.count; ++i) {
-        const PsAlignBin<T> bin = ps_roi_align_bin(i, grad_data, roi_data, static_cast<T>(spatial_scale), shape, chunk);
-        for (int64_t iy = 0; iy < bin.box.grid_h; ++iy) {
-          for (int64_t ix = 0; ix < bin.box.grid_w; ++ix) {
-            T y;
-            T x;
-            roi::sample_point(bin.box, bin.ph, bin.pw, iy, ix, &y, &x);
-            T w[roi::kCorners];
-            int64_t pixel[roi::kCorners];
-            if (!roi::bilinear_corners<T>(shape.height, shape.width, y, x, w, pixel)) continue;
-            for (int c = 0; c < roi::kCorners; ++c) {
-              const double term = static_cast<double>(bin.grad * w[c] / bin.box.count);
-              add_term(sum_data, flag_data, shape, Slot{bin.plane, pixel[c]}, term, s);
-            }
-          }
-        }
-      }
-      return;
-    }
-    const scalar_t scale = static_cast<scalar_t>(spatial_scale);
-    for (int64_t i = 0; i < shape.num_rois * chunk.count; ++i) {
-      const PsBin<scalar_t> bin = ps_roi_pool_bin(i, grad_data, roi_data, scale, shape, chunk, &source);
-      const int64_t plane = bin.batch * chunk.count + i % chunk.count;
-      for (int h = bin.h0; h < bin.h1; ++h) {
-        for (int w = bin.w0; w < bin.w1; ++w) {
-          add_term(sum_data, flag_data, shape, Slot{plane, h * shape.width + w}, static_cast<double>(bin.value), s);
-        }
+    const int64_t threads = shape.num_rois * chunk.count * shape.pooled_h * shape.pooled_w;
+    for (int64_t i = 0; i < threads; ++i) {
+      if (roi_pool_term(i, roi_data, argmax_data, shape, chunk, &slot, &source)) {
+        add_term(sum_data, flag_data, shape, slot, static_cast<double>(grad_data[source]), s);
       }
     }
   });
@@ -158,46 +108,26 @@ const Launches kCpuLaunches{&fixed_point::max_finite_abs_cpu, &accumulate_cpu, &
 at::Tensor roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                                  int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
   TORCH_CHECK(grad.is_cpu(), "roi_pool_backward_cpu: grad must be a CPU tensor, got ", grad.device());
-  return backward_with(kCpuLaunches, Op::kRoiPool, grad, rois, argmax, 1.0, pooled_size(grad, 2),
-                       pooled_size(grad, 3), 0, batch_size, channels, height, width);
-}
-
-at::Tensor ps_roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
-                                    int64_t pooled_height, int64_t pooled_width, int64_t batch_size, int64_t channels,
-                                    int64_t height, int64_t width) {
-  TORCH_CHECK(grad.is_cpu(), "ps_roi_pool_backward_cpu: grad must be a CPU tensor, got ", grad.device());
-  return backward_with(kCpuLaunches, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
-                       pooled_width, 0, batch_size, channels, height, width);
+  return backward_with(kCpuLaunches, grad, rois, argmax, batch_size, channels, height, width);
 }
 
 }  // namespace
 
-at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
-                                     int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
-                                     int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
-  return backward_with(kCpuLaunches, Op::kPsRoiAlign, grad, rois, at::Tensor(), spatial_scale, pooled_height,
-                       pooled_width, sampling_ratio, batch_size, channels, height, width);
-}
-
-at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad, const at::Tensor& rois,
-                         const at::Tensor& argmax, double spatial_scale, int64_t pooled_height, int64_t pooled_width,
-                         int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
-  check_args(op, grad, rois, argmax, pooled_height, pooled_width, batch_size, channels, height, width);
+at::Tensor backward_with(const Launches& launches, const at::Tensor& grad, const at::Tensor& rois,
+                         const at::Tensor& argmax, int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
+  check_args(grad, rois, argmax, batch_size, channels, height, width);
   const at::Device device = grad.device();
   const int64_t num_rois = grad.size(0);
+  const int64_t pooled_height = grad.size(2);
+  const int64_t pooled_width = grad.size(3);
   const int64_t plane = height * width;
   at::Tensor out = launches.empty({batch_size, channels, height, width}, grad.scalar_type(), device);
   if (num_rois == 0 || out.numel() == 0) return out.zero_();
-  const int64_t samples_near_a_pixel = sampling_ratio > 0 ? sampling_ratio * sampling_ratio : 25;
-  const int64_t terms_bound = op == Op::kRoiPool     ? num_rois * pooled_height * pooled_width
-                              : op == Op::kPsRoiPool ? num_rois
-                                                     : 4 * num_rois * samples_near_a_pixel;
-  const Shape shape{num_rois,     batch_size,   channels,       height,
-                    width,        pooled_height, pooled_width,  sampling_ratio,
-                    fixed_point::term_bits(terms_bound)};
+  const Shape shape{num_rois,      batch_size,   channels, height, width,
+                    pooled_height, pooled_width, fixed_point::term_bits(num_rois * pooled_height * pooled_width)};
   const at::Tensor grad_c = grad.contiguous();
   const at::Tensor rois_c = rois.contiguous();
-  const at::Tensor argmax_c = op == Op::kRoiPool ? argmax.contiguous() : argmax;
+  const at::Tensor argmax_c = argmax.contiguous();
   at::Tensor max_bits = at::zeros({1}, at::TensorOptions().dtype(at::kInt).device(device));
   launches.max_abs(grad_c, max_bits);
   const int64_t per_chunk = fixed_point::rows_per_chunk(channels, batch_size * plane);
@@ -207,7 +137,7 @@ at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad
       at::zeros({chunk_planes * words_per_plane(shape)}, at::TensorOptions().dtype(at::kInt).device(device));
   for (int64_t first = 0; first < channels; first += per_chunk) {
     const Chunk chunk{first, std::min(per_chunk, channels - first)};
-    launches.accumulate(op, grad_c, rois_c, argmax_c, spatial_scale, shape, chunk, max_bits, sums, flags);
+    launches.accumulate(grad_c, rois_c, argmax_c, shape, chunk, max_bits, sums, flags);
     launches.finish(shape, chunk, max_bits, sums, flags, out);
   }
   return out;
@@ -217,14 +147,10 @@ TORCH_LIBRARY_FRAGMENT(deepep_lightning, m) {
   m.def(
       "roi_pool_backward(Tensor grad, Tensor rois, Tensor argmax, int batch_size, int channels, int height, "
       "int width) -> Tensor");
-  m.def(
-      "ps_roi_pool_backward(Tensor grad, Tensor rois, float spatial_scale, int pooled_height, int pooled_width, "
-      "int batch_size, int channels, int height, int width) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepep_lightning, CPU, m) {
   m.impl("roi_pool_backward", &roi_pool_backward_cpu);
-  m.impl("ps_roi_pool_backward", &ps_roi_pool_backward_cpu);
 }
 
 }  // namespace deepep_lightning::roi_fixed_point

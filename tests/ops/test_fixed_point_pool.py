@@ -1,11 +1,10 @@
-"""The fixed-point roi_pool / ps_roi_pool / ps_roi_align backwards (extensions/csrc/roi_fixed_point.cpp,
-fixed_point_sum.h).
+"""The fixed-point roi_pool backward (extensions/csrc/roi_fixed_point.cpp, fixed_point_sum.h).
 
 Each sum is exact in fixed-point quanta, so it cannot depend on the order of its terms: reordering the RoIs
 leaves every bit in place, where torchvision's float sums (its CPU kernel, in RoI order) change — the negative
 control. Against the float64 sum the error stays within float32 rounding; non-finite terms give what a float
-sum gives; the chunks of channels (forced here by a large plane) cover every output; the ops pass opcheck and
-refuse float64 by name. On the GPU (marked): the CUDA kernels give the CPU kernels' bits, repeat bitwise and
+sum gives; the chunks of channels (forced here by a large plane) cover every output; the op passes opcheck and
+refuses float64 by name. On the GPU (marked): the CUDA kernels give the CPU kernels' bits, repeat bitwise and
 run inside CUDA-graph capture.
 """
 
@@ -15,31 +14,24 @@ import torch
 pytest.importorskip("torchvision")
 import torchvision.ops  # noqa: E402, F401 - registers torchvision's ops
 
-from deepep_lightning.ops import extension_available, ps_roi_pool, roi_pool  # noqa: E402, F401 - their fakes
+from deepep_lightning.ops import extension_available, roi_pool  # noqa: E402, F401 - its fake
 
 pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
-OPS = ("roi_pool", "ps_roi_pool", "ps_roi_align", "ps_roi_align_adaptive")
-SAMPLING = {"ps_roi_align": 2, "ps_roi_align_adaptive": -1}  # ps_roi_align's sampling_ratio per case
+OPS = ("roi_pool",)
 
 
 def _case(op, dtype=torch.float32, device="cpu", rois=400, channels=None, size=(24, 30), seed=0, spread=12):
     """Many overlapping boxes on a small map (hundreds of terms per pixel) and a gradient of mixed magnitudes."""
     generator = torch.Generator().manual_seed(seed)
     height, width = size
-    channels = channels or (4 if op == "roi_pool" else 2 * 9)
-    ratio = SAMPLING.get(op)
+    channels = channels or 4
     corner = torch.rand(rois, 2, generator=generator) * torch.tensor([width * 4.0, height * 4.0])
     extent = torch.rand(rois, 2, generator=generator) * torch.tensor([width * 3.0, height * 3.0]) + 1
     batch = torch.randint(0, 2, (rois, 1), generator=generator).float()
     boxes = torch.cat([batch, corner, corner + extent], dim=1)
     features = torch.randn(2, channels, height, width, generator=generator, dtype=torch.float64)
-    if op == "roi_pool":
-        out, argmax = torch.ops.torchvision.roi_pool(features, boxes.double(), 0.25, 3, 3)
-    elif ratio is None:
-        out, argmax = torch.ops.torchvision.ps_roi_pool(features, boxes.double(), 0.25, 3, 3)
-    else:  # argmax: the channel mapping
-        out, argmax = torch.ops.torchvision.ps_roi_align(features, boxes.double(), 0.25, 3, 3, ratio)
+    out, argmax = torch.ops.torchvision.roi_pool(features, boxes.double(), 0.25, 3, 3)
     grad = torch.randn(out.shape, generator=generator, dtype=torch.float64)
     grad = grad * torch.exp2(torch.randint(-spread, spread, out.shape, generator=generator).double())
     return {
@@ -54,12 +46,7 @@ def _ours(op, case, order=None):
     grad, rois, argmax = case["grad"], case["rois"], case["argmax"]
     if order is not None:
         grad, rois, argmax = grad[order], rois[order], argmax[order]
-    if op == "roi_pool":
-        return torch.ops.deepep_lightning.roi_pool_backward(grad, rois, argmax, *case["shape"])
-    if op in SAMPLING:
-        backward = torch.ops.deepep_lightning.ps_roi_align_backward
-        return backward(grad, rois, argmax, 0.25, 3, 3, SAMPLING[op], *case["shape"])
-    return torch.ops.deepep_lightning.ps_roi_pool_backward(grad, rois, 0.25, 3, 3, *case["shape"])
+    return torch.ops.deepep_lightning.roi_pool_backward(grad, rois, argmax, *case["shape"])
 
 
 def _torchvision(op, case, dtype=None, order=None):
@@ -68,9 +55,6 @@ def _torchvision(op, case, dtype=None, order=None):
         grad, rois, argmax = grad[order], rois[order], argmax[order]
     if dtype is not None:
         grad, rois = grad.to(dtype), rois.to(dtype)
-    if op in SAMPLING:
-        backward = torch.ops.torchvision._ps_roi_align_backward
-        return backward(grad, rois, argmax, 0.25, 3, 3, SAMPLING[op], *case["shape"])
     backward = getattr(torch.ops.torchvision, f"_{op}_backward")
     return backward(grad, rois, argmax, 0.25, 3, 3, *case["shape"])
 
@@ -92,11 +76,9 @@ def test_equals_the_exact_sum_rounded(op, dtype):
     ours = _ours(op, case)
     assert ours.dtype == dtype and exact.abs().max() > 0
     eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny * torch.finfo(dtype).eps
-    if op == "roi_pool":  # the terms are the gradient's values: one rounding of the exact sum (two for 16 bits)
-        error = (ours.double() - exact).abs()
-        assert (error <= eps * exact.abs() + tiny + exact.abs().max() * 2**-40).all(), error.max()
-    else:  # each term is rounded first (grad / area, or grad * w / count), as torchvision's kernel computes it
-        torch.testing.assert_close(ours.double(), exact, rtol=16 * eps, atol=16 * eps * exact.abs().max())
+    # the terms are the gradient's values: one rounding of the exact sum (two for 16 bits)
+    error = (ours.double() - exact).abs()
+    assert (error <= eps * exact.abs() + tiny + exact.abs().max() * 2**-40).all(), error.max()
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -115,26 +97,13 @@ def test_non_finite_terms_give_what_a_float_sum_gives(op):
 
 
 def test_empty_rois_opcheck_and_a_float64_gradient_refused_by_name():
-    for op in ("roi_pool", "ps_roi_pool"):
-        case = _case(op, rois=8)
-        empty = {**case, "grad": case["grad"][:0], "rois": case["rois"][:0], "argmax": case["argmax"][:0]}
-        assert torch.equal(_ours(op, empty), torch.zeros(case["shape"]))
-        if op == "roi_pool":
-            args = (case["grad"], case["rois"], case["argmax"], *case["shape"])
-        else:
-            args = (case["grad"], case["rois"], 0.25, 3, 3, *case["shape"])
-        torch.library.opcheck(getattr(torch.ops.deepep_lightning, f"{op}_backward").default, args)
-        with pytest.raises(RuntimeError, match=f"{op}_backward: grad must be float32, float16 or bfloat16"):
-            _ours(op, {**case, "grad": case["grad"].double(), "rois": case["rois"].double()})
-
-
-def test_ps_roi_align_takes_float64_through_the_gather_and_the_rest_through_fixed_point():
-    case = _case("ps_roi_align", rois=60)
-    exact = _torchvision("ps_roi_align", case, dtype=torch.float64)
-    as_float64 = _ours("ps_roi_align", {**case, "grad": case["grad"].double(), "rois": case["rois"].double()})
-    torch.testing.assert_close(as_float64, exact, rtol=1e-12, atol=1e-12)  # float64 precision: the gather
-    order = torch.randperm(60, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(_ours("ps_roi_align", case), _ours("ps_roi_align", case, order))  # float32: fixed point
+    case = _case("roi_pool", rois=8)
+    empty = {**case, "grad": case["grad"][:0], "rois": case["rois"][:0], "argmax": case["argmax"][:0]}
+    assert torch.equal(_ours("roi_pool", empty), torch.zeros(case["shape"]))
+    args = (case["grad"], case["rois"], case["argmax"], *case["shape"])
+    torch.library.opcheck(torch.ops.deepep_lightning.roi_pool_backward.default, args)
+    with pytest.raises(RuntimeError, match="roi_pool_backward: grad must be float32, float16 or bfloat16"):
+        _ours("roi_pool", {**case, "grad": case["grad"].double(), "rois": case["rois"].double()})
 
 
 # plane sizes that are not whole flag words or warps, one pixel, more planes than a grid's y extent (65535), and
@@ -169,7 +138,7 @@ def test_gpu_edge_shapes_give_the_cpu_bits(shape):
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_cuda_gives_the_cpu_bits_and_repeats_them(op, dtype):
-    case = _case(op, dtype, rois=2000, channels=64 if op == "roi_pool" else 9 * 16, size=(50, 84))
+    case = _case(op, dtype, rois=2000, channels=64, size=(50, 84))
     on_cpu = _ours(op, case)
     on_cuda = {key: value.cuda() if isinstance(value, torch.Tensor) else value for key, value in case.items()}
     first = _ours(op, on_cuda)

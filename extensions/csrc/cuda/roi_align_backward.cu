@@ -1,5 +1,4 @@
-// Deterministic CUDA kernels of deepep_lightning::roi_align_backward and deepep_lightning::ps_roi_align_backward (one sparse map
-// and gather serves both; schemas, host driver and CPU kernels:
+// Deterministic CUDA kernels of deepep_lightning::roi_align_backward (schema, host driver and CPU kernels:
 // ../roi_align_backward.cpp; the per-thread math: ../roi_csr_gather.h).
 //
 // torchvision's roi_align_backward_kernel adds into grad_input with float atomicAdd, so the last bits
@@ -22,7 +21,6 @@
 #include <torch/library.h>
 
 #include "../roi_align_backward.h"
-#include "../roi_fixed_point.h"
 #include "gather_launch.cuh"
 
 namespace deepep_lightning::roi {
@@ -97,36 +95,7 @@ at::Tensor roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& roi
   const c10::cuda::CUDAGuard device_guard(grad.device());
   static const RoiAlignLaunches launches{&sample_counts_cuda, &entries_cuda, &csr_gather_cuda, &empty_cuda};
   return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
-                                 channels, height, width, sampling_ratio, aligned, /*position_sensitive=*/false);
-}
-
-at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& rois,
-                                      const at::Tensor& channel_mapping, double spatial_scale, int64_t pooled_height,
-                                      int64_t pooled_width, int64_t sampling_ratio, int64_t batch_size,
-                                      int64_t channels, int64_t height, int64_t width) {
-  TORCH_CHECK(grad.is_cuda(), "ps_roi_align_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
-  const c10::cuda::CUDAGuard device_guard(grad.device());
-  if (grad.scalar_type() != at::kDouble) {  // fixed-point sums (roi_fixed_point.h); float64 keeps the gather
-    return roi_fixed_point::ps_roi_align_backward_cuda(grad, rois, spatial_scale, pooled_height, pooled_width,
-                                                       sampling_ratio, batch_size, channels, height, width);
-  }
-  static const RoiAlignLaunches launches{&sample_counts_cuda, &entries_cuda, &csr_gather_cuda, &empty_cuda};
-  return roi_align_backward_with(launches, grad, rois, spatial_scale, pooled_height, pooled_width, batch_size,
-                                 channels, height, width, sampling_ratio, /*aligned=*/true,
-                                 /*position_sensitive=*/true);
-}
-
-}  // namespace
-
-namespace {
-
-at::Tensor roi_csr_gather_cuda(const at::Tensor& keys, const at::Tensor& sources, const at::Tensor& weights,
-                               const at::Tensor& grad, int64_t batch, int64_t planes, int64_t channels,
-                               int64_t height, int64_t width) {
-  TORCH_CHECK(grad.is_cuda(), "roi_csr_gather_cuda: grad must be a CUDA tensor, got ", grad.device());
-  const c10::cuda::CUDAGuard device_guard(grad.device());
-  return roi_csr_gather_with(&csr_gather_cuda, &empty_cuda, keys, sources, weights, grad, batch, planes, channels,
-                             height, width);
+                                 channels, height, width, sampling_ratio, aligned);
 }
 
 }  // namespace
@@ -148,8 +117,6 @@ void csr_gather_cuda(const at::Tensor& offsets, const at::Tensor& order, const a
 
 TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("roi_align_backward", &roi_align_backward_cuda);
-  m.impl("ps_roi_align_backward", &ps_roi_align_backward_cuda);
-  m.impl("roi_csr_gather", &roi_csr_gather_cuda);
 }
 
 }  // namespace deepep_lightning::roi

@@ -1,9 +1,8 @@
-// CUDA kernels of deepep_lightning::roi_pool_backward, deepep_lightning::ps_roi_pool_backward and the 16/32-bit
-// deepep_lightning::ps_roi_align_backward (schemas, host driver and CPU loops: ../roi_fixed_point.cpp; the
-// per-thread math: ../roi_fixed_point.h and ../fixed_point_sum.h).
+// CUDA kernels of deepep_lightning::roi_pool_backward (schema, host driver and CPU loops: ../roi_fixed_point.cpp;
+// the per-thread math: ../roi_fixed_point.h and ../fixed_point_sum.h).
 //
-// torchvision's kernels add each bin's gradient into grad_input with float atomicAdd: the order of the
-// additions, and so the last bits, change from run to run, and both refuse deterministic mode. These kernels
+// torchvision's kernel adds each bin's gradient into grad_input with float atomicAdd: the order of the
+// additions, and so the last bits, change from run to run, and it refuses deterministic mode. These kernels
 // keep that one pass over the bins, one thread per bin, but add each term as a 64-bit integer (its value in
 // fixed-point quanta) with integer atomicAdd: integer addition is associative, so the sums do not depend on
 // the order the atomics land in. The largest finite |grad| (fixed_point_sum.cu) once, then per chunk of
@@ -54,58 +53,10 @@ __global__ void roi_pool_kernel(int64_t threads, const scalar_t* __restrict__ gr
   }
 }
 
-template <typename scalar_t>
-__global__ void ps_roi_pool_kernel(int64_t threads, const scalar_t* __restrict__ grad,
-                                   const scalar_t* __restrict__ rois, scalar_t spatial_scale, Shape shape, Chunk chunk,
-                                   const unsigned int* __restrict__ max_bits, unsigned long long* __restrict__ sums,
-                                   unsigned int* __restrict__ flags) {
-  const int s = fixed_point::scale_exponent(__uint_as_float(*max_bits), shape.terms_bits);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < threads;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    int64_t source = 0;
-    const PsBin<scalar_t> bin = ps_roi_pool_bin(i, grad, rois, spatial_scale, shape, chunk, &source);
-    const int64_t plane = bin.batch * chunk.count + i % chunk.count;
-    const double term = static_cast<double>(bin.value);
-    for (int h = bin.h0; h < bin.h1; ++h) {
-      for (int w = bin.w0; w < bin.w1; ++w) add_term(sums, flags, shape, Slot{plane, h * shape.width + w}, term, s);
-    }
-  }
-}
-
-template <typename scalar_t, typename T>
-__global__ void ps_roi_align_kernel(int64_t threads, const scalar_t* __restrict__ grad,
-                                    const scalar_t* __restrict__ rois, T spatial_scale, Shape shape, Chunk chunk,
-                                    const unsigned int* __restrict__ max_bits, unsigned long long* __restrict__ sums,
-                                    unsigned int* __restrict__ flags) {
-  const int s = fixed_point::scale_exponent(__uint_as_float(*max_bits), shape.terms_bits);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < threads;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const PsAlignBin<T> bin = ps_roi_align_bin(i, grad, rois, spatial_scale, shape, chunk);
-    for (int64_t iy = 0; iy < bin.box.grid_h; ++iy) {
-      for (int64_t ix = 0; ix < bin.box.grid_w; ++ix) {
-        T y;
-        T x;
-        roi::sample_point(bin.box, bin.ph, bin.pw, iy, ix, &y, &x);
-        T w[roi::kCorners];
-        int64_t pixel[roi::kCorners];
-        if (!roi::bilinear_corners<T>(shape.height, shape.width, y, x, w, pixel)) continue;
-#pragma unroll
-        for (int c = 0; c < roi::kCorners; ++c) {
-          add_term(sums, flags, shape, Slot{bin.plane, pixel[c]}, static_cast<double>(bin.grad * w[c] / bin.box.count),
-                   s);
-        }
-      }
-    }
-  }
-}
-
 // One thread per output (blockIdx.y walks the chunk's planes, so a thread divides once per plane; consecutive
 // threads read and write consecutive sums and outputs): reads its sum and its byte of the flag word it shares
 // with three neighbours in its warp, writes grad_input, and clears the sum and, once the warp has read it, the
-// word for the next chunk. This pass is not what the ops' time goes to: marking each term's 32-output tile so that
-// the pass could write the zeros of unmarked tiles without reading their sums left ps_roi_pool at P2 (most tiles
-// unmarked) at 0.88 ms against 0.90 ms and made P3..P5 1.6-2.4x slower (the marks' scattered stores;
-// bench_torchvision_ops.py, H100).
+// word for the next chunk.
 template <typename scalar_t>
 __global__ void finish_kernel(Shape shape, Chunk chunk, const unsigned int* __restrict__ max_bits,
                               long long* __restrict__ sums, unsigned int* __restrict__ flags,
@@ -133,34 +84,17 @@ __global__ void finish_kernel(Shape shape, Chunk chunk, const unsigned int* __re
   }
 }
 
-void accumulate_cuda(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
-                     double spatial_scale, const Shape& shape, const Chunk& chunk, const at::Tensor& max_bits,
-                     at::Tensor& sums, at::Tensor& flags) {
+void accumulate_cuda(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax, const Shape& shape,
+                     const Chunk& chunk, const at::Tensor& max_bits, at::Tensor& sums, at::Tensor& flags) {
+  const int64_t threads = shape.num_rois * chunk.count * shape.pooled_h * shape.pooled_w;
+  if (threads == 0) return;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const auto* bits = reinterpret_cast<const unsigned int*>(max_bits.const_data_ptr<int32_t>());
-  auto* sum_data = reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>());
-  auto* flag_data = reinterpret_cast<unsigned int*>(flags.data_ptr<int32_t>());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "roi_pool_backward_cuda", [&] {
-    if (op == Op::kRoiPool) {
-      const int64_t threads = shape.num_rois * chunk.count * shape.pooled_h * shape.pooled_w;
-      if (threads == 0) return;
-      roi_pool_kernel<scalar_t><<<grid_blocks(threads), kThreads, 0, stream>>>(
-          threads, grad.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(),
-          shape, chunk, bits, sum_data, flag_data);
-    } else if (op == Op::kPsRoiAlign) {
-      using T = at::opmath_type<scalar_t>;
-      const int64_t threads = shape.num_rois * chunk.count;
-      if (threads == 0) return;
-      ps_roi_align_kernel<scalar_t, T><<<grid_blocks(threads), kThreads, 0, stream>>>(
-          threads, grad.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), static_cast<T>(spatial_scale),
-          shape, chunk, bits, sum_data, flag_data);
-    } else {
-      const int64_t threads = shape.num_rois * chunk.count;
-      if (threads == 0) return;
-      ps_roi_pool_kernel<scalar_t><<<grid_blocks(threads), kThreads, 0, stream>>>(
-          threads, grad.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(),
-          static_cast<scalar_t>(spatial_scale), shape, chunk, bits, sum_data, flag_data);
-    }
+    roi_pool_kernel<scalar_t><<<grid_blocks(threads), kThreads, 0, stream>>>(
+        threads, grad.const_data_ptr<scalar_t>(), rois.const_data_ptr<scalar_t>(), argmax.const_data_ptr<int32_t>(),
+        shape, chunk, reinterpret_cast<const unsigned int*>(max_bits.const_data_ptr<int32_t>()),
+        reinterpret_cast<unsigned long long*>(sums.data_ptr<int64_t>()),
+        reinterpret_cast<unsigned int*>(flags.data_ptr<int32_t>()));
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -192,32 +126,13 @@ at::Tensor roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois
                                   int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
   TORCH_CHECK(grad.is_cuda(), "roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
   const c10::cuda::CUDAGuard device_guard(grad.device());
-  return backward_with(kCudaLaunches, Op::kRoiPool, grad, rois, argmax, 1.0, pooled_size(grad, 2),
-                       pooled_size(grad, 3), 0, batch_size, channels, height, width);
-}
-
-at::Tensor ps_roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
-                                     int64_t pooled_height, int64_t pooled_width, int64_t batch_size,
-                                     int64_t channels, int64_t height, int64_t width) {
-  TORCH_CHECK(grad.is_cuda(), "ps_roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
-  const c10::cuda::CUDAGuard device_guard(grad.device());
-  return backward_with(kCudaLaunches, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
-                       pooled_width, 0, batch_size, channels, height, width);
+  return backward_with(kCudaLaunches, grad, rois, argmax, batch_size, channels, height, width);
 }
 
 }  // namespace
 
-at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
-                                      int64_t pooled_height, int64_t pooled_width, int64_t sampling_ratio,
-                                      int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
-  const c10::cuda::CUDAGuard device_guard(grad.device());
-  return backward_with(kCudaLaunches, Op::kPsRoiAlign, grad, rois, at::Tensor(), spatial_scale, pooled_height,
-                       pooled_width, sampling_ratio, batch_size, channels, height, width);
-}
-
 TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("roi_pool_backward", &roi_pool_backward_cuda);
-  m.impl("ps_roi_pool_backward", &ps_roi_pool_backward_cuda);
 }
 
 }  // namespace deepep_lightning::roi_fixed_point
