@@ -7,15 +7,16 @@ channel (the forward's per-channel ``argmax``): the backward is a scatter-add of
 into plane ``(batch index of k) * C + c`` at position ``argmax[k, c, ph, pw]``. Bins without a pixel
 (``argmax == -1``) add nothing.
 
-float16, bfloat16 and float32 go through ``torch.ops.deepep_lightning.roi_pool_backward``
-(``extensions/csrc/roi_fixed_point.cpp``): the atomic kernel's one pass, with every term added as a 64-bit
-fixed-point integer, so the sums do not depend on the order of the atomics (``fixed_point_sum.h``). float64,
-whose precision a 64-bit fixed-point sum cannot hold, goes through
-:func:`deepep_lightning.ops.scatter.segment_scatter_add` (stable sort of the targets, each element summed
-once in a fixed order, in double).
+``torch.ops.deepep_lightning.roi_pool_backward`` (``extensions/csrc/roi_tiles.h``) writes every
+``grad_input`` element once: a tile of pixels of one image lists, in RoI order, the RoIs whose bins
+(torchvision's formulas: ``round`` of the scaled box, bins ``[floor(ph * bin_h), ceil((ph + 1) * bin_h))``
+offset and clipped) cover it, and each pixel adds the gradient of every bin that holds it and whose argmax it
+is, in torchvision's CPU order (RoI, then bin), whose float32 and float64 bits it gives. A bin's maximum lies in
+the bin, so the gather reads a bin's argmax only at the bin's pixels. No atomics, no host synchronisation
+(CUDA-graph capturable), the same bits on the CPU and CUDA.
 
-Covered: float16/bfloat16/float32/float64, empty RoI lists, non-contiguous gradients, any device of the
-extension. Without torchvision nothing is registered.
+Covered: float16/bfloat16/float32/float64 (16-bit terms summed in float, rounded once), empty RoI lists,
+non-contiguous gradients, any device of the extension. Without torchvision nothing is registered.
 """
 
 import torch
@@ -24,7 +25,6 @@ from torch import Tensor
 from deepep_lightning.ops import _torchvision_entry
 from deepep_lightning.ops._guards import FLOAT_DTYPES, kernels_reason, register_fakes
 from deepep_lightning.ops._routes import Route, register_route
-from deepep_lightning.ops.scatter import segment_scatter_add
 
 __all__ = ["roi_pool_backward", "roi_pool_backward_unsupported_reason"]
 
@@ -58,14 +58,16 @@ def roi_pool_backward_unsupported_reason(
         return f"sizes {sizes!r} must be ints"
     if pooled_height <= 0 or pooled_width <= 0 or min(batch_size, channels, height, width) < 0:
         return f"pooled sizes must be positive and batch_size, channels, height, width >= 0, got {sizes!r}"
+    if not isinstance(spatial_scale, float | int) or isinstance(spatial_scale, bool):
+        return f"spatial_scale {spatial_scale!r} must be a float"
     if grad.dim() != 4 or tuple(grad.shape[1:]) != (channels, pooled_height, pooled_width):
         return f"grad of shape {tuple(grad.shape)} is not [K, {channels}, {pooled_height}, {pooled_width}]"
     if argmax.shape != grad.shape:
         return f"argmax of shape {tuple(argmax.shape)} is not grad's {tuple(grad.shape)}"
     if rois.dim() != 2 or tuple(rois.shape) != (grad.shape[0], 5):
         return f"rois of shape {tuple(rois.shape)} is not [{grad.shape[0]}, 5]"
-    if batch_size * channels * height * width > _INT32_LIMIT or grad.numel() > _INT32_LIMIT:
-        return "batch_size * channels * height * width and grad.numel() must be below 2^31 - 1 (32-bit keys)"
+    if height * width > _INT32_LIMIT:
+        return "height * width must be below 2^31 - 1 (int32 argmax)"
     if not grad.device == rois.device == argmax.device:
         return f"grad, rois and argmax are on different devices ({grad.device}, {rois.device}, {argmax.device})"
     return kernels_reason(grad)
@@ -89,8 +91,8 @@ def roi_pool_backward(
         grad: ``[K, C, PH, PW]``, the gradient of ``roi_pool``'s output.
         rois: ``[K, 5]`` boxes ``(batch index, x1, y1, x2, y2)``, ``grad``'s dtype and device.
         argmax: ``[K, C, PH, PW]`` int32/int64, the forward's flat position of each bin's maximum in its
-            ``H x W`` plane (-1: empty bin).
-        spatial_scale: unused by the backward (the positions are in ``argmax``); kept for the schema.
+            ``H x W`` plane (-1: empty bin); a position outside its bin is not read.
+        spatial_scale: as in ``roi_pool`` (the bins' geometry: which bins hold a pixel).
         pooled_height, pooled_width: ``PH``, ``PW``.
         batch_size, channels, height, width: the shape of ``roi_pool``'s input.
 
@@ -111,31 +113,20 @@ def roi_pool_backward(
     reason = roi_pool_backward_unsupported_reason(*args)
     if reason is not None:
         raise ValueError(f"{_OP}: {reason}")
-    return _scatter(*args)
+    return _route(*args)
 
 
-def _scatter(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width):
-    if grad.dtype != torch.float64:
-        return torch.ops.deepep_lightning.roi_pool_backward.default(
-            grad, rois, argmax.to(torch.int32), batch_size, channels, height, width
-        )
-    plane_size = height * width
-    # int32 keys: the plane index times H * W fits (checked), and they halve the sort's memory
-    planes = rois[:, 0].to(torch.int32)[:, None] * channels + torch.arange(
-        channels, device=grad.device, dtype=torch.int32
-    )  # [K, C]
-    inside = argmax >= 0  # [K, C, PH, PW]
-    target = torch.where(inside, planes[:, :, None, None] * plane_size + argmax.to(torch.int32), 0)
-    values = torch.where(inside, grad, 0)
-    out = segment_scatter_add(values.reshape(-1), target.reshape(-1), batch_size * channels * plane_size)
-    return out.view(batch_size, channels, height, width)
+def _route(grad, rois, argmax, spatial_scale, pooled_height, pooled_width, batch_size, channels, height, width):
+    return torch.ops.deepep_lightning.roi_pool_backward.default(
+        grad, rois, argmax.to(torch.int32), float(spatial_scale), batch_size, channels, height, width
+    )
 
 
-def _fake_roi_pool_backward(grad, rois, argmax, batch_size, channels, height, width):
+def _fake_roi_pool_backward(grad, rois, argmax, spatial_scale, batch_size, channels, height, width):
     return grad.new_empty((batch_size, channels, height, width))
 
 
 register_fakes({"deepep_lightning::roi_pool_backward": _fake_roi_pool_backward})
 
 if _torchvision_entry.torchvision_ops_available():
-    register_route(Route("_roi_pool_backward", _scatter, roi_pool_backward_unsupported_reason, namespace="torchvision"))
+    register_route(Route("_roi_pool_backward", _route, roi_pool_backward_unsupported_reason, namespace="torchvision"))

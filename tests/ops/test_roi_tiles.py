@@ -1,12 +1,14 @@
-"""The tile gathers of ps_roi_pool's and ps_roi_align's backwards (extensions/csrc/ps_roi_tiles.h).
+"""The tile gathers of roi_pool's, ps_roi_pool's and ps_roi_align's backwards (extensions/csrc/roi_tiles.h).
 
-Every grad_input element is one float sum of its terms in torchvision's CPU order (RoI, then sample and corner),
+Every grad_input element is one float sum of its terms in torchvision's CPU order (RoI, then bin, or sample and
+corner),
 so in float32 and float64 the result is torchvision's CPU kernel's, bit for bit; the negative control shows
 that those bits depend on the order (torchvision's own kernel with the RoIs reversed gives others), so the
 equality is not a tolerance in disguise. The cases cross the kernels' edges: more RoIs than a step lists
-(256), more output channels than an item sums (16), planes that are not whole tiles, boxes of no image of the
-batch, degenerate boxes. 16-bit gradients are summed in float and rounded once. On the GPU (marked): the CUDA
-kernel gives the CPU bits, repeats them and runs inside CUDA-graph capture.
+(256), more channels than an item sums (16), planes that are not whole tiles, many planes, boxes of no image of
+the batch, degenerate boxes. 16-bit gradients are summed in float and rounded once. On the GPU (marked): the CUDA
+kernel gives the CPU bits, repeats them and runs inside CUDA-graph capture, and roi_pool's backward reads the
+CUDA forward's argmax as torchvision's CPU backward does.
 """
 
 import pytest
@@ -15,35 +17,53 @@ import torch
 pytest.importorskip("torchvision")
 import torchvision.ops  # noqa: E402, F401 - registers torchvision's ops
 
-from deepep_lightning.ops import extension_available, ps_roi_align, ps_roi_pool  # noqa: E402, F401 - their fakes
+from deepep_lightning.ops import extension_available, ps_roi_align, ps_roi_pool, roi_pool  # noqa: E402, F401 - fakes
 
 pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
-OPS = ("ps_roi_pool", "ps_roi_align", "ps_roi_align_adaptive")
+OPS = ("roi_pool", "ps_roi_pool", "ps_roi_align", "ps_roi_align_adaptive")
 SAMPLING = {"ps_roi_align": 2, "ps_roi_align_adaptive": -1}
 POOLED = 3
 
 
-def _case(op, dtype=torch.float32, device="cpu", rois=300, channels_out=2, size=(24, 40), batch=2, seed=0):
-    """Many overlapping boxes (some beyond the map, some tiny, some of no image) and a gradient of mixed scales."""
+def _case(
+    op, dtype=torch.float32, device="cpu", rois=300, channels_out=2, size=(24, 40), batch=2, seed=0, whole_bins=False
+):
+    """Many overlapping boxes (some beyond the map, some tiny) and a gradient of mixed scales.
+
+    ``whole_bins``: boxes of whole pixels at scale 1/4 whose roi_pool extents are multiples of the bins, so that
+    every dtype computes the bins of float64 (16-bit roi_pool, whose argmax comes from a float64 forward).
+    """
     generator = torch.Generator().manual_seed(seed)
     height, width = size
     corner = torch.rand(rois, 2, generator=generator) * torch.tensor([width * 4.4, height * 4.4]) - 8
     extent = torch.rand(rois, 2, generator=generator) ** 2 * torch.tensor([width * 3.0, height * 3.0]) + 0.1
+    if whole_bins:
+        corner = (corner / 4).floor() * 4
+        extent = ((extent / 12).floor() * 3 + 2) * 4  # extent / 4 + 1 pixels: a multiple of 3
     image = torch.randint(0, batch, (rois, 1), generator=generator).float()
     boxes = torch.cat([image, corner, corner + extent], dim=1)
     grad = torch.randn(rois, channels_out, POOLED, POOLED, generator=generator, dtype=torch.float64)
     grad = grad * torch.exp2(torch.randint(-6, 6, grad.shape, generator=generator).double())
-    mapping = torch.arange(channels_out * POOLED * POOLED, dtype=torch.int32).view(1, channels_out, POOLED, POOLED)
+    planes = 1 if op == "roi_pool" else POOLED * POOLED
+    if op == "roi_pool":  # the "mapping" is the forward's argmax
+        features = torch.randn(batch, channels_out, height, width, generator=generator, dtype=torch.float64)
+        mapping = torch.ops.torchvision.roi_pool(features, boxes.double(), 0.25, POOLED, POOLED)[1]
+    else:
+        mapping = torch.arange(channels_out * planes, dtype=torch.int32).view(1, channels_out, POOLED, POOLED)
+        mapping = mapping.expand(rois, -1, -1, -1).contiguous()
     return {
         "grad": grad.to(dtype).to(device),
         "rois": boxes.to(dtype).to(device),
-        "mapping": mapping.expand(rois, -1, -1, -1).contiguous().to(device),
-        "shape": (batch, channels_out * POOLED * POOLED, height, width),
+        "mapping": mapping.to(device),
+        "shape": (batch, channels_out * planes, height, width),
     }
 
 
-def _run(namespace, op, case, grad=None, rois=None):
+def _run(namespace, op, case, grad=None, rois=None, rows=None):
+    """The backward of ``namespace`` on ``case``, or on its RoIs ``rows`` (an index), or with other grad/rois."""
+    if rows is not None:
+        case = {**case, "grad": case["grad"][rows], "rois": case["rois"][rows], "mapping": case["mapping"][rows]}
     grad = case["grad"] if grad is None else grad
     rois = case["rois"] if rois is None else rois
     if op in SAMPLING:
@@ -51,6 +71,11 @@ def _run(namespace, op, case, grad=None, rois=None):
             namespace, "_ps_roi_align_backward" if namespace is torch.ops.torchvision else "ps_roi_align_backward"
         )
         return backward(grad, rois, case["mapping"], 0.25, POOLED, POOLED, SAMPLING[op], *case["shape"])
+    if op == "roi_pool":
+        backward = namespace._roi_pool_backward if namespace is torch.ops.torchvision else None
+        if backward is not None:
+            return backward(grad, rois, case["mapping"], 0.25, POOLED, POOLED, *case["shape"])
+        return namespace.roi_pool_backward(grad, rois, case["mapping"], 0.25, *case["shape"])
     if namespace is torch.ops.torchvision:
         return namespace._ps_roi_pool_backward(grad, rois, case["mapping"], 0.25, POOLED, POOLED, *case["shape"])
     return namespace.ps_roi_pool_backward(grad, rois, 0.25, POOLED, POOLED, *case["shape"])
@@ -74,13 +99,13 @@ def test_gives_torchvision_cpu_kernels_bits(op, dtype, channels_out):
     assert torch.equal(_ours(op, case), expected)
     # negative control: the same terms in another order give other bits
     order = torch.arange(case["grad"].shape[0] - 1, -1, -1)
-    assert not torch.equal(_torchvision(op, case, grad=case["grad"][order], rois=case["rois"][order]), expected)
+    assert not torch.equal(_torchvision(op, case, rows=order), expected)
 
 
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_sums_in_float_and_rounds_once(op, dtype):
-    case = _case(op, dtype)
+    case = _case(op, dtype, whole_bins=op == "roi_pool")
     exact = _torchvision(op, {**case, "grad": case["grad"].double(), "rois": case["rois"].double()})
     ours = _ours(op, case)
     assert ours.dtype == dtype
@@ -104,10 +129,8 @@ def test_boxes_of_no_image_add_nothing(op):
     rois = case["rois"].clone()
     rois[::3, 0] = 2.0  # the batch holds images 0 and 1
     rois[1::3, 0] = -1.0
-    kept = rois[:, 0] >= 0
-    kept &= rois[:, 0] < 2
-    expected = _torchvision(op, case, grad=case["grad"][kept], rois=case["rois"][kept])
-    assert torch.equal(_ours(op, case, rois=rois), expected)
+    kept = (rois[:, 0] >= 0) & (rois[:, 0] < 2)
+    assert torch.equal(_ours(op, case, rois=rois), _torchvision(op, case, rows=kept))
 
 
 EDGES = {
@@ -117,6 +140,8 @@ EDGES = {
     "one_row_of_tiles": {"size": (1, 70), "rois": 20},
     "one_roi": {"size": (20, 20), "rois": 1},
     "one_image": {"size": (17, 23), "rois": 20, "batch": 1},
+    "many_channels": {"size": (2, 3), "rois": 8, "channels_out": 300},
+    "large_plane": {"size": (200, 300), "rois": 60},
 }
 
 
@@ -130,10 +155,13 @@ def test_edge_shapes_give_torchvision_cpu_kernels_bits(op, edge):
 @pytest.mark.parametrize("op", OPS)
 def test_empty_inputs_and_opcheck(op):
     case = _case(op, rois=12)
-    empty = {**case, "mapping": case["mapping"][:0]}
-    assert torch.equal(_ours(op, empty, grad=case["grad"][:0], rois=case["rois"][:0]), torch.zeros(case["shape"]))
+    assert torch.equal(_ours(op, case, rows=slice(0, 0)), torch.zeros(case["shape"]))
     no_image = {**case, "shape": (0, *case["shape"][1:])}
     assert _ours(op, no_image).shape == (0, *case["shape"][1:])
+    if op == "roi_pool":
+        args = (case["grad"], case["rois"], case["mapping"], 0.25, *case["shape"])
+        torch.library.opcheck(torch.ops.deepep_lightning.roi_pool_backward.default, args)
+        return
     if op in SAMPLING:
         args = (case["grad"], case["rois"], case["mapping"], 0.25, POOLED, POOLED, SAMPLING[op], *case["shape"])
         torch.library.opcheck(torch.ops.deepep_lightning.ps_roi_align_backward.default, args)
@@ -177,6 +205,34 @@ def test_gpu_cuda_gives_the_cpu_bits_and_repeats_them(op, dtype):
 def test_gpu_edge_shapes_give_the_cpu_bits(op, edge):
     case = _case(op, **EDGES[edge])
     assert torch.equal(_ours(op, _to_cuda(case)).cpu(), _ours(op, case))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_roi_pool_reads_the_cuda_forwards_argmax(dtype):
+    # the argmax of torchvision's CUDA forward, in the dtype's own bin geometry: every term lands where
+    # torchvision's atomic backward puts it (a term the tile gather missed would be off by a whole gradient)
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(2, 64, 50, 84, generator=generator).to(dtype).cuda()
+    case = _case("roi_pool", dtype, rois=1000, channels_out=64, size=(50, 84))
+    rois = case["rois"].cuda()
+    out, argmax = torch.ops.torchvision.roi_pool(features, rois, 0.25, POOLED, POOLED)
+    grad = torch.randn(out.shape, generator=generator).to(dtype).cuda()
+    ours = torch.ops.deepep_lightning.roi_pool_backward(grad, rois, argmax, 0.25, 2, 64, 50, 84)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        theirs = torch.ops.torchvision._roi_pool_backward(grad, rois, argmax, 0.25, POOLED, POOLED, 2, 64, 50, 84)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=8 * eps, atol=8 * eps * theirs.abs().max().item())
+    if dtype == torch.float32:  # and torchvision's CPU backward, in RoI order, gives the same bits
+        cpu = torch.ops.torchvision._roi_pool_backward(
+            grad.cpu(), rois.cpu(), argmax.cpu(), 0.25, POOLED, POOLED, 2, 64, 50, 84
+        )
+        assert torch.equal(ours.cpu(), cpu)
 
 
 @pytest.mark.gpu
