@@ -25,6 +25,7 @@
 #include <math.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace deepep_lightning::roi {
 
@@ -33,6 +34,24 @@ namespace deepep_lightning::roi {
 constexpr int kCorners = 4;
 // Channels per gather thread: the entry reads of a segment serve kGroup channels.
 constexpr int kGroup = 8;
+
+// a * b rounded on its own: nvcc contracts a * b + c into one fused multiply-add (one rounding), which the CPU
+// build (-ffp-contract=off) and torchvision's CPU kernel do not, so a product that feeds a sum is rounded here
+// to keep the CPU's bits on CUDA.
+template <typename T>
+C10_HOST_DEVICE inline T product(T a, T b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float>) {
+    return __fmul_rn(a, b);
+  } else if constexpr (std::is_same_v<T, double>) {
+    return __dmul_rn(a, b);
+  } else {
+    return a * b;
+  }
+#else
+  return a * b;
+#endif
+}
 
 // One RoI's geometry, torchvision's roi_align formulas in the accumulate type T.
 template <typename T>
@@ -49,10 +68,10 @@ C10_HOST_DEVICE inline RoiBox<T> roi_align_box(const scalar_t* roi, T spatial_sc
   RoiBox<T> box;
   box.batch = static_cast<int64_t>(static_cast<T>(roi[0]));
   const T offset = aligned ? static_cast<T>(0.5) : static_cast<T>(0);
-  const T start_w = static_cast<T>(roi[1]) * spatial_scale - offset;
-  const T start_h = static_cast<T>(roi[2]) * spatial_scale - offset;
-  const T end_w = static_cast<T>(roi[3]) * spatial_scale - offset;
-  const T end_h = static_cast<T>(roi[4]) * spatial_scale - offset;
+  const T start_w = product(static_cast<T>(roi[1]), spatial_scale) - offset;
+  const T start_h = product(static_cast<T>(roi[2]), spatial_scale) - offset;
+  const T end_w = product(static_cast<T>(roi[3]), spatial_scale) - offset;
+  const T end_h = product(static_cast<T>(roi[4]), spatial_scale) - offset;
   T roi_w = end_w - start_w;
   T roi_h = end_h - start_h;
   if (!aligned) {  // torchvision forces malformed RoIs to be 1 x 1
@@ -124,9 +143,9 @@ C10_HOST_DEVICE inline bool bilinear_corners(int64_t height, int64_t width, T y,
 template <typename T>
 C10_HOST_DEVICE inline void sample_point(const RoiBox<T>& box, int64_t ph, int64_t pw, int64_t iy, int64_t ix, T* y,
                                          T* x) {
-  *y = box.start_h + static_cast<T>(ph) * box.bin_h +
+  *y = box.start_h + product(static_cast<T>(ph), box.bin_h) +
        static_cast<T>(static_cast<float>(iy) + .5f) * box.bin_h / static_cast<T>(box.grid_h);
-  *x = box.start_w + static_cast<T>(pw) * box.bin_w +
+  *x = box.start_w + product(static_cast<T>(pw), box.bin_w) +
        static_cast<T>(static_cast<float>(ix) + .5f) * box.bin_w / static_cast<T>(box.grid_w);
 }
 
