@@ -23,6 +23,7 @@
 #include <math.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "roi_csr_gather.h"
 
@@ -84,15 +85,32 @@ C10_HOST_DEVICE inline bool meets_tile(const Item& item, int h0, int h1, int w0,
 
 C10_HOST_DEVICE inline int clip(int value, int high) { return value < 0 ? 0 : (value > high ? high : value); }
 
-// floor and ceil of a bin edge computed in scalar_t, as torchvision's kernels take them (in double: exact for
-// every scalar_t, so float and half edges round as floorf/ceilf of them would).
+// floor and ceil of a bin edge computed in scalar_t, as torchvision's kernels take them: in double for double,
+// else in float, which holds every float16/bfloat16/float32 value exactly (and keeps consumer GPUs, slow at double,
+// off double arithmetic).
 template <typename scalar_t>
 C10_HOST_DEVICE inline int floor_int(scalar_t value) {
-  return static_cast<int>(floor(static_cast<double>(value)));
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return static_cast<int>(floor(value));
+  } else {
+    return static_cast<int>(floorf(static_cast<float>(value)));
+  }
+}
+template <typename scalar_t>
+C10_HOST_DEVICE inline int round_int(scalar_t value) {  // C's round: halves away from zero
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return static_cast<int>(round(value));
+  } else {
+    return static_cast<int>(roundf(static_cast<float>(value)));
+  }
 }
 template <typename scalar_t>
 C10_HOST_DEVICE inline int ceil_int(scalar_t value) {
-  return static_cast<int>(ceil(static_cast<double>(value)));
+  if constexpr (std::is_same_v<scalar_t, double>) {
+    return static_cast<int>(ceil(value));
+  } else {
+    return static_cast<int>(ceilf(static_cast<float>(value)));
+  }
 }
 
 // A listed roi_pool RoI: its box in pixels (torchvision's roi_pool geometry) and the rectangle its bins cover.
@@ -113,10 +131,10 @@ C10_HOST_DEVICE inline bool make_roi_pool_box(int64_t r, const scalar_t* rois, c
   const scalar_t* roi = rois + r * 5;
   if (static_cast<int64_t>(static_cast<int>(roi[0])) != item.n) return false;  // torchvision: int roi_batch_ind
   const scalar_t scale = static_cast<scalar_t>(s.spatial_scale);
-  const int start_w = static_cast<int>(round(static_cast<double>(roi[1] * scale)));
-  const int start_h = static_cast<int>(round(static_cast<double>(roi[2] * scale)));
-  const int end_w = static_cast<int>(round(static_cast<double>(roi[3] * scale)));
-  const int end_h = static_cast<int>(round(static_cast<double>(roi[4] * scale)));
+  const int start_w = round_int(roi[1] * scale);
+  const int start_h = round_int(roi[2] * scale);
+  const int end_w = round_int(roi[3] * scale);
+  const int end_h = round_int(roi[4] * scale);
   const int roi_w = end_w - start_w + 1 > 1 ? end_w - start_w + 1 : 1;
   const int roi_h = end_h - start_h + 1 > 1 ? end_h - start_h + 1 : 1;
   box->roi = r;
