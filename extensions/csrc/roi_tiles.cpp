@@ -137,8 +137,8 @@ at::Tensor backward_with(TilesLaunch launch, Op op, const at::Tensor& grad, cons
                          int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
   check_args(op, grad, rois, argmax, pooled_height, pooled_width, batch_size, channels, height, width);
   const int64_t planes = op == Op::kRoiPool ? 1 : pooled_height * pooled_width;
-  const Shape shape{grad.size(0), batch_size,   grad.size(1),   planes,        height,
-                    width,        grad.size(2), grad.size(3), sampling_ratio, spatial_scale};
+  const Shape shape = items_for({grad.size(0), batch_size, grad.size(1), planes, height, width, pooled_height,
+                                  pooled_width, sampling_ratio, spatial_scale, kChannels});
   at::Tensor out = at::empty({batch_size, channels, height, width}, grad.options());
   if (item_count(shape) > 0) {
     launch(op, grad.contiguous(), rois.contiguous(), op == Op::kRoiPool ? argmax.contiguous() : argmax, shape, out);

@@ -8,9 +8,9 @@
 // output channel c to input channel c * PH * PW + b alone, so their plane (n, c, b) receives, at pixel (h, w),
 // one term per RoI whose bin b reaches the pixel (ps_roi_pool: grad[r, c, ph, pw] / area over the bin's
 // rectangle) or one per sample corner that lands on it (ps_roi_align: grad[r, c, ph, pw] * w / count). The work
-// is cut into items: kChannels channels c of image n (and bin b), a kTileRows x kTileCols tile of pixels. An
+// is cut into items: up to kChannels channels c of image n (and bin b), a kTileRows x kTileCols tile of pixels. An
 // item looks at the RoIs in steps of kTilePixels: it lists, in RoI order, the RoIs of the step that are of image
-// n and reach the tile (the op's make), then every pixel adds the listed RoIs' terms to its kChannels sums (the
+// n and reach the tile (the op's make), then every pixel adds the listed RoIs' terms to its channels' sums (the
 // op's pixel). The sums cross the steps in registers and each output element is stored once: no atomics, no
 // memset, no host synchronisation (CUDA-graph capturable), and a sum's order is fixed by the RoIs alone. The CPU
 // loops run the same functions item by item, so CPU tests check the CUDA math, and in float32 and float64 both
@@ -32,16 +32,20 @@ namespace deepep_lightning::roi_tiles {
 constexpr int kTileRows = 8;
 constexpr int kTileCols = 32;  // a warp's pixels: one row of a tile, stored coalesced
 constexpr int kTilePixels = kTileRows * kTileCols;  // a CUDA block's threads (a pixel each), and RoIs per step
-constexpr int kChannels = 16;  // output channels an item sums (registers per pixel)
+constexpr int kChannels = 16;  // the most channels an item sums (registers per pixel)
+// Items below which an item takes fewer channels: small planes (coarse FPN levels) then still fill a GPU (a few
+// blocks of each of ~130 SMs, a few waves), at the cost of listing the RoIs once per item.
+constexpr int64_t kEnoughItems = 2048;
 
 struct Shape {
   int64_t num_rois, batch, channels_out;  // channels_out: grad's channels
   int64_t planes;                         // planes a channel feeds: 1 (roi_pool) or PH * PW
   int64_t height, width, pooled_h, pooled_w, sampling_ratio;
   double spatial_scale;
+  int64_t channels_per_item;  // 1 .. kChannels (items_for); the bits do not depend on it
 };
 
-// One item: channels [c0, c0 + kChannels) of image n, bin b (0 for roi_pool), the tile whose first pixel is
+// One item: channels [c0, c0 + channels_per_item) of image n, bin b (0 for roi_pool), the tile whose first pixel is
 // (row0, col0).
 struct Item {
   int64_t n, b, c0;
@@ -50,7 +54,9 @@ struct Item {
 
 C10_HOST_DEVICE inline int64_t tiles_down(const Shape& s) { return (s.height + kTileRows - 1) / kTileRows; }
 C10_HOST_DEVICE inline int64_t tiles_across(const Shape& s) { return (s.width + kTileCols - 1) / kTileCols; }
-C10_HOST_DEVICE inline int64_t channel_groups(const Shape& s) { return (s.channels_out + kChannels - 1) / kChannels; }
+C10_HOST_DEVICE inline int64_t channel_groups(const Shape& s) {
+  return (s.channels_out + s.channels_per_item - 1) / s.channels_per_item;
+}
 
 C10_HOST_DEVICE inline int64_t item_count(const Shape& s) {
   return channel_groups(s) * s.batch * s.planes * tiles_down(s) * tiles_across(s);
@@ -66,7 +72,7 @@ C10_HOST_DEVICE inline Item item_of(int64_t i, const Shape& s) {
   item.b = i % s.planes;
   i /= s.planes;
   item.n = i % s.batch;
-  item.c0 = (i / s.batch) * kChannels;
+  item.c0 = (i / s.batch) * s.channels_per_item;
   item.row0 = static_cast<int>(tile / across) * kTileRows;
   item.col0 = static_cast<int>(tile % across) * kTileCols;
   return item;
@@ -74,7 +80,14 @@ C10_HOST_DEVICE inline Item item_of(int64_t i, const Shape& s) {
 
 C10_HOST_DEVICE inline int channels_of(const Item& item, const Shape& s) {
   const int64_t left = s.channels_out - item.c0;
-  return static_cast<int>(left < kChannels ? left : kChannels);
+  return static_cast<int>(left < s.channels_per_item ? left : s.channels_per_item);
+}
+
+// The shape with its channels per item: kChannels, halved while there are fewer than kEnoughItems items.
+inline Shape items_for(Shape s) {
+  s.channels_per_item = kChannels;
+  while (s.channels_per_item > 1 && item_count(s) < kEnoughItems) s.channels_per_item /= 2;
+  return s;
 }
 
 // Whether rows [h0, h1) x columns [w0, w1) meet the item's tile.

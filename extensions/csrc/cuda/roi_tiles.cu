@@ -3,10 +3,10 @@
 //
 // torchvision's kernels add each bin's terms into a zeroed grad_input with float atomicAdd: the order of the
 // additions, and so the last bits, change from run to run, and all three refuse deterministic mode. Here a block of
-// kTilePixels threads owns an item (a tile of one plane, kChannels output channels), a pixel a thread. Per
+// kTilePixels threads owns an item (a tile of one plane, up to kChannels channels), a pixel a thread. Per
 // step of kTilePixels RoIs each thread looks at one RoI; those that reach the tile are compacted into shared
 // memory in RoI order (a ballot per warp, the warps' counts in order); then every thread adds the listed
-// RoIs' terms to its sums. After the last step each thread stores its kChannels outputs (a warp stores a tile
+// RoIs' terms to its sums. After the last step each thread stores its channels' outputs (a warp stores a tile
 // row: coalesced). Every grad_input element is written once, zeros included.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
