@@ -164,6 +164,15 @@ C10_HOST_DEVICE inline bool make_roi_pool_box(int64_t r, const scalar_t* rois, c
   return meets_tile(item, box->h0, box->h1, box->w0, box->w1);
 }
 
+// The first of a box's bins that can hold the pixel at offset x from the box's start along an axis: bin p ends at
+// ceil((p + 1) * bin) < (p + 1) * bin + 1, so it holds x only if p > (x - 1) / bin - 1 (two more bins of margin
+// for the float quotient). Bin starts never decrease, so a walk from here stops at the first bin past x.
+template <typename scalar_t>
+C10_HOST_DEVICE inline int first_bin(int x, scalar_t bin) {
+  const float p = floorf((static_cast<float>(x) - 1.0f) / static_cast<float>(bin)) - 2.0f;
+  return p > 0.0f ? static_cast<int>(p) : 0;
+}
+
 // Pixel (h, w) adds grad[roi, c, ph, pw] for every bin of every listed RoI whose argmax is the pixel, bins in
 // (ph, pw) order, for the item's channels. A bin's argmax lies in the bin, so only the bins that hold the pixel
 // are read.
@@ -179,14 +188,12 @@ C10_HOST_DEVICE inline void roi_pool_pixel(int h, int w, const RoiPoolBox<scalar
     const RoiPoolBox<scalar_t>& box = list[i];
     if (h < box.h0 || h >= box.h1 || w < box.w0 || w >= box.w1) continue;
     const int64_t first = (box.roi * s.channels_out + item.c0) * bins;
-    for (int ph = 0; ph < s.pooled_h; ++ph) {
-      const int h0 = clip(floor_int(static_cast<scalar_t>(ph) * box.bin_h) + box.start_h, height);
-      const int h1 = clip(ceil_int(static_cast<scalar_t>(ph + 1) * box.bin_h) + box.start_h, height);
-      if (h < h0 || h >= h1) continue;
-      for (int pw = 0; pw < s.pooled_w; ++pw) {
-        const int w0 = clip(floor_int(static_cast<scalar_t>(pw) * box.bin_w) + box.start_w, width);
-        const int w1 = clip(ceil_int(static_cast<scalar_t>(pw + 1) * box.bin_w) + box.start_w, width);
-        if (w < w0 || w >= w1) continue;
+    for (int ph = first_bin(h - box.start_h, box.bin_h); ph < s.pooled_h; ++ph) {
+      if (h < clip(floor_int(static_cast<scalar_t>(ph) * box.bin_h) + box.start_h, height)) break;
+      if (h >= clip(ceil_int(static_cast<scalar_t>(ph + 1) * box.bin_h) + box.start_h, height)) continue;
+      for (int pw = first_bin(w - box.start_w, box.bin_w); pw < s.pooled_w; ++pw) {
+        if (w < clip(floor_int(static_cast<scalar_t>(pw) * box.bin_w) + box.start_w, width)) break;
+        if (w >= clip(ceil_int(static_cast<scalar_t>(pw + 1) * box.bin_w) + box.start_w, width)) continue;
         const int64_t at = first + ph * s.pooled_w + pw;
 #pragma unroll
         for (int k = 0; k < kChannels; ++k) {
