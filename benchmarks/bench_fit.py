@@ -17,7 +17,9 @@ policy's return (``eval/greedy_return``, under ``greedy``) where the config eval
 ``--alone N`` first runs the first N seeds one at a time (nothing else on the machine; the seconds to the first
 crossing of *those* runs are the time a user waits), then every seed ``--parallel`` at a time (the learning
 figures; their seconds are shared-GPU times). Each alone run's curve is compared with the same seed's parallel
-run: bitwise equal means the two processes computed the same bits (``same_bits``).
+run: bitwise equal means the two processes computed the same bits (``same_bits``). ``--pycache DIR`` gives
+the runs a bytecode cache (:func:`fit_environment`): on an interpreter that cannot write its own, the seconds to
+the first crossing then count the imports as an installed environment pays them, once the first run wrote it.
 """
 
 from __future__ import annotations
@@ -63,12 +65,29 @@ def read_curve(log_dir: Path, tag: str = TAG) -> list[tuple[int, float, float]]:
     return [points[step] for step in sorted(points)]
 
 
+def fit_environment(pycache: str | None, *paths: Path) -> dict[str, str]:
+    """The environment of a ``train.py fit`` process: the repository (then ``paths``) ahead of ``PYTHONPATH`` and,
+    with ``pycache``, Python's bytecode cache in that folder (``PYTHONPYCACHEPREFIX``).
+
+    An interpreter that does not write bytecode (``PYTHONDONTWRITEBYTECODE``, or read-only site-packages without
+    it) compiles every module it imports in every process: seconds of start-up that an installed environment,
+    whose bytecode pip writes at install, does not pay. With a cache (writing allowed) the first process compiles
+    and writes it and the later ones read it.
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), *map(str, paths),
+                                                                     os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    if pycache:
+        env["PYTHONPYCACHEPREFIX"] = str(Path(pycache).resolve())
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def fit_run(job: dict[str, Any]) -> dict[str, Any]:
     """One ``train.py fit`` process; its curve and stay-learned figures (seconds from launch)."""
     log_dir = Path(job["log_dir"])
     log_dir.mkdir(parents=True, exist_ok=True)
     command = fit_command(job["config"], job["seed"], log_dir, job["extra"])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = fit_environment(job["pycache"])
     launched = time.time()
     with open(log_dir / "output.txt", "w") as output:
         returncode = subprocess.call(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
@@ -119,6 +138,7 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1, help="train.py processes at once")
     parser.add_argument("--alone", type=int, default=0, help="also run the first N seeds one at a time, first")
     parser.add_argument("--threshold", type=float, default=475.0)
+    parser.add_argument("--pycache", default=None, help="Python's bytecode cache for the runs (fit_environment)")
     parser.add_argument(
         "--arg", action="append", default=[], metavar="--KEY=VALUE",
         help="a train.py override, e.g. --arg=--model.loss.gamma=0.995 (repeat for several)",
@@ -137,7 +157,7 @@ def main() -> None:
 
     def job(seed: int, kind: str) -> dict[str, Any]:
         return {"config": args.config, "seed": seed, "extra": args.arg, "threshold": args.threshold,
-                "log_dir": str(base / f"{kind}_seed{seed}")}  # fmt: skip
+                "log_dir": str(base / f"{kind}_seed{seed}"), "pycache": args.pycache}  # fmt: skip
 
     start = time.perf_counter()
     alone = [fit_run(job(seed, "alone")) for seed in args.seeds[: args.alone]]

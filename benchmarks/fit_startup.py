@@ -1,7 +1,7 @@
 """Where ``train.py fit``'s start-up goes: seconds from the process's launch to each phase and to its first steps.
 
     python benchmarks/fit_startup.py --out DIR [--config configs/gpu.yaml] [--runs 2] [--steps 30] [--label NAME] \
-        [--arg=--KEY=VALUE ...]
+        [--pycache DIR] [--arg=--KEY=VALUE ...]
     # writes DIR/fit_startup_<label>.json
 
 Each run is a fresh ``python -X importtime train.py fit --config C`` (``bench_fit.py``'s command line: seed 0,
@@ -20,8 +20,9 @@ appended to the config's callbacks. The timeline records ``time.time()`` at each
 Python's own ``-X importtime`` report gives the imports: ``imports_s`` sums the top-level imports,
 ``heaviest_top_level`` lists the heaviest of them and ``watched`` gives, for each ``WATCHED`` module, the
 cumulative seconds of its heaviest import line (the package's own, or a submodule's where another program's
-output cut that line). The first run on a fresh machine also pays Python's bytecode compilation of every module
-it imports, where the interpreter cannot write its cache; later runs show the steady state.
+output cut that line). Where the interpreter cannot write its bytecode cache (read-only site-packages), every
+run compiles every module it imports; ``--pycache DIR`` gives the runs a cache (``bench_fit.fit_environment``),
+so that the first run compiles and writes it and the later runs import as an installed environment does.
 """
 
 from __future__ import annotations
@@ -96,18 +97,18 @@ def read_importtime(text: str, top: int = 12) -> dict[str, Any]:
     }
 
 
-def startup_run(config: str, steps: int, extra: list[str], work: Path) -> dict[str, Any]:
+def startup_run(config: str, steps: int, extra: list[str], work: Path, pycache: str | None = None) -> dict[str, Any]:
     """One ``train.py fit`` process under ``-X importtime``: its marks, import report and return code."""
     marks_path, stderr_path = work / "marks.json", work / "stderr.txt"
     marks_path.unlink(missing_ok=True)
-    from bench_fit import fit_command  # here, not at the top: the child process imports this module for its callback
+    from bench_fit import fit_command, fit_environment  # here: the child process imports this module for its callback
 
     timeline = [f"--trainer.max_steps={steps}", "--trainer.callbacks+=fit_startup.StartupTimeline", *extra]
     python, *fit = fit_command(config, 0, work, timeline)
     command = [python, "-X", "importtime", *fit]
-    path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH")]))
     launched = time.time()
-    env = {**os.environ, "PYTHONPATH": path, "FIT_STARTUP_LAUNCHED": repr(launched), "FIT_STARTUP_OUT": str(marks_path)}
+    env = {**fit_environment(pycache, ROOT / "benchmarks"), "FIT_STARTUP_LAUNCHED": repr(launched),
+           "FIT_STARTUP_OUT": str(marks_path)}  # fmt: skip
     with open(stderr_path, "w") as stderr:
         returncode = subprocess.call(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
     marks = json.loads(marks_path.read_text()) if marks_path.exists() else {}
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default=None, help="names the output file (default: the config's stem)")
     parser.add_argument("--runs", type=int, default=2, help="fresh processes, one after another")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run (trainer.max_steps)")
+    parser.add_argument("--pycache", default=None, help="Python's bytecode cache for the runs (a folder)")
     parser.add_argument("--arg", action="append", default=[], metavar="--KEY=VALUE", help="a train.py override")
     args = parser.parse_args(argv)
     if args.runs < 1:
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     runs = []
     for index in range(args.runs):
-        runs.append(startup_run(args.config, args.steps, args.arg, work))
+        runs.append(startup_run(args.config, args.steps, args.arg, work, args.pycache))
         print(f"run {index}:", {key: runs[-1][key] for key in ("returncode", "marks_s", "ms_per_step", "imports_s")})
     write_json(out / f"fit_startup_{label}.json", {"environment": environment(), "args": vars(args), "runs": runs})
     return 1 if any(run["returncode"] for run in runs) else 0

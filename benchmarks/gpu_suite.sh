@@ -13,7 +13,8 @@
 #   learning          bench_learning.py           health_overhead   bench_health_overhead.py (CUDA graph)
 #   fit               bench_fit.py: train.py fit --config configs/gpu.yaml on seeds 0-9, 10 at a time, once per line
 #                     of FIT_RUNS ("LABEL [bench_fit.py options]"; default "gpu_yaml --alone 3")
-#   fit_startup       fit_startup.py: where train.py fit --config configs/gpu.yaml's start-up goes, 3 fresh runs
+#   fit_startup       fit_startup.py: where train.py fit --config configs/gpu.yaml's start-up goes, 3 fresh runs,
+#                     then 3 with a bytecode cache that fit's runs share (run fit_startup before fit)
 #   collapse_recovery bench_collapse_recovery.py (train.py fit with and without the RegressionTrigger)
 #   audit             audit_gpu.py                refused_ops       bench_refused_ops.py, twice
 #   refused_ops_list  list_refused_ops.py         ddp, ddp_ablation bench_ddp.py, ddp_ablation.py (2 GPUs)
@@ -33,6 +34,7 @@
 # $OUT/results.tar.gz after every run and every 30 s during one: one file comes back from the device machine, and
 # a call stopped at its time limit still returns every run that finished and what a running one had written.
 set -u
+PYCACHE=/tmp/pycache  # the fit sections' bytecode cache (bench_fit.fit_environment), kept off the packed results
 SECTIONS="setup train_step rollout_kernels all_action_q sanitize determinism_tax determinism_tax_graph learning fit fit_startup"
 SECTIONS+=" collapse_recovery health_overhead audit refused_ops refused_ops_list torchvision_ops silent_ops ddp"
 SECTIONS+=" ddp_ablation tax_ablation zoo gpu-tests gpu-tests-multi"
@@ -296,11 +298,17 @@ print('extension with CUDA kernels built in', round(time.time() - t, 1), 's')" ;
         [ -n "$label" ] || continue
         # shellcheck disable=SC2086 # options is a list of bench_fit.py options
         run fit_$label 560 python3 benchmarks/bench_fit.py --out "$RESULTS/learning" --logs /tmp/fit_logs \
-          --config configs/gpu.yaml --seeds 0 1 2 3 4 5 6 7 8 9 --parallel 10 --label "$label" $options
+          --config configs/gpu.yaml --seeds 0 1 2 3 4 5 6 7 8 9 --parallel 10 --label "$label" \
+          --pycache "$PYCACHE" $options
       done <<< "${FIT_RUNS:-gpu_yaml --alone 3}" ;;
     fit_startup)  # its per-run logs (the -X importtime report) stay in /tmp/fit_startup
       run fit_startup 300 python3 benchmarks/fit_startup.py --out /tmp/fit_startup --config configs/gpu.yaml --runs 3
-      keep /tmp/fit_startup/fit_startup_gpu.json "$RESULTS/learning" ;;
+      keep /tmp/fit_startup/fit_startup_gpu.json "$RESULTS/learning"
+      # the same with a bytecode cache, which the first run writes: the later runs import as an installed
+      # environment does (bench_fit.fit_environment); fit's runs share the cache
+      run fit_startup_pycache 300 python3 benchmarks/fit_startup.py --out /tmp/fit_startup --config configs/gpu.yaml \
+        --runs 3 --pycache "$PYCACHE" --label gpu_pycache
+      keep /tmp/fit_startup/fit_startup_gpu_pycache.json "$RESULTS/learning" ;;
     collapse_recovery)
       run bench_collapse_recovery 560 python3 benchmarks/bench_collapse_recovery.py \
         --out "$RESULTS/collapse_recovery" --seeds 1 3 ;;

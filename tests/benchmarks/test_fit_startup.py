@@ -51,8 +51,9 @@ def test_bad_options_are_refused_by_name(tmp_path, options, message, capsys):
 @pytest.mark.slow  # one train.py process
 def test_a_train_py_run_records_every_mark_in_order_and_its_imports(tmp_path):
     tiny = ["--arg=--model.env.num_envs=4", "--arg=--model.network.hidden_size=8", "--arg=--model.env.rollout_length=4"]
+    pycache = tmp_path / "pycache"
     assert fit_startup.main(["--out", str(tmp_path), "--config", "configs/default.yaml", "--runs", "1",
-                             "--steps", "12", *tiny]) == 0  # fmt: skip
+                             "--steps", "12", "--pycache", str(pycache), *tiny]) == 0  # fmt: skip
     (run,) = json.loads((tmp_path / "fit_startup_default.json").read_text())["runs"]
     assert run["returncode"] == 0
     names = ["cli_parsed", "setup", "train_start", "step_1", "step_10", "step_12", "exited"]
@@ -62,3 +63,5 @@ def test_a_train_py_run_records_every_mark_in_order_and_its_imports(tmp_path):
     assert run["ms_per_step"] == pytest.approx((seconds[5] - seconds[4]) * 1000 / 2, abs=1e-3)
     # the report is Python's: lightning.pytorch is imported before the CLI can parse anything
     assert 0 < run["watched"]["lightning.pytorch"] <= run["imports_s"] < seconds[0]
+    # the run wrote its bytecode under --pycache (the plugin's own modules among it), not beside the sources
+    assert list(pycache.rglob("deepep_lightning/deepep/module.*.pyc"))
