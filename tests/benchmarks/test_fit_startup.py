@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,12 +49,23 @@ def test_bad_options_are_refused_by_name(tmp_path, options, message, capsys):
     assert not list(tmp_path.iterdir())  # nothing ran
 
 
+def test_a_bytecode_cache_is_a_writable_prefix_and_the_repository_leads_the_path(tmp_path, monkeypatch):
+    from bench_fit import fit_environment
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    env = fit_environment(str(tmp_path / "cache"), REPO / "benchmarks")
+    assert env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "cache") and "PYTHONDONTWRITEBYTECODE" not in env
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), str(REPO / "benchmarks"), "/elsewhere"]
+    plain = fit_environment(None)  # no cache: the caller's bytecode settings stand
+    assert "PYTHONPYCACHEPREFIX" not in plain and plain["PYTHONDONTWRITEBYTECODE"] == "1"
+
+
 @pytest.mark.slow  # one train.py process
 def test_a_train_py_run_records_every_mark_in_order_and_its_imports(tmp_path):
     tiny = ["--arg=--model.env.num_envs=4", "--arg=--model.network.hidden_size=8", "--arg=--model.env.rollout_length=4"]
-    pycache = tmp_path / "pycache"
     assert fit_startup.main(["--out", str(tmp_path), "--config", "configs/default.yaml", "--runs", "1",
-                             "--steps", "12", "--pycache", str(pycache), *tiny]) == 0  # fmt: skip
+                             "--steps", "12", *tiny]) == 0  # fmt: skip
     (run,) = json.loads((tmp_path / "fit_startup_default.json").read_text())["runs"]
     assert run["returncode"] == 0
     names = ["cli_parsed", "setup", "train_start", "step_1", "step_10", "step_12", "exited"]
@@ -63,5 +75,3 @@ def test_a_train_py_run_records_every_mark_in_order_and_its_imports(tmp_path):
     assert run["ms_per_step"] == pytest.approx((seconds[5] - seconds[4]) * 1000 / 2, abs=1e-3)
     # the report is Python's: lightning.pytorch is imported before the CLI can parse anything
     assert 0 < run["watched"]["lightning.pytorch"] <= run["imports_s"] < seconds[0]
-    # the run wrote its bytecode under --pycache (the plugin's own modules among it), not beside the sources
-    assert list(pycache.rglob("deepep_lightning/deepep/module.*.pyc"))
