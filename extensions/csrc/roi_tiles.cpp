@@ -20,6 +20,7 @@
 #include "roi_tiles.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -105,11 +106,17 @@ void tiles_cpu(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::
   });
 }
 
+at::Tensor empty_cpu(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
+  return at::detail::empty_cpu(sizes, dtype, /*pin_memory=*/false, std::nullopt);
+}
+
+const Launches kCpuLaunches{&tiles_cpu, &empty_cpu};
+
 at::Tensor roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
                                  double spatial_scale, int64_t batch_size, int64_t channels, int64_t height,
                                  int64_t width) {
   TORCH_CHECK(grad.is_cpu(), "roi_pool_backward_cpu: grad must be a CPU tensor, got ", grad.device());
-  return backward_with(&tiles_cpu, Op::kRoiPool, grad, rois, argmax, spatial_scale, pooled_size(grad, 2),
+  return backward_with(kCpuLaunches, Op::kRoiPool, grad, rois, argmax, spatial_scale, pooled_size(grad, 2),
                        pooled_size(grad, 3), 0, batch_size, channels, height, width);
 }
 
@@ -117,7 +124,7 @@ at::Tensor ps_roi_pool_backward_cpu(const at::Tensor& grad, const at::Tensor& ro
                                     int64_t pooled_height, int64_t pooled_width, int64_t batch_size, int64_t channels,
                                     int64_t height, int64_t width) {
   TORCH_CHECK(grad.is_cpu(), "ps_roi_pool_backward_cpu: grad must be a CPU tensor, got ", grad.device());
-  return backward_with(&tiles_cpu, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
+  return backward_with(kCpuLaunches, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
                        pooled_width, 0, batch_size, channels, height, width);
 }
 
@@ -126,22 +133,22 @@ at::Tensor ps_roi_align_backward_cpu(const at::Tensor& grad, const at::Tensor& r
                                      int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height,
                                      int64_t width) {
   TORCH_CHECK(grad.is_cpu(), "ps_roi_align_backward_cpu: grad must be a CPU tensor, got ", grad.device());
-  return backward_with(&tiles_cpu, Op::kPsRoiAlign, grad, rois, at::Tensor(), spatial_scale, pooled_height,
+  return backward_with(kCpuLaunches, Op::kPsRoiAlign, grad, rois, at::Tensor(), spatial_scale, pooled_height,
                        pooled_width, sampling_ratio, batch_size, channels, height, width);
 }
 
 }  // namespace
 
-at::Tensor backward_with(TilesLaunch launch, Op op, const at::Tensor& grad, const at::Tensor& rois,
+at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad, const at::Tensor& rois,
                          const at::Tensor& argmax, double spatial_scale, int64_t pooled_height, int64_t pooled_width,
                          int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height, int64_t width) {
   check_args(op, grad, rois, argmax, pooled_height, pooled_width, batch_size, channels, height, width);
   const int64_t planes = op == Op::kRoiPool ? 1 : pooled_height * pooled_width;
   const Shape shape = items_for({grad.size(0), batch_size, grad.size(1), planes, height, width, pooled_height,
                                   pooled_width, sampling_ratio, spatial_scale, kChannels});
-  at::Tensor out = at::empty({batch_size, channels, height, width}, grad.options());
+  at::Tensor out = launches.empty({batch_size, channels, height, width}, grad.scalar_type(), grad.device());
   if (item_count(shape) > 0) {
-    launch(op, grad.contiguous(), rois.contiguous(), op == Op::kRoiPool ? argmax.contiguous() : argmax, shape, out);
+    launches.tiles(op, grad.contiguous(), rois.contiguous(), op == Op::kRoiPool ? argmax.contiguous() : argmax, shape, out);
   }
   return out;
 }

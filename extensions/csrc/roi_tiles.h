@@ -384,17 +384,20 @@ struct PsRoiAlignOp {
   }
 };
 
-// The device's loop over the items (roi_tiles.cpp, cuda/roi_tiles.cu): grad [K, C_out, PH, PW], rois [K, 5] and
-// argmax (roi_pool: int32 of grad's shape; else undefined) contiguous, out [N, C_out * planes, H, W] written
-// whole.
 enum class Op { kRoiPool, kPsRoiPool, kPsRoiAlign };
-using TilesLaunch = void (*)(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
-                             const Shape& shape, at::Tensor& out);
-void tiles_cuda(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax, const Shape& shape,
-                at::Tensor& out);
 
-// Checks the arguments (naming the op) and runs the launch into a new grad_input.
-at::Tensor backward_with(TilesLaunch launch, Op op, const at::Tensor& grad, const at::Tensor& rois,
+// What a device supplies (roi_tiles.cpp, cuda/roi_tiles.cu).
+struct Launches {
+  // The loop over the items: grad [K, C_out, PH, PW], rois [K, 5] and argmax (roi_pool: int32 of grad's shape;
+  // else undefined) contiguous, out [N, C_out * planes, H, W] written whole.
+  void (*tiles)(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax, const Shape& shape,
+                at::Tensor& out);
+  // An uninitialised tensor: at::empty would fill it first in deterministic mode, and every element is written.
+  at::Tensor (*empty)(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device);
+};
+
+// Checks the arguments (naming the op) and runs the device's loop into a new grad_input.
+at::Tensor backward_with(const Launches& launches, Op op, const at::Tensor& grad, const at::Tensor& rois,
                          const at::Tensor& argmax, double spatial_scale, int64_t pooled_height, int64_t pooled_width,
                          int64_t sampling_ratio, int64_t batch_size, int64_t channels, int64_t height, int64_t width);
 

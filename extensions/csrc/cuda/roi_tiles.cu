@@ -11,6 +11,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
@@ -69,34 +70,6 @@ __global__ void __launch_bounds__(kTilePixels)
   }
 }
 
-at::Tensor roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
-                                  double spatial_scale, int64_t batch_size, int64_t channels, int64_t height,
-                                  int64_t width) {
-  TORCH_CHECK(grad.is_cuda(), "roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
-  const c10::cuda::CUDAGuard device_guard(grad.device());
-  return backward_with(&tiles_cuda, Op::kRoiPool, grad, rois, argmax, spatial_scale, pooled_size(grad, 2),
-                       pooled_size(grad, 3), 0, batch_size, channels, height, width);
-}
-
-at::Tensor ps_roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
-                                     int64_t pooled_height, int64_t pooled_width, int64_t batch_size,
-                                     int64_t channels, int64_t height, int64_t width) {
-  TORCH_CHECK(grad.is_cuda(), "ps_roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
-  const c10::cuda::CUDAGuard device_guard(grad.device());
-  return backward_with(&tiles_cuda, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
-                       pooled_width, 0, batch_size, channels, height, width);
-}
-
-at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& rois,
-                                      const at::Tensor& channel_mapping, double spatial_scale, int64_t pooled_height,
-                                      int64_t pooled_width, int64_t sampling_ratio, int64_t batch_size,
-                                      int64_t channels, int64_t height, int64_t width) {
-  TORCH_CHECK(grad.is_cuda(), "ps_roi_align_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
-  const c10::cuda::CUDAGuard device_guard(grad.device());
-  return backward_with(&tiles_cuda, Op::kPsRoiAlign, grad, rois, at::Tensor(), spatial_scale, pooled_height,
-                       pooled_width, sampling_ratio, batch_size, channels, height, width);
-}
-
 template <typename OpT, typename scalar_t>
 void launch(const OpT& op, const Shape& shape, int64_t items, at::Tensor& out) {
   tiles_kernel<OpT, scalar_t, at::opmath_type<scalar_t>>
@@ -104,8 +77,6 @@ void launch(const OpT& op, const Shape& shape, int64_t items, at::Tensor& out) {
           op, shape, items, out.data_ptr<scalar_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
-
-}  // namespace
 
 void tiles_cuda(Op op, const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax, const Shape& shape,
                 at::Tensor& out) {
@@ -124,6 +95,42 @@ void tiles_cuda(Op op, const at::Tensor& grad, const at::Tensor& rois, const at:
     }
   });
 }
+
+at::Tensor empty_cuda(at::IntArrayRef sizes, at::ScalarType dtype, at::Device device) {
+  return at::Tensor(at::detail::empty_cuda(sizes, dtype, device, std::nullopt));
+}
+
+const Launches kCudaLaunches{&tiles_cuda, &empty_cuda};
+
+at::Tensor roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, const at::Tensor& argmax,
+                                  double spatial_scale, int64_t batch_size, int64_t channels, int64_t height,
+                                  int64_t width) {
+  TORCH_CHECK(grad.is_cuda(), "roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
+  const c10::cuda::CUDAGuard device_guard(grad.device());
+  return backward_with(kCudaLaunches, Op::kRoiPool, grad, rois, argmax, spatial_scale, pooled_size(grad, 2),
+                       pooled_size(grad, 3), 0, batch_size, channels, height, width);
+}
+
+at::Tensor ps_roi_pool_backward_cuda(const at::Tensor& grad, const at::Tensor& rois, double spatial_scale,
+                                     int64_t pooled_height, int64_t pooled_width, int64_t batch_size,
+                                     int64_t channels, int64_t height, int64_t width) {
+  TORCH_CHECK(grad.is_cuda(), "ps_roi_pool_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
+  const c10::cuda::CUDAGuard device_guard(grad.device());
+  return backward_with(kCudaLaunches, Op::kPsRoiPool, grad, rois, at::Tensor(), spatial_scale, pooled_height,
+                       pooled_width, 0, batch_size, channels, height, width);
+}
+
+at::Tensor ps_roi_align_backward_cuda(const at::Tensor& grad, const at::Tensor& rois,
+                                      const at::Tensor& channel_mapping, double spatial_scale, int64_t pooled_height,
+                                      int64_t pooled_width, int64_t sampling_ratio, int64_t batch_size,
+                                      int64_t channels, int64_t height, int64_t width) {
+  TORCH_CHECK(grad.is_cuda(), "ps_roi_align_backward_cuda: grad must be a CUDA tensor, got ", grad.device());
+  const c10::cuda::CUDAGuard device_guard(grad.device());
+  return backward_with(kCudaLaunches, Op::kPsRoiAlign, grad, rois, at::Tensor(), spatial_scale, pooled_height,
+                       pooled_width, sampling_ratio, batch_size, channels, height, width);
+}
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(deepep_lightning, CUDA, m) {
   m.impl("roi_pool_backward", &roi_pool_backward_cuda);
