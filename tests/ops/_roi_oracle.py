@@ -1,8 +1,10 @@
-"""A pure-PyTorch float64 oracle of torchvision's ``roi_align`` backward, shared by the CPU and GPU tests.
+"""Pure-PyTorch float64 oracles of torchvision's RoI backwards, shared by the CPU and GPU tests.
 
-It follows torchvision's CUDA kernel (``roi_align_backward_kernel_impl`` and
+The ``roi_align`` oracle follows torchvision's CUDA kernel (``roi_align_backward_kernel_impl`` and
 ``bilinear_interpolate_gradient``) RoI by RoI, with tensors per RoI, and adds with ``index_add_`` on the
-CPU (a sequential loop): slow, exact in float64, independent of the kernel under test.
+CPU (a sequential loop): slow, exact in float64, independent of the kernel under test. ``roi_pool``'s is the
+definition of a max pooling's backward (each bin's gradient at its argmax); ``ps_roi_pool``'s adds each bin's
+gradient over its area to every pixel of the bin's rectangle, with torchvision's bin formulas.
 """
 
 import math
@@ -44,6 +46,8 @@ def roi_align_backward_oracle(
     offset = 0.5 if aligned else 0.0
     for k in range(rois.shape[0]):
         batch = int(rois[k, 0])
+        if not 0 <= batch < batch_size:  # a box of no image of the batch adds nothing
+            continue
         start_w, start_h, end_w, end_h = (float(v) * spatial_scale - offset for v in rois[k, 1:])
         roi_w, roi_h = end_w - start_w, end_h - start_h
         if not aligned:
@@ -111,6 +115,66 @@ def ps_roi_align_backward_oracle(
             True,
         )
     return out.view(batch_size, channels, height, width)
+
+
+def roi_pool_backward_oracle(
+    grad: Tensor, rois: Tensor, argmax: Tensor, batch_size: int, channels: int, height: int, width: int
+) -> Tensor:
+    """``[N, C, H, W]`` float64 gradient of ``roi_pool``'s input: ``grad[k, c, ph, pw]`` at ``argmax[k, c, ph, pw]``
+    of plane (batch index of RoI ``k``, ``c``); empty bins (-1) and RoIs of no image of the batch add nothing."""
+    out = torch.zeros(batch_size * channels * height * width, dtype=torch.float64)
+    grad, argmax = grad.detach().double().cpu(), argmax.cpu().long()
+    for k, image in enumerate(rois[:, 0].cpu().tolist()):
+        n = int(image)
+        if not 0 <= n < batch_size:
+            continue
+        planes = (n * channels + torch.arange(channels))[:, None, None] * (height * width)
+        kept = argmax[k] >= 0
+        out.index_add_(0, (planes + argmax[k])[kept], grad[k][kept])
+    return out.view(batch_size, channels, height, width)
+
+
+def ps_roi_pool_backward_oracle(
+    grad: Tensor,
+    rois: Tensor,
+    spatial_scale: float,
+    pooled_height: int,
+    pooled_width: int,
+    batch_size: int,
+    channels: int,
+    height: int,
+    width: int,
+) -> Tensor:
+    """``[N, C, H, W]`` float64 gradient of ``ps_roi_pool``'s input: bin ``b`` of output channel ``c`` adds
+    ``grad / area`` to every pixel of its rectangle in input channel ``c * PH * PW + b`` (torchvision's formulas:
+    C's ``roundf`` of the scaled box in float32, extents at least 1, bins ``[floor(p * bin), ceil((p + 1) * bin))``
+    offset and clipped to the map)."""
+    bins = pooled_height * pooled_width
+    out = torch.zeros(batch_size, channels, height, width, dtype=torch.float64)
+    grad = grad.detach().double().cpu()
+
+    def round_half_away(value: float) -> int:
+        value = float(torch.tensor(value, dtype=torch.float32))  # roundf's argument is a float
+        return int(math.copysign(math.floor(abs(value) + 0.5), value))
+
+    for k, roi in enumerate(rois.detach().cpu().tolist()):
+        n = int(roi[0])
+        if not 0 <= n < batch_size:
+            continue
+        x1, y1, x2, y2 = (round_half_away(v * spatial_scale) for v in roi[1:])
+        bin_h, bin_w = max(y2 - y1, 1) / pooled_height, max(x2 - x1, 1) / pooled_width
+        for ph in range(pooled_height):
+            h0 = min(max(math.floor(ph * bin_h) + y1, 0), height)
+            h1 = min(max(math.ceil((ph + 1) * bin_h) + y1, 0), height)
+            for pw in range(pooled_width):
+                w0 = min(max(math.floor(pw * bin_w) + x1, 0), width)
+                w1 = min(max(math.ceil((pw + 1) * bin_w) + x1, 0), width)
+                if h1 <= h0 or w1 <= w0:
+                    continue
+                b = ph * pooled_width + pw
+                values = grad[k, :, ph, pw] / ((h1 - h0) * (w1 - w0))  # [C_out]
+                out[n, b::bins, h0:h1, w0:w1] += values[:, None, None]
+    return out
 
 
 def deform_conv2d_oracle(

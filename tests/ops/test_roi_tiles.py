@@ -18,6 +18,11 @@ pytest.importorskip("torchvision")
 import torchvision.ops  # noqa: E402, F401 - registers torchvision's ops
 
 from deepep_lightning.ops import extension_available, ps_roi_align, ps_roi_pool, roi_pool  # noqa: E402, F401 - fakes
+from tests.ops._roi_oracle import (  # noqa: E402
+    ps_roi_align_backward_oracle,
+    ps_roi_pool_backward_oracle,
+    roi_pool_backward_oracle,
+)
 
 pytestmark = pytest.mark.skipif(not extension_available(), reason="deepep_lightning extension not buildable here")
 
@@ -100,6 +105,26 @@ def test_gives_torchvision_cpu_kernels_bits(op, dtype, channels_out):
     # negative control: the same terms in another order give other bits
     order = torch.arange(case["grad"].shape[0] - 1, -1, -1)
     assert not torch.equal(_torchvision(op, case, rows=order), expected)
+
+
+def _oracle(op, case):
+    grad, rois, shape = case["grad"], case["rois"], case["shape"]
+    if op == "roi_pool":
+        return roi_pool_backward_oracle(grad, rois, case["mapping"], *shape)
+    if op in SAMPLING:
+        return ps_roi_align_backward_oracle(grad, rois, 0.25, POOLED, POOLED, SAMPLING[op], *shape)
+    return ps_roi_pool_backward_oracle(grad, rois, 0.25, POOLED, POOLED, *shape)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_float64_equals_the_pure_pytorch_oracle(op):
+    case = _case(op, torch.float64, rois=120, channels_out=3)
+    rois = case["rois"].clone()
+    rois[::7, 0] = 2.0  # boxes of no image of the batch add nothing
+    case = {**case, "rois": rois}
+    expected = _oracle(op, case)
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(_ours(op, case), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("op", OPS)
