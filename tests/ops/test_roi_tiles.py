@@ -65,33 +65,30 @@ def _case(
     }
 
 
-def _run(namespace, op, case, grad=None, rois=None, rows=None):
-    """The backward of ``namespace`` on ``case``, or on its RoIs ``rows`` (an index), or with other grad/rois."""
+def _arguments(case, grad, rois, rows):
+    """``case``'s tensors, or those of its RoIs ``rows`` (an index), or another grad/rois."""
     if rows is not None:
         case = {**case, "grad": case["grad"][rows], "rois": case["rois"][rows], "mapping": case["mapping"][rows]}
-    grad = case["grad"] if grad is None else grad
-    rois = case["rois"] if rois is None else rois
-    if op in SAMPLING:
-        backward = getattr(
-            namespace, "_ps_roi_align_backward" if namespace is torch.ops.torchvision else "ps_roi_align_backward"
-        )
-        return backward(grad, rois, case["mapping"], 0.25, POOLED, POOLED, SAMPLING[op], *case["shape"])
+    return (case["grad"] if grad is None else grad), (case["rois"] if rois is None else rois), case["mapping"]
+
+
+def _ours(op, case, grad=None, rois=None, rows=None):
+    grad, rois, mapping = _arguments(case, grad, rois, rows)
+    ops = torch.ops.deepep_lightning
     if op == "roi_pool":
-        backward = namespace._roi_pool_backward if namespace is torch.ops.torchvision else None
-        if backward is not None:
-            return backward(grad, rois, case["mapping"], 0.25, POOLED, POOLED, *case["shape"])
-        return namespace.roi_pool_backward(grad, rois, case["mapping"], 0.25, *case["shape"])
-    if namespace is torch.ops.torchvision:
-        return namespace._ps_roi_pool_backward(grad, rois, case["mapping"], 0.25, POOLED, POOLED, *case["shape"])
-    return namespace.ps_roi_pool_backward(grad, rois, 0.25, POOLED, POOLED, *case["shape"])
+        return ops.roi_pool_backward(grad, rois, mapping, 0.25, *case["shape"])
+    if op in SAMPLING:
+        return ops.ps_roi_align_backward(grad, rois, mapping, 0.25, POOLED, POOLED, SAMPLING[op], *case["shape"])
+    return ops.ps_roi_pool_backward(grad, rois, 0.25, POOLED, POOLED, *case["shape"])
 
 
-def _ours(op, case, **kwargs):
-    return _run(torch.ops.deepep_lightning, op, case, **kwargs)
-
-
-def _torchvision(op, case, **kwargs):
-    return _run(torch.ops.torchvision, op, case, **kwargs)
+def _torchvision(op, case, grad=None, rois=None, rows=None):
+    grad, rois, mapping = _arguments(case, grad, rois, rows)
+    ops = torch.ops.torchvision
+    if op in SAMPLING:
+        return ops._ps_roi_align_backward(grad, rois, mapping, 0.25, POOLED, POOLED, SAMPLING[op], *case["shape"])
+    backward = ops._roi_pool_backward if op == "roi_pool" else ops._ps_roi_pool_backward
+    return backward(grad, rois, mapping, 0.25, POOLED, POOLED, *case["shape"])
 
 
 @pytest.mark.parametrize("op", OPS)
