@@ -4,7 +4,7 @@ Inputs of an R-FCN head at FPN level P4 (2 images of 50 x 84, 63 channels = 7 x 
 4-304 px at scale 1/8), float32 and float64. For each pair of backwards (torchvision CPU/CUDA, routed CPU/CUDA,
 torchvision/routed on each device) the largest difference and the share of elements differing by more than
 1e-4. The routed backward is called as ``ps_roi_pool_backward``, the function the route serves: the tile
-gather of ``extensions/csrc/ps_roi_tiles.h``.
+gather of ``extensions/csrc/roi_tiles.h``.
 Writes JSON::
 
     PYTHONPATH=$PWD python benchmarks/ps_roi_pool_agreement.py \

@@ -4,11 +4,11 @@ torchvision's CUDA ``_ps_roi_align_backward`` adds into ``grad_input`` with floa
 deterministic mode. Its bins are sampled as ``roi_align``'s with ``aligned=True`` (the kernels share the
 formulas), and bin ``b`` of output channel ``c`` reads input channel ``c * PH * PW + b`` (the forward's
 ``channel_mapping`` always holds that). ``torch.ops.deepep_lightning.ps_roi_align_backward``
-(``extensions/csrc/ps_roi_tiles.h``) writes every ``grad_input`` element once: a tile of pixels of one bin's
+(``extensions/csrc/roi_tiles.h``) writes every ``grad_input`` element once: a tile of pixels of one bin's
 plane lists, in RoI order, the bins whose samples' bilinear corners can reach it, and each pixel sums
 ``grad * w / count`` over the corners that land on it in torchvision's CPU order (RoI, sample, corner), whose
-float32 bits it gives. No atomics, no host synchronisation (CUDA-graph capturable), the same bits on the CPU
-and CUDA.
+float32 and float64 bits it gives. No atomics, no host synchronisation (CUDA-graph capturable), the same bits
+on the CPU and CUDA.
 
 Covered: float16/bfloat16/float32/float64 (16-bit terms summed in float, rounded once), every
 ``sampling_ratio``, empty RoI lists, non-contiguous gradients. Without torchvision nothing is registered.

@@ -5,12 +5,12 @@ rectangle with float ``atomicAdd`` and refuses deterministic mode. The rectangle
 alone, and bin ``b`` of output channel ``c`` feeds input channel ``c * PH * PW + b`` (the forward's
 ``channel_mapping`` always holds that).
 
-``torch.ops.deepep_lightning.ps_roi_pool_backward`` (``extensions/csrc/ps_roi_tiles.h``) writes every
+``torch.ops.deepep_lightning.ps_roi_pool_backward`` (``extensions/csrc/roi_tiles.h``) writes every
 ``grad_input`` element once: a tile of pixels of one bin's plane lists, in RoI order, the bins whose rectangle
 (torchvision's formulas: ``roundf`` of the scaled box, bins ``[floor(ph * bin_h), ceil((ph + 1) * bin_h))``
 offset and clipped to ``[0, H]``) reaches it, and each pixel sums its terms in that order, the order of
-torchvision's CPU kernel, whose float32 bits it gives. No atomics, no host synchronisation (it runs inside
-CUDA-graph capture), the same bits on the CPU and CUDA.
+torchvision's CPU kernel, whose float32 and float64 bits it gives. No atomics, no host synchronisation (it runs
+inside CUDA-graph capture), the same bits on the CPU and CUDA.
 
 Covered: float16/bfloat16/float32/float64 (16-bit terms summed in float, rounded once), empty RoI lists,
 non-contiguous gradients. Without torchvision nothing is registered.
